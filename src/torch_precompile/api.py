@@ -1,0 +1,116 @@
+"""The public entry point: the process-wide ``precompile`` object."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch_precompile import runtime
+from torch_precompile.artifact import envelope
+from torch_precompile.artifact.render import render
+from torch_precompile.capture import capture
+from torch_precompile.errors import PrecompileError
+from torch_precompile.lower import LoweredGraph
+
+BACKENDS = ("inductor", "eager")
+TRACERS = ("make_fx", "dynamo")
+
+# Tracing reparametrizes the caller's modules and swaps their .grad fields, and lowering drives
+# process-global compiler state: one capture at a time. Reentrant so that fn may itself call
+# precompile; recreated in a forked child, where a holder thread no longer exists.
+_lock = threading.RLock()
+
+
+def _reset_lock() -> None:
+    global _lock
+    _lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_reset_lock)
+
+
+class Precompile:
+    """Precompile a whole PyTorch computation ahead of time; load it back in any process.
+
+    ``python_code, cache = precompile(fn, *example_inputs)`` traces ``fn`` once on the example
+    arguments (``nn.Module`` arguments are models, passed again at every call; the rest are
+    runtime inputs) and returns a self-contained Python source plus cache bytes.
+    ``precompile.load(python_code, cache)`` returns a callable taking the same arguments.
+
+    Args:
+        fn: the whole computation, e.g. ``lambda m, x: m(x)`` or a training step that calls
+            ``loss.backward()`` (gradients then land on the runtime model's ``.grad``).
+        example_inputs: positional arguments for one call of ``fn``.
+        backend: ``"inductor"`` (compiled kernels) or ``"eager"`` (the captured ATen graph).
+        tracer: ``"make_fx"``; ``"dynamo"`` is not implemented yet.
+        decompositions: optional ``{OpOverload: fn}`` table applied while tracing.
+    """
+
+    PrecompileError = PrecompileError
+    __name__ = __qualname__ = "precompile"
+
+    def __call__(
+        self,
+        fn: Callable[..., Any],
+        *example_inputs: Any,
+        backend: str = "inductor",
+        tracer: str = "make_fx",
+        decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+    ) -> tuple[str, bytes]:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+        if tracer not in TRACERS:
+            raise ValueError(f"tracer must be one of {TRACERS}, got {tracer!r}.")
+        if tracer == "dynamo":
+            raise NotImplementedError(
+                "tracer='dynamo' is not implemented yet; use tracer='make_fx' (the default)."
+            )
+        if not callable(fn):
+            raise PrecompileError(f"fn must be callable, got {type(fn).__name__}.")
+        if decompositions is not None and not isinstance(decompositions, Mapping):
+            raise PrecompileError(
+                "decompositions must be a mapping {OpOverload: function} or None, got "
+                f"{type(decompositions).__name__}."
+            )
+        with _lock:
+            captured = capture(fn, example_inputs, backend, decompositions)
+            lowered = _lower(captured, backend)
+            python_code = render(captured.convention, lowered)
+        return python_code, envelope.pack(backend, python_code, lowered.acceleration)
+
+    def load(self, python_code: str, cache: bytes | None) -> runtime.LoadedArtifact:
+        """Load an artifact pair from ``precompile()``: check it, then execute ``python_code``.
+
+        ``cache`` may be None (or unusable, with a warning): the artifact then builds its
+        kernels on first use. A cache from another ``precompile()`` call is refused.
+        """
+        return runtime.load(python_code, cache)
+
+    def __repr__(self) -> str:
+        return "torch_precompile.precompile"
+
+    def __reduce__(self) -> str:
+        return "precompile"
+
+    def __copy__(self) -> Precompile:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Precompile:
+        return self
+
+
+def _lower(captured: Any, backend: str) -> LoweredGraph:
+    if backend == "eager":
+        from torch_precompile.lower.eager import lower_eager
+
+        return lower_eager(captured)
+    raise NotImplementedError(
+        "backend='inductor' is not available in this version; use backend='eager'."
+    )
+
+
+Precompile.__module__ = "torch_precompile"
+precompile = Precompile()
+precompile.__doc__ = Precompile.__doc__

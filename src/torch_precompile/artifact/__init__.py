@@ -1,0 +1,1 @@
+"""Stage 3: the artifact pair, ``python_code`` (source) and ``cache`` (acceleration bytes)."""

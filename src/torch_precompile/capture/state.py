@@ -1,0 +1,60 @@
+"""Model state lifted to graph inputs: parameters and buffers of every module argument."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Parameters then buffers of all module arguments, interned by tensor identity.
+
+    ``tensors`` holds each distinct tensor once (tied weights are one graph input and get one
+    gradient); ``tied_names`` maps every further name of an already-seen tensor to its first
+    name; ``bindings[i]`` maps module ``i``'s local names to indices into ``tensors``.
+    """
+
+    tensors: list[torch.Tensor]
+    param_names: list[str]
+    buffer_names: list[str]
+    tied_names: dict[str, str]
+    bindings: list[dict[str, int]]
+
+    @property
+    def num_params(self) -> int:
+        return len(self.param_names)
+
+
+def intern_model_state(modules: list[torch.nn.Module]) -> ModelState:
+    """Walk ``modules`` in the order the driver repeats at every call."""
+    qualify = len(modules) > 1
+    tensors: list[torch.Tensor] = []
+    index_of: dict[int, int] = {}
+    names: dict[str, list[str]] = {"parameter": [], "buffer": []}
+    tied: dict[str, str] = {}
+    bindings: list[dict[str, int]] = [{} for _ in modules]
+    for kind in ("parameter", "buffer"):
+        for mi, module in enumerate(modules):
+            members = (
+                module.named_parameters(remove_duplicate=False)
+                if kind == "parameter"
+                else module.named_buffers(remove_duplicate=False)
+            )
+            for local, tensor in members:
+                name = f"m{mi}.{local}" if qualify else local
+                index = index_of.get(id(tensor))
+                if index is None:
+                    index = index_of[id(tensor)] = len(tensors)
+                    tensors.append(tensor)
+                    names[kind].append(name)
+                else:
+                    tied[name] = _name_at(index, names)
+                bindings[mi][local] = index
+    return ModelState(tensors, names["parameter"], names["buffer"], tied, bindings)
+
+
+def _name_at(index: int, names: dict[str, list[str]]) -> str:
+    params = names["parameter"]
+    return params[index] if index < len(params) else names["buffer"][index - len(params)]

@@ -1,0 +1,212 @@
+"""Capture: one non-strict ``make_fx`` trace of ``fn`` with the model state lifted to inputs."""
+
+from __future__ import annotations
+
+import contextlib
+import keyword
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+
+from torch_precompile.capture import checks
+from torch_precompile.capture.guards import GuardRecorder
+from torch_precompile.capture.inputs import arg_names_of, encode_value, flatten_user_inputs
+from torch_precompile.capture.state import ModelState, intern_model_state
+from torch_precompile.convention import CallingConvention
+from torch_precompile.errors import PrecompileError
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A captured computation: its graph and the calling convention around it.
+
+    ``graph`` takes the flat inputs of ``convention`` followed by ``literals`` (tensors the
+    artifact rebuilds from source) and returns a list: result leaves, then gradients.
+    ``example_inputs`` are the flat example tensors it was traced with.
+    """
+
+    graph: torch.fx.GraphModule
+    literals: list[torch.Tensor]
+    convention: CallingConvention
+    example_inputs: list[torch.Tensor]
+
+
+def capture(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    backend: str,
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+) -> Capture:
+    """Trace ``fn(*args)`` once; lift module state; harvest gradients; enforce invariants."""
+    arg_names = arg_names_of(fn, len(args))
+    module_positions = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
+    modules: list[torch.nn.Module] = [args[i] for i in module_positions]
+    state = intern_model_state(modules)
+    input_positions = [i for i in range(len(args)) if i not in module_positions]
+    inputs = flatten_user_inputs(
+        tuple(args[i] for i in input_positions), [arg_names[i] for i in input_positions]
+    )
+    tensor_positions = inputs.tensor_positions
+    num_state, num_params = len(state.tensors), state.num_params
+    # Parameters are traced as themselves (a backward writes their .grad, which is restored
+    # below); buffers and input tensors are traced as copies, so that mutations fn makes while
+    # being traced (BatchNorm statistics, in-place input updates) never touch the caller's.
+    examples = [
+        *state.tensors[:num_params],
+        *(_copy(t) for t in state.tensors[num_params:]),
+        *(_copy(inputs.leaves[i]) for i in tensor_positions),
+    ]
+    outputs: dict[str, Any] = {}
+    recorder = GuardRecorder()
+
+    def flat_fn(*flat: torch.Tensor) -> list[Any]:
+        leaves = list(inputs.leaves)
+        for position, tensor in zip(tensor_positions, flat[num_state:], strict=True):
+            leaves[position] = tensor
+        user_args = iter(pytree.tree_unflatten(leaves, inputs.spec))
+        call_args = [a if i in module_positions else next(user_args) for i, a in enumerate(args)]
+        with contextlib.ExitStack() as stack:
+            for module, binding in zip(modules, state.bindings, strict=True):
+                reparam = {name: flat[index] for name, index in binding.items()}
+                stack.enter_context(_reparametrize_module(module, reparam, tie_weights=True))
+            with recorder:
+                result = fn(*call_args)
+        _reject_stray_gradients(state, flat, num_params)
+        result_leaves, out_spec = pytree.tree_flatten(result)
+        checks.check_result_leaves(result_leaves)
+        grads = [(i, p.grad) for i, p in enumerate(flat[:num_params]) if p.grad is not None]
+        outputs.update(spec=out_spec, grad_indices=[i for i, _ in grads])
+        return [*result_leaves, *(g for _, g in grads), *(g.tensor for g in recorder.guards)]
+
+    saved_grads = [p.grad for p in state.tensors[:num_params]]
+    try:
+        for p in state.tensors[:num_params]:
+            p.grad = None
+        with torch.enable_grad(), _fork_rng(examples):
+            gm = make_fx(
+                flat_fn, decomposition_table=decompositions, _error_on_data_dependent_ops=False
+            )(*examples)
+    finally:
+        for p, grad in zip(state.tensors[:num_params], saved_grads, strict=True):
+            p.grad = grad
+
+    checks.reject_control_flow(gm)
+    checks.reject_effects(gm)
+    literals = checks.lift_literals(
+        gm, checks.origin_finder(fn, [(arg_names[i], args[i]) for i in module_positions])
+    )
+    _name_placeholders(gm, state, [inputs.names[i] for i in tensor_positions])
+    convention = CallingConvention(
+        backend=backend,
+        num_positional_args=len(args),
+        arg_names=arg_names,
+        module_positions=module_positions,
+        param_names=state.param_names,
+        param_shapes=[tuple(t.shape) for t in state.tensors[:num_params]],
+        param_dtypes=[str(t.dtype) for t in state.tensors[:num_params]],
+        param_devices=[str(t.device) for t in state.tensors[:num_params]],
+        buffer_names=state.buffer_names,
+        buffer_shapes=[tuple(t.shape) for t in state.tensors[num_params:]],
+        buffer_dtypes=[str(t.dtype) for t in state.tensors[num_params:]],
+        buffer_devices=[str(t.device) for t in state.tensors[num_params:]],
+        tied_names=state.tied_names,
+        grad_param_indices=outputs["grad_indices"],
+        in_spec=_dump_in_spec(inputs.spec),
+        out_spec=_dump_out_spec(outputs["spec"]),
+        user_input_names=inputs.names,
+        user_input_shapes=[_shape(leaf) for leaf in inputs.leaves],
+        user_input_dtypes=[_text(leaf, "dtype") for leaf in inputs.leaves],
+        user_input_devices=[_text(leaf, "device") for leaf in inputs.leaves],
+        user_input_bounds=[None for _ in inputs.leaves],
+        user_input_values=inputs.values,
+        value_guards=[
+            (g.description, encode_value(g.description, g.expected)) for g in recorder.guards
+        ],
+    )
+    return Capture(gm, literals, convention, examples)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        copy = t.detach().clone(memory_format=torch.preserve_format)
+    return copy.requires_grad_(t.requires_grad)
+
+
+@contextlib.contextmanager
+def _fork_rng(tensors: list[torch.Tensor]) -> Any:
+    """Run the trace without advancing the caller's random streams (dropout draws)."""
+    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        yield
+
+
+def _reject_stray_gradients(state: ModelState, flat: tuple[torch.Tensor, ...], num_params: int
+                            ) -> None:
+    for name, tensor in zip(state.buffer_names, flat[num_params : len(state.tensors)],
+                            strict=True):
+        if tensor.grad is not None:
+            raise PrecompileError(
+                f"buffer {name!r} received a gradient (it has requires_grad=True), but only "
+                "parameters get gradients from a precompiled step. Register it with "
+                "register_parameter, or make it requires_grad=False."
+            )
+    if any(t.grad is not None for t in flat[len(state.tensors):]):
+        raise PrecompileError(
+            "a runtime input received a gradient; a precompiled step only puts gradients on "
+            "model parameters, so the input's gradient would be lost. Make it a parameter of "
+            "a module argument, or return torch.autograd.grad(...) from fn instead."
+        )
+
+
+def _dump_in_spec(spec: pytree.TreeSpec) -> str | None:
+    try:
+        return pytree.treespec_dumps(spec)
+    except (NotImplementedError, TypeError):
+        return None  # the driver then checks the leaf count only
+
+
+def _dump_out_spec(spec: pytree.TreeSpec) -> str:
+    try:
+        return pytree.treespec_dumps(spec)
+    except (NotImplementedError, TypeError) as e:
+        raise PrecompileError(
+            "fn's result structure cannot be written into the artifact (its pytree spec does "
+            f"not serialize: {e}). This happens for an unregistered namedtuple; register it "
+            "with torch.utils._pytree._register_namedtuple(cls, serialized_type_name=...), or "
+            "return a tuple, list or dict."
+        ) from e
+
+
+def _shape(leaf: Any) -> tuple[int, ...] | None:
+    return tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None
+
+
+def _text(leaf: Any, attr: str) -> str | None:
+    return str(getattr(leaf, attr)) if isinstance(leaf, torch.Tensor) else None
+
+
+def _name_placeholders(gm: torch.fx.GraphModule, state: ModelState, input_names: list[str]
+                       ) -> None:
+    """Give graph inputs the names of what they hold, so the artifact reads like source."""
+    names = [
+        *("p_" + n for n in state.param_names),
+        *("b_" + n for n in state.buffer_names),
+        *("in_" + n for n in input_names),
+    ]
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    for node, name in zip(placeholders, names, strict=False):
+        node._rename(_identifier(name))
+        node.target = node.name
+    gm.recompile()
+
+
+def _identifier(text: str) -> str:
+    name = re.sub(r"\W+", "_", text).strip("_").lower() or "arg"
+    return name + "_" if keyword.iskeyword(name) else name

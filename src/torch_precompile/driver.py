@@ -1,0 +1,335 @@
+"""The runtime driver of a precompiled artifact.
+
+This module's source is copied verbatim into every artifact, after the calling-convention
+metadata, and ``bind_forward(globals(), call)`` turns that metadata into ``forward(*args)``.
+So it imports only torch and the standard library, and it must never grow a
+``from __future__`` import (the copy does not sit at the top of a file).
+
+``forward`` checks a call in a fixed order (arity, input structure, user inputs, models),
+hands the flat tensors to the compiled ``call``, re-checks the tensor values the trace
+decided on, accumulates harvested gradients onto the runtime model's ``.grad`` and rebuilds
+``fn``'s result. Every broken rule raises
+``PrecompileError`` naming the argument, what was expected and what was given.
+"""
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+
+class PrecompileError(RuntimeError):
+    """A precompile contract was broken: at capture, at load, or by a call to an artifact."""
+
+
+def bind_forward(meta: Mapping[str, Any], call: Callable[[list[Any]], list[Any]]) -> Callable:
+    """Return ``forward(*args)`` for the artifact described by ``meta`` and running ``call``."""
+    arity: int = meta["NUM_POSITIONAL_ARGS"]
+    arg_names: list[str] = meta["ARG_NAMES"]
+    module_positions: tuple[int, ...] = tuple(meta["MODULE_POSITIONS"])
+    input_positions = tuple(i for i in range(arity) if i not in module_positions)
+    in_spec = None if meta["IN_SPEC"] is None else pytree.treespec_loads(meta["IN_SPEC"])
+    out_spec = pytree.treespec_loads(meta["OUT_SPEC"])
+    leaf_checks = _leaf_checks(meta)
+    model_check = _model_check(meta, [arg_names[i] for i in module_positions])
+    grad_indices: list[int] = meta["GRAD_PARAM_INDICES"]
+    guards = meta["VALUE_GUARDS"]
+    num_results = out_spec.num_leaves
+    guards_start = num_results + len(grad_indices)
+    num_leaves = len(leaf_checks)
+    arity_text = _describe_arity(arg_names, module_positions)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise PrecompileError(
+                f"keyword arguments {sorted(kwargs)} given; a precompiled artifact takes the "
+                f"same positional arguments as the captured fn: {arity_text}."
+            )
+        if len(args) != arity:
+            raise PrecompileError(
+                f"expected {arity} positional arguments ({arity_text}), got {len(args)}."
+            )
+        user_args = tuple(args[i] for i in input_positions)
+        leaves, spec = pytree.tree_flatten(user_args)
+        if in_spec is not None:
+            if spec != in_spec:
+                raise PrecompileError(
+                    "the runtime inputs have a different structure than at capture: expected "
+                    f"{_sketch(pytree.tree_unflatten(leaf_checks, in_spec))}, got "
+                    f"{_sketch(user_args)}. Pass the same nesting of lists, tuples and dicts."
+                )
+        elif len(leaves) != num_leaves:
+            raise PrecompileError(
+                f"the runtime inputs hold {len(leaves)} leaves; the captured ones held "
+                f"{num_leaves}. Pass the same inputs as at capture."
+            )
+        flat: list[Any] = []
+        for check, leaf in zip(leaf_checks, leaves, strict=True):
+            check(leaf, flat)
+        state = model_check([args[i] for i in module_positions])
+        flat[:0] = state
+        with torch.no_grad():
+            outputs = call(flat)
+            if guards:
+                _check_guards(guards, outputs[guards_start:])
+            if grad_indices:
+                _accumulate_grads(state, grad_indices, outputs[num_results:guards_start])
+        return pytree.tree_unflatten(outputs[:num_results], out_spec)
+
+    return forward
+
+
+def _describe_arity(arg_names: Sequence[str], module_positions: Sequence[int]) -> str:
+    parts = [
+        f"{name} ({'model' if i in module_positions else 'input'})"
+        for i, name in enumerate(arg_names)
+    ]
+    return ", ".join(parts) if parts else "no arguments"
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _leaf_checks(meta: Mapping[str, Any]) -> list[Callable[[Any, list[Any]], None]]:
+    """One check per user-input leaf; a tensor check appends the tensor to the flat inputs."""
+    checks: list[Callable[[Any, list[Any]], None]] = []
+    for i, name in enumerate(meta["USER_INPUT_NAMES"]):
+        shape = meta["USER_INPUT_SHAPES"][i]
+        if shape is None:
+            checks.append(_value_check(name, meta["USER_INPUT_VALUES"][i]))
+        else:
+            checks.append(
+                _tensor_check(
+                    name,
+                    tuple(shape),
+                    _dtype(meta["USER_INPUT_DTYPES"][i]),
+                    torch.device(meta["USER_INPUT_DEVICES"][i]),
+                    meta["USER_INPUT_BOUNDS"][i] or {},
+                )
+            )
+    return checks
+
+
+class _Leaf:
+    """Stands for one captured leaf when a structure is sketched in an error message."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _sketch(tree: Any) -> str:
+    def show(leaf: Any) -> _Leaf:
+        if isinstance(leaf, torch.Tensor):
+            return _Leaf("Tensor")
+        if callable(leaf) and hasattr(leaf, "expected"):
+            return _Leaf(leaf.expected)
+        return _Leaf(repr(leaf))
+
+    text = repr(pytree.tree_map(show, tree))
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _tensor_check(
+    name: str,
+    shape: tuple[int | None, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    bounds: Mapping[int, tuple[int | None, int | None]],
+) -> Callable[[Any, list[Any]], None]:
+    static = None not in shape
+    shown = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+
+    def check(leaf: Any, flat: list[Any]) -> None:
+        if not isinstance(leaf, torch.Tensor):
+            raise PrecompileError(
+                f"input {name}: expected a tensor of shape {shown}, got {type(leaf).__name__}."
+            )
+        if static:
+            if leaf.shape != shape:
+                raise PrecompileError(
+                    f"input {name}: expected shape {shown}, got {tuple(leaf.shape)}. Shapes are "
+                    "specialized to the example; precompile again for this shape."
+                )
+        else:
+            _check_dynamic_shape(name, leaf, shape, shown, bounds)
+        if leaf.dtype != dtype:
+            raise PrecompileError(f"input {name}: expected dtype {dtype}, got {leaf.dtype}.")
+        if leaf.device != device:
+            raise PrecompileError(f"input {name}: expected device {device}, got {leaf.device}.")
+        flat.append(leaf)
+
+    check.expected = f"Tensor{shown}"  # type: ignore[attr-defined]
+    return check
+
+
+def _check_dynamic_shape(
+    name: str,
+    leaf: torch.Tensor,
+    shape: tuple[int | None, ...],
+    shown: str,
+    bounds: Mapping[int, tuple[int | None, int | None]],
+) -> None:
+    if leaf.dim() != len(shape) or any(
+        s is not None and s != got for s, got in zip(shape, leaf.shape, strict=True)
+    ):
+        raise PrecompileError(
+            f"input {name}: expected shape {shown} (* is dynamic), got {tuple(leaf.shape)}."
+        )
+    for dim, (low, high) in bounds.items():
+        size = leaf.shape[dim]
+        if (low is not None and size < low) or (high is not None and size > high):
+            raise PrecompileError(
+                f"input {name}: dim {dim} is {size}, outside the declared range "
+                f"[{low if low is not None else 0}, {high if high is not None else 'inf'}]."
+            )
+
+
+def _value_matches(encoded: Any, value: Any) -> bool:
+    kind, expected = encoded
+    if kind == "float":
+        return type(value) is float and (
+            math.isnan(value) if expected == "nan" else value == float(expected)
+        )
+    if kind == "repr":
+        return f"{type(value).__module__}.{type(value).__qualname__}" == expected[0] and (
+            repr(value) == expected[1]
+        )
+    return type(value) is type(expected) and value == expected
+
+
+def _shown(encoded: Any) -> str:
+    kind, expected = encoded
+    if kind == "repr":
+        return expected[1]
+    return repr(float(expected) if kind == "float" else expected)
+
+
+def _value_check(name: str, encoded: Any) -> Callable[[Any, list[Any]], None]:
+    """Python values are baked into the graph, so a call must pass the captured value."""
+
+    def check(leaf: Any, flat: list[Any]) -> None:
+        if not _value_matches(encoded, leaf):
+            raise PrecompileError(
+                f"input {name}: expected the value {_shown(encoded)}, got {leaf!r}. Python "
+                "values are baked into the graph at capture; precompile again for another "
+                "value, or pass it as a tensor."
+            )
+
+    check.expected = _shown(encoded)  # type: ignore[attr-defined]
+    return check
+
+
+def _check_guards(guards: Sequence[Any], tensors: Sequence[torch.Tensor]) -> None:
+    for (description, encoded), tensor in zip(guards, tensors, strict=True):
+        value = tensor.item()
+        if not _value_matches(encoded, value):
+            raise PrecompileError(
+                f"this call left the path the artifact was captured on: {description} was "
+                f"{_shown(encoded)} at capture and is {value!r} now, so the result would be "
+                "wrong and is withheld (mutations of inputs and buffers may already have "
+                "happened). Capture with an example that takes this path, or keep fn from "
+                "deciding on tensor values."
+            )
+
+
+def _model_check(meta: Mapping[str, Any], module_names: Sequence[str]) -> Callable:
+    """Return a function that checks the runtime models and lists their interned tensors."""
+    kinds = (
+        ("parameter", meta["PARAM_NAMES"], meta["PARAM_SHAPES"], meta["PARAM_DTYPES"],
+         meta["PARAM_DEVICES"]),
+        ("buffer", meta["BUFFER_NAMES"], meta["BUFFER_SHAPES"], meta["BUFFER_DTYPES"],
+         meta["BUFFER_DEVICES"]),
+    )
+    expected = [
+        (kind, name, torch.Size(shape), _dtype(dtype), torch.device(device))
+        for kind, names, shapes, dtypes, devices in kinds
+        for name, shape, dtype, device in zip(names, shapes, dtypes, devices, strict=True)
+    ]
+    tied: Mapping[str, str] = meta["TIED_NAMES"]
+    qualify = len(module_names) > 1
+
+    def walk(modules: Sequence[torch.nn.Module]) -> Any:
+        for kind, members in (
+            ("parameter", torch.nn.Module.named_parameters),
+            ("buffer", torch.nn.Module.named_buffers),
+        ):
+            for mi, module in enumerate(modules):
+                for local, tensor in members(module, remove_duplicate=False):
+                    yield kind, f"m{mi}.{local}" if qualify else local, tensor
+
+    def check(modules: Sequence[Any]) -> list[torch.Tensor]:
+        for name, module in zip(module_names, modules, strict=True):
+            if not isinstance(module, torch.nn.Module):
+                raise PrecompileError(
+                    f"argument {name} was a torch.nn.Module at capture; got "
+                    f"{type(module).__name__}. Pass the model in the same position."
+                )
+        tensors: list[torch.Tensor] = []
+        first_name: dict[int, str] = {}
+        for kind, name, tensor in walk(modules):
+            owner = first_name.get(id(tensor))
+            if name in tied:
+                if owner != tied[name]:
+                    raise PrecompileError(
+                        f"model {kind} {name!r} was tied to {tied[name]!r} at capture; at "
+                        "runtime it is a separate tensor. Tie the weights as in the example model."
+                    )
+                continue
+            if owner is not None:
+                raise PrecompileError(
+                    f"model {kind} {name!r} is tied to {owner!r} at runtime but was a separate "
+                    "tensor at capture. Use a model with the same weight tying."
+                )
+            index = len(tensors)
+            if index >= len(expected) or expected[index][:2] != (kind, name):
+                want = f"{expected[index][0]} {expected[index][1]!r}" if index < len(
+                    expected) else "nothing more"
+                raise PrecompileError(
+                    f"the runtime model does not match the captured one: at position {index} "
+                    f"expected {want}, got {kind} {name!r}. Pass a model with the same "
+                    "parameters and buffers, in the same order."
+                )
+            _, _, shape, dtype, device = expected[index]
+            if tensor.shape != shape or tensor.dtype != dtype or tensor.device != device:
+                raise PrecompileError(
+                    f"model {kind} {name!r}: expected shape {tuple(shape)}, dtype {dtype}, "
+                    f"device {device}; got shape {tuple(tensor.shape)}, dtype {tensor.dtype}, "
+                    f"device {tensor.device}. Load a checkpoint of the same architecture."
+                )
+            first_name[id(tensor)] = name
+            tensors.append(tensor)
+        if len(tensors) != len(expected):
+            missing = [f"{kind} {name!r}" for kind, name, *_ in expected[len(tensors):]]
+            raise PrecompileError(
+                f"the runtime model lacks {', '.join(missing[:5])}"
+                f"{' and more' if len(missing) > 5 else ''}, which the captured model had. Pass a "
+                "model with the same parameters and buffers."
+            )
+        return tensors
+
+    return check
+
+
+def _accumulate_grads(
+    state: Sequence[torch.Tensor], indices: Sequence[int], grads: Sequence[torch.Tensor]
+) -> None:
+    """Put harvested gradients on ``.grad`` the way eager backward does: set or add in place."""
+    taken: set[int] = set()
+    for index, grad in zip(indices, grads, strict=True):
+        param = state[index]
+        if param.grad is None:
+            # A gradient can be taken as is only if nothing else holds it and it already has
+            # the parameter's layout; otherwise a later in-place add would write through.
+            if grad._base is None and id(grad) not in taken and grad.stride() == param.stride():
+                taken.add(id(grad))
+                param.grad = grad
+            else:
+                param.grad = torch.empty_like(param).copy_(grad)
+        else:
+            param.grad.add_(grad)

@@ -1,0 +1,72 @@
+"""Stage 4: ``load`` turns an artifact pair back into a callable, without re-tracing."""
+
+from __future__ import annotations
+
+import linecache
+import logging
+from collections.abc import Callable
+from types import MappingProxyType
+from typing import Any, NoReturn
+
+from torch_precompile.artifact import envelope
+from torch_precompile.artifact.metadata import parse_metadata
+from torch_precompile.errors import PrecompileError
+
+log = logging.getLogger("torch_precompile")
+
+
+class LoadedArtifact:
+    """A loaded artifact: call it like the captured ``fn``, models included."""
+
+    __slots__ = ("_forward", "backend", "metadata")
+
+    def __init__(self, forward: Callable[..., Any], metadata: dict[str, Any]) -> None:
+        self._forward = forward
+        self.backend: str = metadata["BACKEND"]
+        self.metadata = MappingProxyType(metadata)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        args = ", ".join(self.metadata["ARG_NAMES"])
+        return f"<precompiled {self.backend} artifact: forward({args})>"
+
+    def _not_exportable(self, *_: Any, **__: Any) -> NoReturn:
+        raise PrecompileError(
+            "a loaded artifact cannot give back python_code or cache bytes: load() keeps only "
+            "the running code. Keep the (python_code, cache) pair that precompile() returned "
+            "and pass that on."
+        )
+
+    to_python_code = to_cache_bytes = _not_exportable
+    python_code = cache = property(_not_exportable)
+
+    def __reduce__(self) -> NoReturn:
+        self._not_exportable()
+
+
+def load(python_code: str, cache: bytes | None) -> LoadedArtifact:
+    """Check the pair, make the cache's kernels available, execute ``python_code``."""
+    metadata = parse_metadata(python_code)
+    backend = metadata["BACKEND"]
+    acceleration = envelope.unpack(cache, backend, python_code)
+    if acceleration is not None:
+        _install_acceleration(backend, acceleration)
+    log.warning(
+        "precompile.load is executing python_code: it is a program, so only load artifacts you "
+        "made or trust."
+    )
+    namespace: dict[str, Any] = {"__name__": "torch_precompile_artifact"}
+    filename = f"<precompiled artifact {envelope.code_hash(python_code)[:12]}>"
+    # Registered so that tracebacks through the artifact show its source lines.
+    linecache.cache[filename] = (len(python_code), None, python_code.splitlines(True), filename)
+    exec(compile(python_code, filename, "exec"), namespace)
+    # The driver raises the PrecompileError it finds in its globals at raise time; point it at
+    # the package's class so callers can catch one type.
+    namespace["PrecompileError"] = PrecompileError
+    return LoadedArtifact(namespace["forward"], metadata)
+
+
+def _install_acceleration(backend: str, acceleration: bytes) -> None:
+    del backend, acceleration  # the eager backend has nothing to install

@@ -1,0 +1,106 @@
+"""Shared fixtures: artifacts are built once per (workload, backend) and reused by many tests."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+from torch_precompile import precompile
+
+from workloads import WORKLOADS
+
+BACKENDS = ["eager"]
+TESTS_DIR = Path(__file__).parent
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+class Artifacts:
+    """Builds each workload's artifact pair once per backend, for the whole session."""
+
+    def __init__(self) -> None:
+        self._built: dict[tuple[str, str], tuple[str, bytes]] = {}
+
+    def pair(self, name: str, backend: str) -> tuple[str, bytes]:
+        key = (name, backend)
+        if key not in self._built:
+            workload = WORKLOADS[name]
+            self._built[key] = precompile(workload.fn, *workload.args(), backend=backend)
+        return self._built[key]
+
+    def load(self, name: str, backend: str) -> Callable[..., Any]:
+        return precompile.load(*self.pair(name, backend))
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Artifacts:
+    return Artifacts()
+
+
+def assert_same(actual: Any, expected: Any, *, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    """Same pytree structure; tensors close; other leaves equal."""
+    a_leaves, a_spec = pytree.tree_flatten(actual)
+    e_leaves, e_spec = pytree.tree_flatten(expected)
+    assert a_spec == e_spec, f"structure differs: {a_spec} vs {e_spec}"
+    for a, e in zip(a_leaves, e_leaves, strict=True):
+        if isinstance(e, torch.Tensor):
+            assert isinstance(a, torch.Tensor)
+            assert a.shape == e.shape and a.dtype == e.dtype
+            torch.testing.assert_close(a, e.detach(), rtol=rtol, atol=atol, equal_nan=True)
+        else:
+            assert a == e
+
+
+def model_state(*modules: torch.nn.Module) -> dict[str, Any]:
+    """Parameters, their .grad fields, and buffers of ``modules``, for comparisons."""
+    state: dict[str, Any] = {}
+    for i, m in enumerate(modules):
+        for name, p in m.named_parameters():
+            state[f"{i}.{name}"] = p.detach().clone()
+            state[f"{i}.{name}.grad"] = None if p.grad is None else p.grad.clone()
+        for name, b in m.named_buffers():
+            state[f"{i}.{name}"] = b.clone()
+    return state
+
+
+def run_eager_and_compiled(
+    name: str, run: Callable[..., Any], calls: int = 1
+) -> tuple[list[Any], list[Any], tuple[Any, ...], tuple[Any, ...]]:
+    """Run the eager fn and the artifact side by side on identical copies; return both."""
+    workload = WORKLOADS[name]
+    args = workload.args()
+    eager_args, compiled_args = copy.deepcopy(args), copy.deepcopy(args)
+    eager_out = [workload.fn(*eager_args) for _ in range(calls)]
+    compiled_out = [run(*compiled_args) for _ in range(calls)]
+    return eager_out, compiled_out, eager_args, compiled_args
+
+
+def modules_in(args: tuple[Any, ...]) -> list[torch.nn.Module]:
+    return [a for a in args if isinstance(a, torch.nn.Module)]
+
+
+def run_python(script: str, *, block_package: bool = False, timeout: float = 300,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh interpreter; with ``block_package``, torch_precompile
+    cannot be imported there."""
+    prologue = "import sys\n"
+    if block_package:
+        prologue += "sys.modules['torch_precompile'] = None  # importing it now fails\n"
+    full_env = {**os.environ, "PYTHONPATH": str(TESTS_DIR), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", prologue + textwrap.dedent(script)],
+        capture_output=True, text=True, timeout=timeout, env=full_env,
+    )

@@ -1,0 +1,123 @@
+"""The public surface: arguments, the precompile object, threads and forks."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+
+import torch_precompile
+from torch_precompile import PrecompileError, precompile
+
+from conftest import assert_same, run_python
+from workloads import WORKLOADS
+
+
+def test_public_names() -> None:
+    assert torch_precompile.__all__ == ["PrecompileError", "__version__", "precompile"]
+    assert precompile.PrecompileError is PrecompileError
+    assert issubclass(PrecompileError, RuntimeError)
+    assert PrecompileError.__module__ == "torch_precompile"
+
+
+def test_object_identity_and_introspection() -> None:
+    assert pickle.loads(pickle.dumps(precompile)) is precompile
+    assert copy.deepcopy(precompile) is precompile and copy.copy(precompile) is precompile
+    assert repr(precompile) == "torch_precompile.precompile"
+    assert precompile.__name__ == "precompile"
+    assert "precompile.load" in precompile.__doc__
+    assert "Load an artifact pair" in precompile.load.__doc__
+
+
+def test_unknown_backend_and_tracer() -> None:
+    model, x = WORKLOADS["mlp_infer"].args()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        precompile(lambda m, x: m(x), model, x, backend="tvm")
+    with pytest.raises(ValueError, match="tracer must be one of"):
+        precompile(lambda m, x: m(x), model, x, tracer="jit")
+    with pytest.raises(NotImplementedError, match="tracer='make_fx'"):
+        precompile(lambda m, x: m(x), model, x, tracer="dynamo")
+
+
+def test_bad_fn_and_decompositions() -> None:
+    model, x = WORKLOADS["mlp_infer"].args()
+    with pytest.raises(PrecompileError, match="fn must be callable"):
+        precompile(model.state_dict(), model, x, backend="eager")
+    with pytest.raises(PrecompileError, match="decompositions must be a mapping"):
+        precompile(lambda m, x: m(x), model, x, backend="eager", decompositions=[1])
+
+
+def test_concurrent_captures_from_threads(backend: str) -> None:
+    model, x, t = WORKLOADS["mlp_train"].args()
+    results: dict[int, tuple[str, bytes]] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            scale = float(i + 1)
+            results[i] = precompile(lambda m, x, t: (m(x) * scale - t).square().mean(),
+                                    copy.deepcopy(model), x, t, backend=backend)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert not errors, errors
+    for i, (code, cache) in results.items():
+        expected = (model(x) * (i + 1) - t).square().mean()
+        assert_same(precompile.load(code, cache)(model, x, t), expected)
+
+
+def test_nested_precompile_does_not_deadlock() -> None:
+    model, x = WORKLOADS["mlp_infer"].args()
+    inner: list[str] = []
+
+    def fn(m, x):
+        if not inner:
+            inner.append(precompile(lambda m, x: m(x) * 2, m, x, backend="eager")[0])
+        return m(x)
+
+    precompile(fn, model, x, backend="eager")
+    assert "def captured_graph" in inner[0]
+
+
+def test_fork_while_another_thread_captures() -> None:
+    proc = run_python("""
+        import os, threading, time, torch
+        from torch_precompile import api, precompile
+        api._lock.acquire()  # as if another thread were mid-capture when we fork
+        pid = os.fork()
+        if pid == 0:
+            code, cache = precompile(lambda x: x * 2 + 1, torch.ones(2), backend="eager")
+            ok = torch.equal(precompile.load(code, cache)(torch.ones(2)), torch.full((2,), 3.0))
+            os._exit(0 if ok else 1)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                print("CHILD", os.waitstatus_to_exitcode(status))
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(pid, 9)
+            print("CHILD DEADLOCKED")
+    """)
+    assert "CHILD 0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_computation_without_models(backend: str) -> None:
+    x = torch.randn(3)
+    code, cache = precompile(lambda a, b: {"sum": a + b, "n": 2}, x, x * 2, backend=backend)
+    assert_same(precompile.load(code, cache)(x, x * 2), {"sum": x * 3, "n": 2})
+
+
+def test_inductor_backend_not_available_yet() -> None:
+    model, x = WORKLOADS["mlp_infer"].args()
+    with pytest.raises(NotImplementedError, match="backend='eager'"):
+        precompile(lambda m, x: m(x), model, x)

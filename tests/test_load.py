@@ -1,0 +1,120 @@
+"""load(): every row of the pairing table, and what it refuses to do."""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+
+import pytest
+import torch
+
+from torch_precompile import PrecompileError, precompile
+from torch_precompile.artifact import envelope
+from torch_precompile.artifact.metadata import parse_metadata
+
+from conftest import assert_same
+from workloads import WORKLOADS
+
+
+def _envelope(**changes) -> bytes:
+    payload = {"format": envelope.FORMAT, "version": envelope.VERSION, "backend": "eager",
+               "code_hash": "0" * 64, "artifact": None, **changes}
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return buffer.getvalue()
+
+
+def _check_runs(run) -> None:
+    model, x = WORKLOADS["mlp_infer"].args()
+    assert_same(run(model, x), model(x))
+
+
+def test_code_that_does_not_parse(backend: str, artifacts) -> None:
+    _, cache = artifacts.pair("mlp_infer", backend)
+    with pytest.raises(PrecompileError, match="does not parse.*not a precompile artifact"):
+        precompile.load("def broken(:\n", cache)
+    with pytest.raises(PrecompileError, match="must be a str"):
+        precompile.load(b"x = 1", cache)
+
+
+def test_code_without_metadata_is_refused_before_anything_runs(tmp_path, backend: str,
+                                                              artifacts) -> None:
+    code, cache = artifacts.pair("mlp_infer", backend)
+    marker = tmp_path / "ran"
+    hostile = f"open({str(marker)!r}, 'w').close()\n" + code.replace("OUT_SPEC = ", "OUT = ")
+    with pytest.raises(PrecompileError, match="lacks the metadata OUT_SPEC"):
+        precompile.load(hostile, cache)
+    assert not marker.exists()
+
+
+def test_metadata_is_parsed_without_executing(tmp_path, backend: str, artifacts) -> None:
+    code, _ = artifacts.pair("mlp_infer", backend)
+    marker = tmp_path / "ran"
+    meta = parse_metadata(f"open({str(marker)!r}, 'w').close()\n" + code)
+    assert meta["BACKEND"] == backend and meta["ARG_NAMES"] == ["m", "x"]
+    assert not marker.exists()
+
+
+def test_backend_mismatch(backend: str, artifacts) -> None:
+    code, _ = artifacts.pair("mlp_infer", backend)
+    other = "inductor" if backend == "eager" else "eager"
+    forged = _envelope(backend=other, code_hash=envelope.code_hash(code))
+    with pytest.raises(PrecompileError, match=f"made by backend '{other}'"):
+        precompile.load(code, forged)
+
+
+def test_cache_of_another_artifact_is_refused(backend: str, artifacts) -> None:
+    code, _ = artifacts.pair("mlp_infer", backend)
+    _, other_cache = artifacts.pair("mlp_train", backend)
+    with pytest.raises(PrecompileError, match="belongs to a different python_code"):
+        precompile.load(code, other_cache)
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [b"", b"garbage", _envelope(format="someone-else"), _envelope(version=999)],
+    ids=["empty", "garbage", "foreign-format", "future-version"],
+)
+def test_unusable_cache_warns_and_runs_from_code(cache: bytes, backend: str, artifacts,
+                                                 caplog) -> None:
+    code, _ = artifacts.pair("mlp_infer", backend)
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        run = precompile.load(code, cache)
+    assert any("running from python_code alone" in r.message for r in caplog.records)
+    _check_runs(run)
+
+
+def test_truncated_cache_warns_and_runs(backend: str, artifacts, caplog) -> None:
+    code, cache = artifacts.pair("mlp_infer", backend)
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        run = precompile.load(code, cache[: len(cache) // 2])
+    assert any("unreadable" in r.message for r in caplog.records)
+    _check_runs(run)
+
+
+def test_no_cache(backend: str, artifacts) -> None:
+    code, _ = artifacts.pair("mlp_infer", backend)
+    _check_runs(precompile.load(code, None))
+
+
+def test_warns_once_per_load_before_executing(backend: str, artifacts, caplog) -> None:
+    code, _ = artifacts.pair("mlp_infer", backend)
+    hostile = "import logging\nlogging.getLogger('torch_precompile').warning('EXEC')\n" + code
+    forged = envelope.pack(backend, hostile, None)
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        precompile.load(hostile, forged)
+        precompile.load(hostile, forged)
+    messages = [r.message for r in caplog.records]
+    executing = [i for i, m in enumerate(messages) if "executing python_code" in m]
+    assert len(executing) == 2
+    assert messages[executing[0] + 1] == "EXEC"
+
+
+def test_loaded_artifact_is_not_reexportable(backend: str, artifacts) -> None:
+    run = artifacts.load("mlp_infer", backend)
+    for attempt in (run.to_python_code, run.to_cache_bytes, lambda: run.python_code,
+                    lambda: pickle.dumps(run)):
+        with pytest.raises(PrecompileError, match="Keep the \\(python_code, cache\\) pair"):
+            attempt()
+    assert "forward(m, x)" in repr(run) and run.backend == backend

@@ -1,0 +1,150 @@
+"""Every call is checked: arity, input structure, inputs, then models. Each failure names the
+argument, what was expected and what was given."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from torch_precompile import PrecompileError
+
+from workloads import MLP, WORKLOADS, Encoder, Head, TiedLM
+
+
+@pytest.fixture
+def mlp(backend: str, artifacts):
+    model, x, t = WORKLOADS["mlp_train"].args()
+    return artifacts.load("mlp_train", backend), model, x, t
+
+
+def test_arity(mlp) -> None:
+    run, model, x, t = mlp
+    with pytest.raises(PrecompileError, match=r"expected 3 positional arguments \(m \(model\), "
+                       r"x \(input\), t \(input\)\), got 2"):
+        run(model, x)
+    with pytest.raises(PrecompileError, match="got 4"):
+        run(model, x, t, t)
+    with pytest.raises(PrecompileError, match=r"keyword arguments \['t'\]"):
+        run(model, x, t=t)
+
+
+def test_input_shape_dtype_device(mlp) -> None:
+    run, model, x, t = mlp
+    with pytest.raises(PrecompileError, match=r"input x: expected shape \(5, 4\), got \(6, 4\)"):
+        run(model, torch.randn(6, 4), t)
+    with pytest.raises(PrecompileError, match="input t: expected dtype torch.float32, got "
+                       "torch.float64"):
+        run(model, x, t.double())
+    with pytest.raises(PrecompileError, match="input x: expected device cpu, got meta"):
+        run(model, x.to("meta"), t)
+    with pytest.raises(PrecompileError, match=r"input x: expected a tensor of shape \(5, 4\), "
+                       "got str"):
+        run(model, "x", t)
+
+
+def test_input_structure(backend: str, artifacts) -> None:
+    run = artifacts.load("pytree", backend)
+    model, batch = WORKLOADS["pytree"].args()
+    wrong = dict(batch)
+    del wrong["scale"]
+    with pytest.raises(PrecompileError, match=r"different structure.*expected \(\{'x': "
+                       r"Tensor\(5, 4\), 'scale': 2\.0"):
+        run(model, wrong)
+    with pytest.raises(PrecompileError, match=r"input batch\['scale'\]: expected the value "
+                       r"2\.0, got 3\.0"):
+        run(model, {**batch, "scale": 3.0})
+    with pytest.raises(PrecompileError, match=r"input batch\['extras'\]\[1\]\[1\]: expected "
+                       r"the value 'tag', got 'other'"):
+        run(model, {**batch, "extras": [batch["extras"][0], (batch["extras"][1][0], "other")]})
+    with pytest.raises(PrecompileError, match=r"input batch\['scale'\]: expected the value 2\.0, "
+                       "got 2"):
+        run(model, {**batch, "scale": 2})
+
+
+def test_non_module_at_model_position(mlp) -> None:
+    run, model, x, t = mlp
+    with pytest.raises(PrecompileError, match="argument m was a torch.nn.Module at capture; "
+                       "got OrderedDict"):
+        run(model.state_dict(), x, t)
+
+
+def test_model_with_other_structure(mlp) -> None:
+    run, model, x, t = mlp
+    bigger = MLP(hidden=9)
+    with pytest.raises(PrecompileError, match=r"parameter 'fc1.weight': expected shape \(8, 4\)"
+                       r".*got shape \(9, 4\)"):
+        run(bigger, x, t)
+    renamed = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    with pytest.raises(PrecompileError, match="at position 0 expected parameter 'fc1.weight', "
+                       "got parameter '0.weight'"):
+        run(renamed, x, t)
+    extra = copy.deepcopy(model)
+    extra.fc2.register_buffer("extra", torch.zeros(1))
+    with pytest.raises(PrecompileError, match="expected nothing more, got buffer 'fc2.extra'"):
+        run(extra, x, t)
+    missing = copy.deepcopy(model)
+    missing.bn.register_buffer("num_batches_tracked", None)
+    with pytest.raises(PrecompileError, match="lacks buffer 'bn.num_batches_tracked'"):
+        run(missing, x, t)
+
+
+def test_model_dtype_and_device(mlp) -> None:
+    run, model, x, t = mlp
+    with pytest.raises(PrecompileError, match="parameter 'fc1.weight'.*dtype torch.float32.*"
+                       "got .*dtype torch.float64"):
+        run(copy.deepcopy(model).double(), x, t)
+    with pytest.raises(PrecompileError, match="parameter 'fc1.weight'.*device cpu.*got .*device "
+                       "meta"):
+        run(copy.deepcopy(model).to("meta"), x, t)
+
+
+def test_weight_tying_must_match(backend: str, artifacts) -> None:
+    run = artifacts.load("tied", backend)
+    model, ids = WORKLOADS["tied"].args()
+    untied = copy.deepcopy(model)
+    untied.head.weight = nn.Parameter(untied.embed.weight.detach().clone())
+    with pytest.raises(PrecompileError, match="'head.weight' was tied to 'embed.weight' at "
+                       "capture"):
+        run(untied, ids)
+    mlp_run = artifacts.load("mlp_infer", backend)
+    mlp_model, x = WORKLOADS["mlp_infer"].args()
+    tied = copy.deepcopy(mlp_model)
+    tied.fc1.bias = tied.bn.weight
+    with pytest.raises(PrecompileError, match="'bn.weight' is tied to 'fc1.bias' at runtime"):
+        mlp_run(tied, x)
+
+
+def test_swapped_models(backend: str, artifacts) -> None:
+    run = artifacts.load("two_models", backend)
+    encoder, x, head = WORKLOADS["two_models"].args()
+    with pytest.raises(PrecompileError, match="expected parameter 'm0.proj.weight', got "
+                       "parameter 'm0.out.weight'"):
+        run(Head(), x, Encoder())
+    assert run(encoder, x, head).shape == (3, 2)
+
+
+def test_new_weights_same_structure_are_accepted(backend: str, artifacts) -> None:
+    run = artifacts.load("tied", backend)
+    _, ids = WORKLOADS["tied"].args()
+    torch.manual_seed(123)
+    other = TiedLM()
+    loss = run(other, ids)
+    expected = WORKLOADS["tied"].fn(copy.deepcopy(other), ids)
+    torch.testing.assert_close(loss, expected)
+
+
+def test_checks_run_in_order(mlp) -> None:
+    """A call wrong in every way reports the first rule: arity, structure, inputs, model."""
+    run, _, x, t = mlp
+    bad_model = MLP(hidden=9)
+    with pytest.raises(PrecompileError, match="positional arguments"):
+        run(bad_model, [x], t, t)
+    with pytest.raises(PrecompileError, match="different structure"):
+        run(bad_model, [x], t.double())
+    with pytest.raises(PrecompileError, match="input t"):
+        run(bad_model, x, t.double())
+    with pytest.raises(PrecompileError, match="fc1.weight"):
+        run(bad_model, x, t)

@@ -1,0 +1,133 @@
+"""Artifacts compute what eager computes: outputs, gradients, buffers, effects."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from torch_precompile import precompile
+from torch_precompile.artifact.metadata import parse_metadata
+
+from conftest import assert_same, model_state, modules_in, run_eager_and_compiled
+from workloads import WORKLOADS, mse_step
+
+DETERMINISTIC = ["mlp_infer", "mlp_train", "tied", "two_models", "frozen", "pytree", "literals",
+                 "mask", "mutate"]
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
+def test_matches_eager_over_two_calls(name: str, backend: str, artifacts) -> None:
+    """Results, .grad (accumulated across calls) and buffers all match eager."""
+    run = artifacts.load(name, backend)
+    eager, compiled, eager_args, compiled_args = run_eager_and_compiled(name, run, calls=2)
+    assert_same(compiled, eager)
+    assert_same(model_state(*modules_in(compiled_args)), model_state(*modules_in(eager_args)))
+
+
+def test_training_loop_with_optimizer(backend: str, artifacts) -> None:
+    run = artifacts.load("mlp_train", backend)
+    workload = WORKLOADS["mlp_train"]
+    model, x, t = workload.args()
+    eager_model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        opt.zero_grad()
+        eager_opt.zero_grad()
+        loss = run(model, x, t)
+        eager_loss = mse_step(eager_model, x, t)
+        opt.step()
+        eager_opt.step()
+        assert_same(loss, eager_loss)
+    assert_same(model_state(model), model_state(eager_model))
+
+
+def test_batchnorm_statistics_land_on_runtime_model(backend: str, artifacts) -> None:
+    run = artifacts.load("mlp_train", backend)
+    model, x, t = WORKLOADS["mlp_train"].args()
+    before = model.bn.running_mean.clone()
+    run(model, x, t)
+    assert model.bn.num_batches_tracked.item() == 1
+    assert not torch.equal(model.bn.running_mean, before)
+
+
+def test_tied_weights_are_one_input_with_one_gradient(backend: str, artifacts) -> None:
+    code, _ = artifacts.pair("tied", backend)
+    meta = parse_metadata(code)
+    assert meta["PARAM_NAMES"].count("embed.weight") == 1
+    assert "head.weight" not in meta["PARAM_NAMES"]
+    assert meta["TIED_NAMES"] == {"head.weight": "embed.weight"}
+    model, ids = WORKLOADS["tied"].args()
+    artifacts.load("tied", backend)(model, ids)
+    assert model.head.weight.grad is model.embed.weight.grad
+
+
+def test_several_models_get_qualified_names(backend: str, artifacts) -> None:
+    meta = parse_metadata(artifacts.pair("two_models", backend)[0])
+    assert meta["MODULE_POSITIONS"] == [0, 2]
+    assert meta["PARAM_NAMES"] == ["m0.proj.weight", "m0.proj.bias", "m1.out.weight",
+                                   "m1.out.bias"]
+    assert meta["BUFFER_NAMES"] == ["m1.scale"]
+
+
+def test_frozen_and_unused_parameters_keep_no_grad(backend: str, artifacts) -> None:
+    meta = parse_metadata(artifacts.pair("frozen", backend)[0])
+    names = meta["PARAM_NAMES"]
+    assert [names[i] for i in meta["GRAD_PARAM_INDICES"]] == ["fc2.weight", "fc2.bias"]
+    model, x, t = WORKLOADS["frozen"].args()
+    artifacts.load("frozen", backend)(model, x, t)
+    assert model.fc1.weight.grad is None and model.unused.grad is None
+    assert model.fc2.weight.grad is not None
+
+
+def test_bare_backward_step_returns_none(backend: str) -> None:
+    model, x, t = WORKLOADS["mlp_train"].args()
+
+    def step(m, x, t):
+        torch.nn.functional.mse_loss(m(x), t).backward()
+
+    run = precompile.load(*precompile(step, model, x, t, backend=backend))
+    eager_model = copy.deepcopy(model)
+    assert run(model, x, t) is None
+    step(eager_model, x, t)
+    assert_same(model_state(model), model_state(eager_model))
+
+
+def test_input_mutation_and_aliasing_outputs(backend: str, artifacts) -> None:
+    run = artifacts.load("mutate", backend)
+    model, x = WORKLOADS["mutate"].args()
+    original = x.clone()
+    y, x_out, row = run(model, x)
+    torch.testing.assert_close(x, original * 2)
+    assert x_out.data_ptr() == x.data_ptr()
+    assert row.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(y, model(original * 2).detach())
+
+
+def test_dropout_statistics_match_eager(backend: str, artifacts) -> None:
+    run = artifacts.load("dropout", backend)
+    model, x = WORKLOADS["dropout"].args()
+    outs = [run(model, x) for _ in range(4)]
+    dropped = torch.stack([(o == 0).float().mean() for o in outs])
+    assert ((dropped - 0.5).abs() < 0.05).all(), dropped
+    assert not torch.equal(outs[0], outs[1]), "dropout masks must differ between calls"
+    kept = outs[0] != 0
+    torch.testing.assert_close(outs[0][kept], (model.fc(x) * 2)[kept].detach())
+
+
+def test_dropout_eager_backend_reproduces_eager_draws() -> None:
+    model, x = WORKLOADS["dropout"].args()
+    run = precompile.load(*precompile(WORKLOADS["dropout"].fn, model, x, backend="eager"))
+    torch.manual_seed(7)
+    compiled = run(model, x)
+    torch.manual_seed(7)
+    torch.testing.assert_close(compiled, model(x).detach())
+
+
+def test_python_values_and_none_results(backend: str, artifacts) -> None:
+    run = artifacts.load("pytree", backend)
+    model, batch = WORKLOADS["pytree"].args()
+    out = run(model, batch)
+    assert out["none"] is None and out["parts"][1] == ["tag", 3]
