@@ -15,7 +15,7 @@ demo: $(BIN)/.installed
 	$(BIN)/python -m torch_precompile demo
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check
 
 test: lint
 	$(BIN)/python -m pytest
