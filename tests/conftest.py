@@ -19,7 +19,7 @@ from torch_precompile import precompile
 
 from workloads import WORKLOADS
 
-BACKENDS = ["eager"]
+BACKENDS = ["eager", "inductor"]
 TESTS_DIR = Path(__file__).parent
 
 

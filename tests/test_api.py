@@ -116,8 +116,3 @@ def test_computation_without_models(backend: str) -> None:
     code, cache = precompile(lambda a, b: {"sum": a + b, "n": 2}, x, x * 2, backend=backend)
     assert_same(precompile.load(code, cache)(x, x * 2), {"sum": x * 3, "n": 2})
 
-
-def test_inductor_backend_not_available_yet() -> None:
-    model, x = WORKLOADS["mlp_infer"].args()
-    with pytest.raises(NotImplementedError, match="backend='eager'"):
-        precompile(lambda m, x: m(x), model, x)

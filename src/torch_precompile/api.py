@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -10,7 +11,7 @@ from typing import Any
 from torch_precompile import runtime
 from torch_precompile.artifact import envelope
 from torch_precompile.artifact.render import render
-from torch_precompile.capture import capture
+from torch_precompile.capture import Capture, capture
 from torch_precompile.errors import PrecompileError
 from torch_precompile.lower import LoweredGraph
 
@@ -77,7 +78,10 @@ class Precompile:
         with _lock:
             captured = capture(fn, example_inputs, backend, decompositions)
             lowered = _lower(captured, backend)
-            python_code = render(captured.convention, lowered)
+            convention = dataclasses.replace(
+                captured.convention, input_strides=lowered.input_strides
+            )
+            python_code = render(convention, lowered)
         return python_code, envelope.pack(backend, python_code, lowered.acceleration)
 
     def load(self, python_code: str, cache: bytes | None) -> runtime.LoadedArtifact:
@@ -101,14 +105,14 @@ class Precompile:
         return self
 
 
-def _lower(captured: Any, backend: str) -> LoweredGraph:
+def _lower(captured: Capture, backend: str) -> LoweredGraph:
     if backend == "eager":
         from torch_precompile.lower.eager import lower_eager
 
         return lower_eager(captured)
-    raise NotImplementedError(
-        "backend='inductor' is not available in this version; use backend='eager'."
-    )
+    from torch_precompile.lower.inductor import lower_inductor
+
+    return lower_inductor(captured)
 
 
 Precompile.__module__ = "torch_precompile"

@@ -14,7 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="precompile a built-in MLP and check it end to end")
     demo.add_argument("--out", type=Path, default=Path("demo-out"),
                       help="folder for the artifact pairs (default: ./demo-out)")
-    demo.add_argument("--backend", default="eager", choices=["eager"])
+    demo.add_argument("--backend", default="inductor", choices=["inductor", "eager"],
+                      help="how the captured graph runs (default: inductor)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     if args.command == "demo":

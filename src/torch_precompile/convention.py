@@ -25,6 +25,8 @@ class CallingConvention:
     per entry of ``grad_param_indices``, then one tensor per value guard (see
     ``capture.guards``) that must hold the recorded value. Per-leaf lists are aligned with
     ``user_input_names``; tensor-only fields hold None for a Python-value leaf and vice versa.
+    ``input_strides`` (per flat input, set by a backend whose kernels assume a layout) lists
+    the strides each call must present, None where any layout will do.
     """
 
     backend: str
@@ -50,6 +52,7 @@ class CallingConvention:
     user_input_bounds: list[dict[int, tuple[int | None, int | None]] | None]
     user_input_values: list[EncodedValue | None]
     value_guards: list[tuple[str, EncodedValue]]
+    input_strides: list[tuple[int, ...] | None] | None = None
 
     def literals(self) -> dict[str, Any]:
         """The convention as ``{METADATA_NAME: literal value}``, in field order."""

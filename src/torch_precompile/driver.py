@@ -40,6 +40,7 @@ def bind_forward(meta: Mapping[str, Any], call: Callable[[list[Any]], list[Any]]
     guards_start = num_results + len(grad_indices)
     num_leaves = len(leaf_checks)
     arity_text = _describe_arity(arg_names, module_positions)
+    state_layouts, input_layouts = _layout_checks(meta)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -68,7 +69,11 @@ def bind_forward(meta: Mapping[str, Any], call: Callable[[list[Any]], list[Any]]
         flat: list[Any] = []
         for check, leaf in zip(leaf_checks, leaves, strict=True):
             check(leaf, flat)
+        for index, strides, name in input_layouts:
+            _check_layout(flat[index], strides, name)
         state = model_check([args[i] for i in module_positions])
+        for index, strides, name in state_layouts:
+            _check_layout(state[index], strides, name)
         flat[:0] = state
         with torch.no_grad():
             outputs = call(flat)
@@ -79,6 +84,41 @@ def bind_forward(meta: Mapping[str, Any], call: Callable[[list[Any]], list[Any]]
         return pytree.tree_unflatten(outputs[:num_results], out_spec)
 
     return forward
+
+
+def _layout_checks(meta: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
+    """(index, strides, name) of each flat input whose layout the kernels assume."""
+    strides = meta["INPUT_STRIDES"]
+    if strides is None:
+        return [], []
+    names = [
+        *(f"model parameter {n!r}" for n in meta["PARAM_NAMES"]),
+        *(f"model buffer {n!r}" for n in meta["BUFFER_NAMES"]),
+    ]
+    num_state = len(names)
+    names += [
+        f"input {n}"
+        for n, shape in zip(meta["USER_INPUT_NAMES"], meta["USER_INPUT_SHAPES"], strict=True)
+        if shape is not None
+    ]
+    checks = [(i, tuple(s), names[i]) for i, s in enumerate(strides) if s is not None]
+    return (
+        [c for c in checks if c[0] < num_state],
+        [(i - num_state, s, name) for i, s, name in checks if i >= num_state],
+    )
+
+
+def _check_layout(tensor: torch.Tensor, strides: tuple[int, ...], name: str) -> None:
+    # Strides of dims of size 0 or 1 never matter, as in Inductor's own assert.
+    if tensor.numel() and any(
+        size > 1 and got != want
+        for size, got, want in zip(tensor.shape, tensor.stride(), strides, strict=True)
+    ):
+        raise PrecompileError(
+            f"{name}: the compiled kernels assume strides {strides} (the example's layout), "
+            f"got {tuple(tensor.stride())}. Pass it in the example's layout (.contiguous() for "
+            "a contiguous example), or precompile with backend='eager', which takes any layout."
+        )
 
 
 def _describe_arity(arg_names: Sequence[str], module_positions: Sequence[int]) -> str:

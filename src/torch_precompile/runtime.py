@@ -51,13 +51,15 @@ def load(python_code: str, cache: bytes | None) -> LoadedArtifact:
     metadata = parse_metadata(python_code)
     backend = metadata["BACKEND"]
     acceleration = envelope.unpack(cache, backend, python_code)
-    if acceleration is not None:
-        _install_acceleration(backend, acceleration)
     log.warning(
         "precompile.load is executing python_code: it is a program, so only load artifacts you "
         "made or trust."
     )
     namespace: dict[str, Any] = {"__name__": "torch_precompile_artifact"}
+    if acceleration is not None and backend == "inductor":
+        from torch_precompile.lower.kernels import load_built_kernels
+
+        namespace["PRECOMPILED_KERNELS"] = load_built_kernels(acceleration)
     filename = f"<precompiled artifact {envelope.code_hash(python_code)[:12]}>"
     # Registered so that tracebacks through the artifact show its source lines.
     linecache.cache[filename] = (len(python_code), None, python_code.splitlines(True), filename)
@@ -66,7 +68,3 @@ def load(python_code: str, cache: bytes | None) -> LoadedArtifact:
     # the package's class so callers can catch one type.
     namespace["PrecompileError"] = PrecompileError
     return LoadedArtifact(namespace["forward"], metadata)
-
-
-def _install_acceleration(backend: str, acceleration: bytes) -> None:
-    del backend, acceleration  # the eager backend has nothing to install

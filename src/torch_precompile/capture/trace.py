@@ -29,13 +29,16 @@ class Capture:
 
     ``graph`` takes the flat inputs of ``convention`` followed by ``literals`` (tensors the
     artifact rebuilds from source) and returns a list: result leaves, then gradients.
-    ``example_inputs`` are the flat example tensors it was traced with.
+    ``example_inputs`` are the flat example tensors it was traced with. ``output_aliases``
+    maps each result output that is a view of a flat input to (input index, size, stride,
+    storage offset relative to the input's).
     """
 
     graph: torch.fx.GraphModule
     literals: list[torch.Tensor]
     convention: CallingConvention
     example_inputs: list[torch.Tensor]
+    output_aliases: dict[int, tuple[int, tuple[int, ...], tuple[int, ...], int]]
 
 
 def capture(
@@ -82,7 +85,8 @@ def capture(
         result_leaves, out_spec = pytree.tree_flatten(result)
         checks.check_result_leaves(result_leaves)
         grads = [(i, p.grad) for i, p in enumerate(flat[:num_params]) if p.grad is not None]
-        outputs.update(spec=out_spec, grad_indices=[i for i, _ in grads])
+        outputs.update(spec=out_spec, grad_indices=[i for i, _ in grads],
+                       aliases=_output_aliases(result_leaves, flat))
         return [*result_leaves, *(g for _, g in grads), *(g.tensor for g in recorder.guards)]
 
     saved_grads = [p.grad for p in state.tensors[:num_params]]
@@ -130,12 +134,38 @@ def capture(
             (g.description, encode_value(g.description, g.expected)) for g in recorder.guards
         ],
     )
-    return Capture(gm, literals, convention, examples)
+    return Capture(gm, literals, convention, examples, outputs["aliases"])
+
+
+def _output_aliases(
+    results: list[Any], flat: tuple[torch.Tensor, ...]
+) -> dict[int, tuple[int, tuple[int, ...], tuple[int, ...], int]]:
+    owners = {t.untyped_storage().data_ptr(): i for i, t in enumerate(flat) if t.numel()}
+    aliases = {}
+    for out, result in enumerate(results):
+        if isinstance(result, torch.Tensor) and result.numel():
+            source = owners.get(result.untyped_storage().data_ptr())
+            if source is not None:
+                offset = result.storage_offset() - flat[source].storage_offset()
+                aliases[out] = (source, tuple(result.shape), tuple(result.stride()), offset)
+    return aliases
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy with exactly the same layout (strides, offset, even overlap), so that what the
+    trace sees of an input's layout is what the caller passes."""
     with torch.no_grad():
-        copy = t.detach().clone(memory_format=torch.preserve_format)
+        source = t.detach()
+        try:
+            if type(source) is not torch.Tensor or source.layout is not torch.strided:
+                raise NotImplementedError("not a plain strided tensor")
+            copy = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                source.untyped_storage().clone(), source.storage_offset(), source.shape,
+                source.stride(),
+            )
+        except (NotImplementedError, RuntimeError):
+            # Subclasses, sparse tensors, or storage access refused (inside another trace).
+            copy = source.clone(memory_format=torch.preserve_format)
     return copy.requires_grad_(t.requires_grad)
 
 

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LoweredGraph:
-    """Section 2 of the artifact, and the acceleration bytes that go into the cache."""
+    """Section 2 of the artifact, and the acceleration bytes that go into the cache.
+
+    ``input_strides`` holds, per flat graph input, the strides the compiled kernels assume
+    (None where any layout will do); None altogether for a layout-flexible backend.
+    """
 
     source: str
     acceleration: bytes | None
+    input_strides: list[tuple[int, ...] | None] | None = None

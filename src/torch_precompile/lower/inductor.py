@@ -1,0 +1,225 @@
+"""The inductor backend: the captured graph compiled by Inductor into C++ (or Triton) kernels.
+
+The captured graph is functionalized (input mutations become stores inside the kernels),
+retraced with Inductor's decompositions on fake tensors and compiled with ``compile_fx_inner``.
+Section 2 of the artifact is the generated wrapper module, its ``torch._inductor`` imports
+replaced by the stand-ins of ``kernel_loader``, plus a ``call`` that adds the tensor literals,
+puts back the constant outputs and re-creates outputs that alias inputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import torch
+import torch.fx
+
+from torch_precompile.capture import Capture
+from torch_precompile.capture.checks import literal_source
+from torch_precompile.errors import PrecompileError
+from torch_precompile.lower import LoweredGraph, kernel_loader
+from torch_precompile.lower.kernels import collect_built_kernels
+
+aten = torch.ops.aten
+# Reads whose value the trace baked (capture guards them); nothing downstream uses the result.
+_BAKED_READS = (aten._local_scalar_dense.default, aten.item.default, aten.equal.default,
+                aten.is_nonzero.default)
+_INDUCTOR_IMPORT = re.compile(r"^from (torch\._inductor[\w.]*) import (\w+)(?: as (\w+))?$",
+                              re.MULTILINE)
+_SIZE_ASSERT = re.compile(r"assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)")
+# Inductor settings the artifact depends on: stride asserts on (the layout contract), the
+# Python wrapper (section 2 is Python source), no benchmark harness in the source.
+INDUCTOR_OPTIONS: dict[str, Any] = {
+    "size_asserts": True,
+    "cpp_wrapper": False,
+    "benchmark_harness": False,
+    "freezing": False,
+}
+
+
+def lower_inductor(capture: Capture) -> LoweredGraph:
+    inputs = [t.detach() for t in (*capture.example_inputs, *capture.literals)]
+    outputs = list(capture.graph.graph.output_node().args[0])
+    tensor_outputs = [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)]
+    constants = {i: o for i, o in enumerate(outputs) if not isinstance(o, torch.fx.Node)}
+    if not _has_compute(capture.graph):
+        raise PrecompileError(
+            "the inductor backend has nothing to compile: fn returns its inputs or constants "
+            "without computing on them. Use backend='eager' for such a computation."
+        )
+    graph = _functional_graph(capture.graph, tensor_outputs, inputs)
+    wrapper = _compile(graph)
+    input_names = [n.name for n in graph.graph.find_nodes(op="placeholder")]
+    strides = _asserted_strides(wrapper, input_names, len(capture.example_inputs))
+    source = "\n".join([
+        "# Stand-ins for the Inductor imports of the generated module below: prebuilt kernels",
+        "# come from load(); anything else imports torch._inductor when first used.",
+        inspect.getsource(kernel_loader),
+        _rewrite_imports(wrapper),
+        *_literal_lines(capture),
+        _call_source(capture, tensor_outputs, constants, len(outputs)),
+    ])
+    return LoweredGraph(source, collect_built_kernels(wrapper), input_strides=strides)
+
+
+def _has_compute(gm: torch.fx.GraphModule) -> bool:
+    return any(
+        n.op == "call_function" and n.target not in _BAKED_READS
+        and n.target is not aten.detach.default
+        for n in gm.graph.nodes
+    )
+
+
+def _functional_graph(
+    captured: torch.fx.GraphModule, tensor_outputs: list[int], inputs: list[torch.Tensor]
+) -> torch.fx.GraphModule:
+    """Retrace the capture functionally, with Inductor's decompositions, on fake tensors."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = torch.fx.GraphModule(captured, captured.graph)  # a copy: the capture stays as it was
+    gm.graph = _without_baked_reads(captured.graph)
+    gm.recompile()
+
+    def tensors_only(*args: torch.Tensor) -> list[torch.Tensor]:
+        results = gm(*args)
+        return [results[i] for i in tensor_outputs]
+
+    try:
+        return make_fx(
+            torch.func.functionalize(tensors_only, remove="mutations"),
+            decomposition_table=select_decomp_table(),
+            tracing_mode="fake",
+        )(*inputs)
+    except DynamicOutputShapeException as e:
+        raise PrecompileError(
+            f"the inductor backend cannot compile {e.func}, whose output size depends on tensor "
+            "values (boolean-mask indexing, nonzero, masked_select). Use fixed-size operations "
+            "(torch.where, masked arithmetic), or backend='eager'."
+        ) from e
+
+
+def _without_baked_reads(graph: torch.fx.Graph) -> torch.fx.Graph:
+    import copy
+
+    copied = copy.deepcopy(graph)
+    for node in reversed(list(copied.nodes)):
+        if node.op == "call_function" and node.target in _BAKED_READS and not node.users:
+            copied.erase_node(node)
+    return copied
+
+
+def _compile(graph: torch.fx.GraphModule) -> str:
+    import torch._inductor.config as inductor_config
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    placeholders = list(graph.graph.find_nodes(op="placeholder"))
+    fake_inputs = [p.meta["val"] for p in placeholders]
+    fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
+    if fake_mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode()
+    with tracing(TracingContext(fake_mode)), inductor_config.patch(INDUCTOR_OPTIONS):
+        compiled = compile_fx_inner(graph, fake_inputs, is_inference=True)
+    source = getattr(compiled, "source_code", None)
+    if not source or "runner.call" not in source:
+        raise PrecompileError(
+            "Inductor produced no Python wrapper for this graph; use backend='eager'."
+        )
+    return source
+
+
+def _asserted_strides(
+    wrapper: str, input_names: list[str], num_inputs: int
+) -> list[tuple[int, ...] | None]:
+    """Strides Inductor asserts for each flat input (None: not read, any layout will do)."""
+    index = {name: i for i, name in enumerate(input_names)}
+    strides: list[tuple[int, ...] | None] = [None] * num_inputs
+    for name, _, stride_text in _SIZE_ASSERT.findall(wrapper):
+        i = index.get(name)
+        if i is not None and i < num_inputs:
+            strides[i] = tuple(int(s) for s in stride_text.replace(" ", "").split(",") if s)
+    return strides
+
+
+def _rewrite_imports(wrapper: str) -> str:
+    def stand_in(match: re.Match[str]) -> str:
+        module, name, alias = match.groups()
+        if name == "AsyncCompile":
+            return "# (AsyncCompile: replaced by KernelLoader)"
+        if name == "extern_kernels":
+            return "extern_kernels = ExternKernels()"
+        return f"{alias or name} = LazyImport({module!r}, {name!r})"
+
+    source = _INDUCTOR_IMPORT.sub(stand_in, wrapper)
+    source = source.replace(
+        "async_compile = AsyncCompile()",
+        "async_compile = KernelLoader(globals().get('PRECOMPILED_KERNELS', {}))",
+    )
+    source = source.replace("\ncall = runner.call\n", "\ninductor_call = runner.call\n")
+    if "async_compile = KernelLoader(" not in source or "inductor_call = " not in source:
+        raise PrecompileError("internal: the Inductor wrapper has an unexpected shape")
+    return source
+
+
+def _literal_lines(capture: Capture) -> list[str]:
+    items = "".join(f"    {literal_source(t)},\n" for t in capture.literals)
+    return ["", "# Tensor literals built inside fn, passed after the flat inputs.",
+            f"TENSOR_LITERALS = [\n{items}]" if items else "TENSOR_LITERALS = []", ""]
+
+
+def _call_source(
+    capture: Capture, tensor_outputs: list[int], constants: dict[int, Any], count: int
+) -> str:
+    aliases = capture.output_aliases
+    lines = [
+        "",
+        "def call(flat_inputs):",
+        '    """Run the kernels on the flat inputs (the list is consumed); return all outputs."""',
+    ]
+    if aliases:
+        lines.append("    inputs = list(flat_inputs)")
+    lines += [
+        "    args = [*flat_inputs, *TENSOR_LITERALS]",
+        "    flat_inputs.clear()",
+        "    computed = inductor_call(args)",
+    ]
+    if not constants:
+        lines.append("    outputs = list(computed)")
+    else:
+        slots = ", ".join(
+            _constant_source(constants[i]) if i in constants
+            else f"computed[{tensor_outputs.index(i)}]"
+            for i in range(count)
+        )
+        lines.append(f"    outputs = [{slots}]")
+    for out, (source_index, size, stride, offset) in aliases.items():
+        lines.append(f"    # output {out} is a view of input {source_index}, as in eager")
+        lines.append(
+            f"    outputs[{out}] = _view_of(inputs[{source_index}], {size!r}, {stride!r}, "
+            f"{offset!r})"
+        )
+    lines.append("    return outputs")
+    if aliases:
+        lines += [
+            "",
+            "",
+            "def _view_of(base, size, stride, offset):",
+            "    if tuple(base.shape) == size and base.stride() == stride and offset == 0:",
+            "        return base",
+            "    return base.as_strided(size, stride, base.storage_offset() + offset)",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _constant_source(value: Any) -> str:
+    if isinstance(value, float) and value != value:
+        return "float('nan')"
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return f"float({str(value)!r})"
+    return repr(value)

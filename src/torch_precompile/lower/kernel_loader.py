@@ -1,0 +1,94 @@
+"""Stand-ins for the ``torch._inductor`` names a generated wrapper imports.
+
+This module's source is copied into every inductor artifact in place of those imports, so it
+imports only torch and the standard library and never uses ``from __future__``. Kernels that
+``load()`` found prebuilt in the cache arrive in the artifact's namespace as
+``PRECOMPILED_KERNELS`` ({kernel key: callable}); any other kernel, and anything else the
+wrapper asks of Inductor, goes to the real ``torch._inductor``, imported only then. A load
+with every kernel prebuilt therefore never imports Inductor and never runs a compiler.
+"""
+
+import hashlib
+import importlib
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+
+def kernel_key(argtypes: Any, source_code: str, options: Mapping[str, Any]) -> str:
+    """The name a C++ kernel is filed under in the cache: a hash of how it is built."""
+    text = json.dumps([list(argtypes), source_code, sorted(options.items())], default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class KernelLoader:
+    """Replaces ``AsyncCompile()``: hands out prebuilt kernels, builds the rest on demand."""
+
+    def __init__(self, prebuilt: Mapping[str, Callable[..., Any]]) -> None:
+        self.prebuilt = prebuilt
+        self.built_here: list[str] = []
+        self._inductor: Any = None
+
+    def cpp_pybinding(self, argtypes: list[str], source_code: str, **options: Any) -> Any:
+        key = kernel_key(argtypes, source_code, options)
+        kernel = self.prebuilt.get(key)
+        if kernel is not None:
+            return kernel
+        self.built_here.append(key)
+        return self._jit().cpp_pybinding(argtypes, source_code, **options)
+
+    def wait(self, scope: dict[str, Any]) -> None:
+        if self._inductor is not None:
+            self._inductor.wait(scope)
+
+    def __getattr__(self, name: str) -> Any:
+        # Triton and other kernel kinds are built (or fetched from their caches) by Inductor.
+        return getattr(self._jit(), name)
+
+    def _jit(self) -> Any:
+        if self._inductor is None:
+            from torch._inductor.async_compile import AsyncCompile
+
+            self._inductor = AsyncCompile()
+        return self._inductor
+
+
+class LazyImport:
+    """A module attribute that is imported the first time it is used."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module = module
+        self.name = name
+        self._value: Any = None
+
+    def resolve(self) -> Any:
+        if self._value is None:
+            self._value = getattr(importlib.import_module(self.module), self.name)
+        return self._value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.resolve()(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.resolve(), name)
+
+
+class ExternKernels:
+    """Replaces ``select_algorithm.extern_kernels``: the common ones are plain torch functions."""
+
+    _TORCH_FUNCTIONS: ClassVar[dict[str, str]] = {
+        "mm": "mm", "addmm": "addmm", "bmm": "bmm", "baddbmm": "baddbmm",
+        "convolution": "convolution", "mm_dtype": "mm", "bmm_dtype": "bmm", "_int_mm": "_int_mm",
+    }
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._TORCH_FUNCTIONS:
+            value = getattr(torch, self._TORCH_FUNCTIONS[name])
+        else:
+            importlib.import_module("torch._inductor.kernel")
+            value = getattr(importlib.import_module("torch._inductor.select_algorithm")
+                            .extern_kernels, name)
+        setattr(self, name, value)
+        return value
