@@ -148,3 +148,28 @@ def test_checks_run_in_order(mlp) -> None:
         run(bad_model, x, t.double())
     with pytest.raises(PrecompileError, match="fc1.weight"):
         run(bad_model, x, t)
+
+
+def test_model_changes_between_calls_are_seen(backend: str, artifacts) -> None:
+    """The driver remembers a model's tensors between calls; every change must still count."""
+    run = artifacts.load("mlp_infer", backend)
+    model, x = WORKLOADS["mlp_infer"].args()
+    torch.testing.assert_close(run(model, x), model(x).detach())
+    model.fc2.weight = nn.Parameter(torch.zeros_like(model.fc2.weight))
+    torch.testing.assert_close(run(model, x), model(x).detach())
+    model.fc2.bias.data = torch.ones(3)
+    torch.testing.assert_close(run(model, x), model(x).detach())
+    original = model.fc1.weight.data
+    model.fc1.weight.data = torch.randn(9, 4)
+    with pytest.raises(PrecompileError, match=r"'fc1.weight': expected shape \(8, 4\)"):
+        run(model, x)
+    model.fc1.weight.data = original
+    model.fc2 = nn.Linear(8, 4)
+    with pytest.raises(PrecompileError, match=r"'fc2.weight': expected shape \(3, 8\)"):
+        run(model, x)
+    model.fc2 = nn.Linear(8, 3)
+    model.fc2.register_buffer("late", torch.zeros(1))
+    with pytest.raises(PrecompileError, match="got buffer 'fc2.late'"):
+        run(model, x)
+    del model.fc2.late
+    torch.testing.assert_close(run(model, x), model(x).detach())

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from torch_precompile import precompile
+from torch_precompile import PrecompileError, precompile
 from torch_precompile.artifact.metadata import parse_metadata
 
 from conftest import assert_same, model_state, modules_in, run_eager_and_compiled
@@ -131,3 +131,26 @@ def test_python_values_and_none_results(backend: str, artifacts) -> None:
     model, batch = WORKLOADS["pytree"].args()
     out = run(model, batch)
     assert out["none"] is None and out["parts"][1] == ["tag", 3]
+
+
+def test_constant_results_next_to_tensors(backend: str) -> None:
+    model, x = WORKLOADS["mlp_infer"].args()
+
+    def fn(m, x):
+        return m(x).relu(), 2.5, float("inf"), float("nan"), "label", 7, True, None
+
+    out = precompile.load(*precompile(fn, model, x, backend=backend))(model, x)
+    assert out[1:3] == (2.5, float("inf")) and out[3] != out[3]
+    assert out[4:] == ("label", 7, True, None)
+    assert_same(out[0], model(x).relu())
+
+
+def test_nothing_to_compile(backend: str) -> None:
+    x = torch.randn(3)
+    if backend == "inductor":
+        with pytest.raises(PrecompileError, match="nothing to compile.*backend='eager'"):
+            precompile(lambda x: (x, 3), x, backend=backend)
+    else:
+        run = precompile.load(*precompile(lambda x: (x, 3), x, backend=backend))
+        out = run(x)
+        assert out[0] is x and out[1] == 3

@@ -13,6 +13,7 @@ decided on, accumulates harvested gradients onto the runtime model's ``.grad`` a
 """
 
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,14 +34,18 @@ def bind_forward(meta: Mapping[str, Any], call: Callable[[list[Any]], list[Any]]
     in_spec = None if meta["IN_SPEC"] is None else pytree.treespec_loads(meta["IN_SPEC"])
     out_spec = pytree.treespec_loads(meta["OUT_SPEC"])
     leaf_checks = _leaf_checks(meta)
-    model_check = _model_check(meta, [arg_names[i] for i in module_positions])
+    state_layouts, input_layouts = _layout_checks(meta)
+    model_state = _model_state(meta, [arg_names[i] for i in module_positions], state_layouts)
     grad_indices: list[int] = meta["GRAD_PARAM_INDICES"]
     guards = meta["VALUE_GUARDS"]
     num_results = out_spec.num_leaves
     guards_start = num_results + len(grad_indices)
     num_leaves = len(leaf_checks)
     arity_text = _describe_arity(arg_names, module_positions)
-    state_layouts, input_layouts = _layout_checks(meta)
+    # Fast paths for the common shapes of a call: inputs that are all tensors at the top level,
+    # and a result that is a single tensor.
+    flat_inputs = in_spec is not None and in_spec == pytree.tree_flatten(input_positions)[1]
+    single_result = out_spec == pytree.tree_flatten(0)[1]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -52,35 +57,42 @@ def bind_forward(meta: Mapping[str, Any], call: Callable[[list[Any]], list[Any]]
             raise PrecompileError(
                 f"expected {arity} positional arguments ({arity_text}), got {len(args)}."
             )
-        user_args = tuple(args[i] for i in input_positions)
-        leaves, spec = pytree.tree_flatten(user_args)
-        if in_spec is not None:
-            if spec != in_spec:
+        user_args = tuple([args[i] for i in input_positions])
+        if flat_inputs and all([isinstance(a, torch.Tensor) for a in user_args]):
+            leaves: Sequence[Any] = user_args
+        else:
+            leaves, spec = pytree.tree_flatten(user_args)
+            if in_spec is not None:
+                if spec != in_spec:
+                    raise PrecompileError(
+                        "the runtime inputs have a different structure than at capture: "
+                        f"expected {_sketch(pytree.tree_unflatten(leaf_checks, in_spec))}, got "
+                        f"{_sketch(user_args)}. Pass the same nesting of lists, tuples and dicts."
+                    )
+            elif len(leaves) != num_leaves:
                 raise PrecompileError(
-                    "the runtime inputs have a different structure than at capture: expected "
-                    f"{_sketch(pytree.tree_unflatten(leaf_checks, in_spec))}, got "
-                    f"{_sketch(user_args)}. Pass the same nesting of lists, tuples and dicts."
+                    f"the runtime inputs hold {len(leaves)} leaves; the captured ones held "
+                    f"{num_leaves}. Pass the same inputs as at capture."
                 )
-        elif len(leaves) != num_leaves:
-            raise PrecompileError(
-                f"the runtime inputs hold {len(leaves)} leaves; the captured ones held "
-                f"{num_leaves}. Pass the same inputs as at capture."
-            )
         flat: list[Any] = []
         for check, leaf in zip(leaf_checks, leaves, strict=True):
             check(leaf, flat)
         for index, strides, name in input_layouts:
             _check_layout(flat[index], strides, name)
-        state = model_check([args[i] for i in module_positions])
-        for index, strides, name in state_layouts:
-            _check_layout(state[index], strides, name)
+        state = model_state([args[i] for i in module_positions])
         flat[:0] = state
-        with torch.no_grad():
+        grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
             outputs = call(flat)
             if guards:
                 _check_guards(guards, outputs[guards_start:])
             if grad_indices:
                 _accumulate_grads(state, grad_indices, outputs[num_results:guards_start])
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
+        if single_result:
+            return outputs[0]
         return pytree.tree_unflatten(outputs[:num_results], out_spec)
 
     return forward
@@ -278,8 +290,78 @@ def _check_guards(guards: Sequence[Any], tensors: Sequence[torch.Tensor]) -> Non
             )
 
 
-def _model_check(meta: Mapping[str, Any], module_names: Sequence[str]) -> Callable:
-    """Return a function that checks the runtime models and lists their interned tensors."""
+def _model_state(
+    meta: Mapping[str, Any], module_names: Sequence[str], layouts: Sequence[Any]
+) -> Callable[[Sequence[Any]], list[torch.Tensor]]:
+    """Return a function that checks the runtime models and lists their interned tensors.
+
+    The full walk over ``named_parameters`` / ``named_buffers`` names every problem. Its result
+    is remembered per model, with every dict the walk read; while those hold the same items,
+    a call only re-checks each tensor's shape, dtype, device and strides.
+    """
+    walk = _model_walk(meta, module_names, layouts)
+    expected = [
+        (torch.Size(shape), _dtype(dtype), torch.device(device))
+        for shapes, dtypes, devices in (
+            (meta["PARAM_SHAPES"], meta["PARAM_DTYPES"], meta["PARAM_DEVICES"]),
+            (meta["BUFFER_SHAPES"], meta["BUFFER_DTYPES"], meta["BUFFER_DEVICES"]),
+        )
+        for shape, dtype, device in zip(shapes, dtypes, devices, strict=True)
+    ]
+    strides: list[Any] = [None] * len(expected)
+    for index, stride, _ in layouts:
+        strides[index] = stride
+    checks = [(*e, s) for e, s in zip(expected, strides, strict=True)]
+    remembered: dict[tuple[int, ...], tuple[Any, ...]] = {}
+
+    def state(modules: Sequence[Any]) -> list[torch.Tensor]:
+        key = tuple([id(m) for m in modules])
+        entry = remembered.get(key)
+        if entry is not None:
+            refs, snapshot, tensors = entry
+            if all([r() is m for r, m in zip(refs, modules, strict=True)]) and _unchanged(snapshot):
+                for tensor, (shape, dtype, device, stride) in zip(tensors, checks, strict=True):
+                    if (tensor.shape != shape or tensor.dtype is not dtype
+                            or tensor.device != device
+                            or (stride is not None and tensor.stride() != stride)):
+                        return walk(modules)  # names the problem, or accepts a benign stride
+                return list(tensors)
+        tensors = walk(modules)
+        if len(remembered) >= 8:
+            remembered.pop(next(iter(remembered)))
+        remembered[key] = ([weakref.ref(m) for m in modules], _snapshot(modules), tensors)
+        return list(tensors)
+
+    return state
+
+
+def _snapshot(modules: Sequence[torch.nn.Module]) -> list[tuple[dict[str, Any], list[Any]]]:
+    """Every dict a walk over ``modules`` reads, with its items now."""
+    seen: set[int] = set()
+    dicts = []
+    for root in modules:
+        for _, module in root.named_modules(remove_duplicate=False):
+            if id(module) not in seen:
+                seen.add(id(module))
+                for d in (module._parameters, module._buffers, module._modules):
+                    dicts.append((d, list(d.items())))
+    return dicts
+
+
+def _unchanged(snapshot: Sequence[tuple[dict[str, Any], list[Any]]]) -> bool:
+    for d, items in snapshot:
+        if len(d) != len(items):
+            return False
+        for (key, value), (old_key, old_value) in zip(d.items(), items, strict=True):
+            if value is not old_value or key != old_key:
+                return False
+    return True
+
+
+def _model_walk(
+    meta: Mapping[str, Any], module_names: Sequence[str], layouts: Sequence[Any]
+) -> Callable[[Sequence[Any]], list[torch.Tensor]]:
+    """The full check: walk the models as capture did, naming the first difference."""
     kinds = (
         ("parameter", meta["PARAM_NAMES"], meta["PARAM_SHAPES"], meta["PARAM_DTYPES"],
          meta["PARAM_DEVICES"]),
@@ -294,16 +376,16 @@ def _model_check(meta: Mapping[str, Any], module_names: Sequence[str]) -> Callab
     tied: Mapping[str, str] = meta["TIED_NAMES"]
     qualify = len(module_names) > 1
 
-    def walk(modules: Sequence[torch.nn.Module]) -> Any:
-        for kind, members in (
+    def members(modules: Sequence[torch.nn.Module]) -> Any:
+        for kind, named in (
             ("parameter", torch.nn.Module.named_parameters),
             ("buffer", torch.nn.Module.named_buffers),
         ):
             for mi, module in enumerate(modules):
-                for local, tensor in members(module, remove_duplicate=False):
+                for local, tensor in named(module, remove_duplicate=False):
                     yield kind, f"m{mi}.{local}" if qualify else local, tensor
 
-    def check(modules: Sequence[Any]) -> list[torch.Tensor]:
+    def walk(modules: Sequence[Any]) -> list[torch.Tensor]:
         for name, module in zip(module_names, modules, strict=True):
             if not isinstance(module, torch.nn.Module):
                 raise PrecompileError(
@@ -312,7 +394,7 @@ def _model_check(meta: Mapping[str, Any], module_names: Sequence[str]) -> Callab
                 )
         tensors: list[torch.Tensor] = []
         first_name: dict[int, str] = {}
-        for kind, name, tensor in walk(modules):
+        for kind, name, tensor in members(modules):
             owner = first_name.get(id(tensor))
             if name in tied:
                 if owner != tied[name]:
@@ -351,9 +433,11 @@ def _model_check(meta: Mapping[str, Any], module_names: Sequence[str]) -> Callab
                 f"{' and more' if len(missing) > 5 else ''}, which the captured model had. Pass a "
                 "model with the same parameters and buffers."
             )
+        for index, strides, name in layouts:
+            _check_layout(tensors[index], strides, name)
         return tensors
 
-    return check
+    return walk
 
 
 def _accumulate_grads(

@@ -76,6 +76,8 @@ def cpp_kernel_calls(wrapper_source: str) -> list[tuple[list[str], str, dict[str
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
             and node.func.attr == "cpp_pybinding"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "async_compile"
         ):
             args = [ast.literal_eval(a) for a in node.args]
             options = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}

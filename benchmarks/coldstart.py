@@ -1,0 +1,660 @@
+"""Cold start and steady-state speed: torch_precompile next to eager, torch.compile and AOTI.
+
+    .venv/bin/python benchmarks/coldstart.py --runs 5     # full run, writes benchmarks/RESULTS.md
+    .venv/bin/python benchmarks/coldstart.py --runs 5 --skip-peers --workloads mlp   # quick check
+
+Every measurement runs in a fresh child process (this same script with ``--child``), each with its
+own empty Inductor cache dir and temp dir. "Cold start" is the wall time from just before the
+parent starts the child to the moment the child has its first result. Models and inputs are built
+deterministically inside each child, after ``import torch``, by the same code for every mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Stamped right after ``import torch``: what the "import torch" mode reports.
+_T_TORCH_IMPORTED = time.time()
+
+RESULT_MARKER = "COLDSTART_RESULT "
+CHILD_TIMEOUT_S = 900
+WORKLOADS = ("mlp", "block", "block_train")
+INFERENCE_WORKLOADS = ("mlp", "block")
+
+
+# --------------------------------------------------------------------------------------------
+# Workloads (rebuilt identically in every child)
+# --------------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: LayerNorm, 4-head self-attention, LayerNorm, GELU MLP (4x)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        hd = d // self.heads
+        h = self.ln1(x)
+        q = self.q(h).view(b, s, self.heads, hd).transpose(1, 2)
+        k = self.k(h).view(b, s, self.heads, hd).transpose(1, 2)
+        v = self.v(h).view(b, s, self.heads, hd).transpose(1, 2)
+        att = torch.softmax((q @ k.transpose(-2, -1)) * (hd**-0.5), dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, s, d)
+        x = x + self.o(y)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def infer(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The inference computation: one forward."""
+    return model(x)
+
+
+def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The training computation: forward, MSE loss, backward (grads land on ``.grad``)."""
+    loss = F.mse_loss(model(x), target)
+    loss.backward()
+    return loss.detach()
+
+
+def build_workload(name: str) -> tuple[Callable[..., Any], nn.Module, tuple[torch.Tensor, ...]]:
+    """Seeded ``(fn, model, inputs)`` for a workload; it runs as ``fn(model, *inputs)``."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = nn.Sequential(
+            nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+        ).eval()
+        return infer, model, (torch.randn(32, 256),)
+    if name == "block":
+        return infer, Block().eval(), (torch.randn(4, 32, 64),)
+    if name == "block_train":
+        model = Block().train()
+        return train_step, model, (torch.randn(4, 32, 64), torch.randn(4, 32, 64))
+    raise ValueError(f"unknown workload {name!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Child side: one measurement per process
+# --------------------------------------------------------------------------------------------
+
+
+def _flat_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _flat_tensors(v)]
+    return []
+
+
+def _max_diff(got: Any, ref: Any) -> float:
+    """Largest absolute difference between two results (inf when their structures differ)."""
+    a, b = _flat_tensors(got), _flat_tensors(ref)
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True)):
+        return math.inf
+    return max(
+        (float((x.detach() - y.detach()).abs().max()) for x, y in zip(a, b, strict=True)),
+        default=0.0,
+    )
+
+
+def _check_against_eager(workload: str, result: Any, model: nn.Module) -> float:
+    """Max abs difference of a first result (and training grads) from a fresh eager run."""
+    fn, ref_model, inputs = build_workload(workload)
+    ref = fn(ref_model, *inputs)
+    diff = _max_diff(result, ref)
+    if workload == "block_train":
+        grads = [p.grad for p in model.parameters()]
+        ref_grads = [p.grad for p in ref_model.parameters()]
+        if any(g is None for g in grads):
+            return math.inf
+        diff = max(diff, _max_diff(grads, ref_grads))
+    return diff
+
+
+def _emit(payload: dict[str, Any]) -> None:
+    print(RESULT_MARKER + json.dumps(payload), flush=True)
+
+
+def _load_ours(workdir: Path, with_cache: bool) -> Callable[..., Any]:
+    from torch_precompile import precompile
+
+    logging.getLogger("torch_precompile").setLevel(logging.ERROR)
+    code = (workdir / "ours.py").read_text()
+    cache = (workdir / "ours.cache").read_bytes() if with_cache else None
+    return precompile.load(code, cache)
+
+
+def _prepare(mode: str, workload: str, workdir: Path) -> Callable[..., Any]:
+    """Make the callable for a mode: ``run(model, *inputs)`` computes the workload's fn."""
+    fn, _, _ = build_workload(workload)
+    if mode in ("eager", "steady-eager"):
+        return fn
+    if mode in ("compile-cold", "steady-compile"):
+        return torch.compile(fn)
+    if mode == "compile-warm":
+        torch.compiler.load_cache_artifacts((workdir / "compile_artifacts.bin").read_bytes())
+        return torch.compile(fn)
+    if mode in ("aoti", "steady-aoti"):
+        runner = torch._inductor.aoti_load_package(str(workdir / "model.pt2"))
+        return lambda _model, *inputs: runner(*inputs)
+    if mode in ("ours-cache", "steady-ours"):
+        return _load_ours(workdir, with_cache=True)
+    if mode == "ours-nocache":
+        return _load_ours(workdir, with_cache=False)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def _build(mode: str, workload: str, workdir: Path) -> dict[str, Any]:
+    """Build an artifact once, with empty caches; return its build time and size."""
+    fn, model, inputs = build_workload(workload)
+    if mode == "build-compile":
+        compiled = torch.compile(fn)
+        start = time.perf_counter()
+        compiled(model, *inputs)
+        seconds = time.perf_counter() - start
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            raise RuntimeError("save_cache_artifacts() returned None")
+        path = workdir / "compile_artifacts.bin"
+        path.write_bytes(saved[0])
+        return {"seconds": seconds, "bytes": path.stat().st_size}
+    if mode == "build-aoti":
+        start = time.perf_counter()
+        ep = torch.export.export(model, inputs)
+        path = workdir / "model.pt2"
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+        return {"seconds": time.perf_counter() - start, "bytes": path.stat().st_size}
+    if mode == "build-ours":
+        from torch_precompile import precompile
+
+        start = time.perf_counter()
+        code, cache = precompile(fn, model, *inputs)
+        seconds = time.perf_counter() - start
+        (workdir / "ours.py").write_text(code)
+        (workdir / "ours.cache").write_bytes(cache)
+        return {"seconds": seconds, "bytes": len(code.encode()) + len(cache)}
+    raise ValueError(f"unknown build mode {mode!r}")
+
+
+def run_child(mode: str, workload: str, workdir: Path, warmup: int, calls: int) -> None:
+    """Entry point of a child process: do one measurement, print it as one marker line."""
+    if mode == "import":
+        _emit({"t_first": _T_TORCH_IMPORTED})
+        return
+    if mode.startswith("build-"):
+        _emit(_build(mode, workload, workdir))
+        return
+    _, model, inputs = build_workload(workload)
+    t_ready = time.time()
+    run = _prepare(mode, workload, workdir)
+    if mode.startswith("steady-"):
+        for _ in range(warmup):
+            run(model, *inputs)
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            run(model, *inputs)
+            times.append(time.perf_counter() - start)
+        _emit({"us_per_call": statistics.median(times) * 1e6, "calls": calls})
+        return
+    start = time.perf_counter()
+    result = run(model, *inputs)
+    t_first = time.time()
+    first_call = time.perf_counter() - start
+    _emit(
+        {
+            "t_torch": _T_TORCH_IMPORTED,
+            "t_ready": t_ready,
+            "t_first": t_first,
+            "first_call_s": first_call,
+            "max_diff": _check_against_eager(workload, result, model),
+        }
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side: orchestration and reporting
+# --------------------------------------------------------------------------------------------
+
+COLD_MODES: dict[str, str] = {
+    "import": "import torch",
+    "eager": "eager",
+    "compile-cold": "torch.compile cold",
+    "compile-warm": "torch.compile warm (mega-cache)",
+    "aoti": "AOTInductor package",
+    "ours-cache": "ours, with cache",
+    "ours-nocache": "ours, without cache",
+}
+STEADY_MODES: dict[str, str] = {
+    "steady-eager": "eager",
+    "steady-compile": "torch.compile",
+    "steady-aoti": "AOTInductor",
+    "steady-ours": "ours (with cache)",
+}
+BUILD_MODES: dict[str, str] = {
+    "build-compile": "torch.compile (save_cache_artifacts)",
+    "build-aoti": "AOTInductor (export + aoti_compile_and_package)",
+    "build-ours": "ours (precompile)",
+}
+PEER_MODES = {
+    "compile-cold", "compile-warm", "aoti", "steady-compile", "steady-aoti",
+    "build-compile", "build-aoti",
+}  # fmt: skip
+AOTI_MODES = {"aoti", "steady-aoti", "build-aoti"}
+NEEDS_BUILD = {
+    "compile-warm": "build-compile",
+    "aoti": "build-aoti",
+    "steady-aoti": "build-aoti",
+    "ours-cache": "build-ours",
+    "ours-nocache": "build-ours",
+    "steady-ours": "build-ours",
+}
+
+
+@dataclass
+class Outcome:
+    """What one child produced: its parsed payload, or why it failed."""
+
+    payload: dict[str, Any] | None = None
+    error: str | None = None
+    parent_start: float = 0.0
+
+
+@dataclass
+class WorkloadResults:
+    """Everything measured for one workload."""
+
+    cold: dict[str, list[Outcome]] = field(default_factory=dict)
+    steady: dict[str, Outcome] = field(default_factory=dict)
+    build: dict[str, Outcome] = field(default_factory=dict)
+
+
+def log(message: str) -> None:
+    """A progress line on stderr."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _short_reason(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    reason = (errors or lines or ["no output"])[-1]
+    return reason if len(reason) <= 120 else reason[:117] + "..."
+
+
+class Runner:
+    """Starts children, each with a fresh empty Inductor cache dir and temp dir under one root."""
+
+    def __init__(self, root: Path, warmup: int, calls: int) -> None:
+        self.root = root
+        self.warmup = warmup
+        self.calls = calls
+        self._count = 0
+
+    def fresh_dirs(self, label: str) -> dict[str, str]:
+        """Environment variables pointing at new empty cache and temp dirs."""
+        self._count += 1
+        base = self.root / "runs" / f"{self._count:04d}-{label}"
+        env = {}
+        for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TMPDIR", "tmp")):
+            (base / sub).mkdir(parents=True)
+            env[var] = str(base / sub)
+        return env
+
+    def child(self, mode: str, workload: str, workdir: Path) -> Outcome:
+        """Run one child with empty caches; time from just before its start is in the outcome."""
+        env = {**os.environ, **self.fresh_dirs(f"{workload}-{mode}")}
+        env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+        cmd = [
+            sys.executable, str(Path(__file__).resolve()),
+            "--child", mode, workload, str(workdir),
+            "--warmup", str(self.warmup), "--calls", str(self.calls),
+        ]  # fmt: skip
+        start = time.time()
+        try:
+            proc = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            return Outcome(error=f"timeout after {CHILD_TIMEOUT_S} s", parent_start=start)
+        markers = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
+        if proc.returncode != 0 or not markers:
+            return Outcome(error=_short_reason(proc.stderr), parent_start=start)
+        payload = json.loads(markers[-1][len(RESULT_MARKER) :])
+        return Outcome(payload=payload, parent_start=start)
+
+
+def measure_workload(runner: Runner, workload: str, runs: int, skip_peers: bool) -> WorkloadResults:
+    """Builds, then ``runs`` interleaved rounds of cold starts, then one steady-state run each."""
+    workdir = runner.root / "artifacts" / workload
+    workdir.mkdir(parents=True)
+    inference = workload in INFERENCE_WORKLOADS
+    res = WorkloadResults()
+
+    def wanted(mode: str) -> bool:
+        return not (skip_peers and mode in PEER_MODES) and (inference or mode not in AOTI_MODES)
+
+    for mode in BUILD_MODES:
+        if wanted(mode):
+            log(f"[{workload}] building {mode} ...")
+            res.build[mode] = out = runner.child(mode, workload, workdir)
+            log(f"[{workload}] {mode}: {_describe(out, 'seconds')}")
+
+    def blocked(mode: str) -> Outcome | None:
+        build = res.build.get(NEEDS_BUILD.get(mode, ""))
+        if build is not None and build.error is not None:
+            return Outcome(error=f"build: {build.error}")
+        return None
+
+    cold_modes = [m for m in COLD_MODES if wanted(m)]
+    for i in range(runs):
+        for mode in cold_modes:
+            out = blocked(mode) or runner.child(mode, workload, workdir)
+            res.cold.setdefault(mode, []).append(out)
+            log(f"[{workload}] round {i + 1}/{runs} {mode}: {_describe(out, 'cold')}")
+    for mode in STEADY_MODES:
+        if wanted(mode):
+            res.steady[mode] = out = blocked(mode) or runner.child(mode, workload, workdir)
+            log(f"[{workload}] {mode}: {_describe(out, 'us_per_call')}")
+    return res
+
+
+def _cold_seconds(out: Outcome) -> float:
+    assert out.payload is not None
+    return out.payload["t_first"] - out.parent_start
+
+
+def _describe(out: Outcome, key: str) -> str:
+    if out.payload is None:
+        return f"failed: {out.error}"
+    if key == "cold":
+        text = f"{_cold_seconds(out):.3f} s"
+        diff = out.payload.get("max_diff")
+        if diff is not None and not diff <= 1e-3:
+            text += f"  (WARNING: max diff from eager {diff:.3g})"
+        return text
+    return f"{out.payload[key]:.3f}"
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _first_error(outs: list[Outcome]) -> str | None:
+    return next((o.error for o in outs if o.error is not None), None)
+
+
+def cold_table(res: WorkloadResults, inference: bool) -> list[list[str]]:
+    """Rows: mode, median seconds, ratio to import torch, min-max, approach-specific part."""
+    ok_import = [_cold_seconds(o) for o in res.cold.get("import", []) if o.payload]
+    base = _median(ok_import) if ok_import else math.nan
+    rows = []
+    for mode, label in COLD_MODES.items():
+        outs = res.cold.get(mode)
+        if outs is None:
+            if mode == "aoti" and not inference:
+                rows.append([label, "n/a", "", "", "", ""])
+            continue
+        error = _first_error(outs)
+        if error is not None:
+            rows.append([label, f"failed: {error}", "", "", "", ""])
+            continue
+        secs = [_cold_seconds(o) for o in outs]
+        med = _median(secs)
+        if mode == "import":
+            own, diff = "", ""
+        else:
+            own = f"{_median([o.payload['t_first'] - o.payload['t_ready'] for o in outs]):.3f}"
+            diff = f"{max(o.payload['max_diff'] for o in outs):.1e}"
+        rows.append(
+            [
+                label,
+                f"{med:.3f}",
+                f"{med / base:.2f}x",
+                f"{min(secs):.3f}-{max(secs):.3f}",
+                own,
+                diff,
+            ]
+        )
+    return rows
+
+
+def steady_table(res: WorkloadResults, inference: bool) -> list[list[str]]:
+    """Rows: approach, median us/call, ratio to torch.compile."""
+    comp = res.steady.get("steady-compile")
+    comp_us = comp.payload["us_per_call"] if comp and comp.payload else math.nan
+    rows = []
+    for mode, label in STEADY_MODES.items():
+        out = res.steady.get(mode)
+        if out is None:
+            if mode == "steady-aoti" and not inference:
+                rows.append([label, "n/a", ""])
+            continue
+        if out.payload is None:
+            rows.append([label, f"failed: {out.error}", ""])
+            continue
+        us = out.payload["us_per_call"]
+        ratio = "" if math.isnan(comp_us) else f"{us / comp_us:.2f}x"
+        rows.append([label, f"{us:.1f}", ratio])
+    return rows
+
+
+def build_table(res: WorkloadResults, inference: bool) -> list[list[str]]:
+    """Rows: approach, build seconds, artifact size."""
+    rows = []
+    for mode, label in BUILD_MODES.items():
+        out = res.build.get(mode)
+        if out is None:
+            if mode == "build-aoti" and not inference:
+                rows.append([label, "n/a", ""])
+            continue
+        if out.payload is None:
+            rows.append([label, f"failed: {out.error}", ""])
+            continue
+        seconds = out.payload["seconds"]
+        if mode == "build-compile":
+            # The cold cold-start runs each compiled from scratch too: use their median.
+            firsts = [o.payload["first_call_s"] for o in res.cold.get("compile-cold", [])
+                      if o.payload]  # fmt: skip
+            seconds = _median([seconds, *firsts]) if firsts else seconds
+        rows.append([label, f"{seconds:.2f}", f"{out.payload['bytes'] / 1024:.0f} KiB"])
+    return rows
+
+
+COLD_HEADER = [
+    "mode", "seconds (median)", "vs import torch", "min-max", "load+first call", "max diff",
+]  # fmt: skip
+STEADY_HEADER = ["approach", "us/call (median)", "vs torch.compile"]
+BUILD_HEADER = ["approach", "build seconds", "artifact size"]
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    """A plain aligned table for the terminal."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table (numbers right-aligned)."""
+    align = ["---"] + ["---:"] * (len(header) - 1)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+WORKLOAD_TITLES = {
+    "mlp": "`mlp`: MLP 256-512-512-10 forward, batch 32, eval",
+    "block": "`block`: pre-norm transformer block forward (dim 64, 4 heads, seq 32, batch 4), eval",
+    "block_train": "`block_train`: the same block's training step (forward, MSE, backward), train",
+}
+
+EXPLANATION = """\
+Every cold-start number is the wall time from just before the parent starts a fresh child
+process (`subprocess.run` with `sys.executable`) to the `time.time()` the child takes right after
+its first result (for `import torch`, right after `import torch`); each child builds the model
+and inputs (seeded) after `import torch` with the same code for every mode, and runs with its own
+empty `TORCHINDUCTOR_CACHE_DIR` and `TMPDIR`. *import torch*: interpreter start plus
+`import torch`, the floor. *eager*: `fn(model, x)` in plain PyTorch. *torch.compile cold*:
+`torch.compile(fn)` with empty caches, so the first call traces, compiles and builds its C++
+kernels. *torch.compile warm*: a setup process compiled and called once and saved
+`torch.compiler.save_cache_artifacts()`; the measured process calls
+`torch.compiler.load_cache_artifacts()` on those bytes (included in the time), then
+`torch.compile(fn)` and the first call. *AOTInductor*: a package built once with
+`torch.export.export` and `aoti_compile_and_package` (weights baked in), loaded with
+`aoti_load_package` and called on the inputs (inference only). *ours, with cache*: `code, cache =
+precompile(fn, model, ...)` built once; the measured process runs `precompile.load(code, cache)`
+and calls it with the model. *ours, without cache*: `precompile.load(code, None)`, so the
+kernels are built from the source in the measured process. "load+first call" is the part after
+the model and inputs exist (load, compile, first call); "max diff" is the largest absolute
+difference of the first result (and gradients, for training) from a fresh eager run, over all
+runs. Steady state: one process per approach, after warm-up calls, the median of per-call
+`time.perf_counter()` times; training steps are called repeatedly without zeroing gradients
+(they accumulate alike everywhere). Inference `fn` is called as written (grad mode on) by eager
+and torch.compile. Build time: once per workload with empty caches; for torch.compile, the
+median first compiled call over the setup process and all cold runs."""
+
+
+def machine_description() -> str:
+    """CPU model, platform.processor() and os.cpu_count()."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    parts = [p for p in (model, platform.processor() or platform.machine()) if p]
+    return f"{', '.join(parts)}; os.cpu_count() = {os.cpu_count()}; {platform.platform()}"
+
+
+def command_line() -> str:
+    """The command as it was invoked, with the interpreter relative to the working directory."""
+    exe = sys.executable
+    with contextlib.suppress(ValueError):
+        exe = os.path.relpath(exe)
+    return shlex.join([exe, *sys.argv])
+
+
+def report(
+    results: dict[str, WorkloadResults], args: argparse.Namespace, elapsed: float
+) -> tuple[str, str]:
+    """The terminal text and the Markdown document."""
+    text, md = [], []
+    md.append("# Cold start and steady state: torch_precompile vs eager, torch.compile, AOTI\n")
+    md.append(
+        f"- Date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}\n"
+        f"- Machine: {machine_description()}\n"
+        f"- torch {torch.__version__}, Python {platform.python_version()}, "
+        f"{torch.get_num_threads()} intra-op threads\n"
+        f"- Command: `{command_line()}`\n"
+        f"- N = {args.runs} cold-start runs per mode (median reported); steady state: "
+        f"{args.warmup} warm-up calls, median of {args.calls} timed calls\n"
+        f"- Total run time: {elapsed / 60:.1f} min\n"
+    )
+    md.append(EXPLANATION + "\n")
+    for name, res in results.items():
+        inference = name in INFERENCE_WORKLOADS
+        sections = [
+            ("Cold start (seconds, process start to first result)", COLD_HEADER,
+             cold_table(res, inference)),
+            ("Steady state (microseconds per call)", STEADY_HEADER, steady_table(res, inference)),
+            ("Build time (once, empty caches)", BUILD_HEADER, build_table(res, inference)),
+        ]  # fmt: skip
+        md.append(f"## {WORKLOAD_TITLES[name]}\n")
+        text.append(f"\n=== {name} ===")
+        for title, header, rows in sections:
+            md.append(f"### {title}\n\n{md_table(header, rows)}\n")
+            text.append(f"\n{title}\n{text_table(header, rows)}")
+    return "\n".join(text) + "\n", "\n".join(md)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags (``--child`` is internal)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--runs", type=int, default=5, help="cold-start runs per mode (default 5)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
+    p.add_argument("--out", default="benchmarks/RESULTS.md", help="Markdown output path")
+    p.add_argument(
+        "--skip-peers", action="store_true", help="only import torch, eager and ours (quick check)"
+    )
+    p.add_argument("--warmup", type=int, default=50, help="steady-state warm-up calls (>= 20)")
+    p.add_argument("--calls", type=int, default=500, help="steady-state timed calls (>= 200)")
+    p.add_argument(
+        "--child", nargs=3, metavar=("MODE", "WORKLOAD", "WORKDIR"), help=argparse.SUPPRESS
+    )
+    args = p.parse_args(argv)
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = set(workloads) - set(WORKLOADS)
+    if unknown:
+        p.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+    if args.runs < 1 or args.warmup < 20 or args.calls < 200:
+        p.error("need --runs >= 1, --warmup >= 20 and --calls >= 200")
+    args.workload_list = workloads
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the whole comparison (or, with ``--child``, one measurement)."""
+    args = parse_args(argv)
+    if args.child:
+        mode, workload, workdir = args.child
+        run_child(mode, workload, Path(workdir), args.warmup, args.calls)
+        return
+    if args.runs < 5:
+        log(f"note: --runs {args.runs} < 5; use at least 5 for committed results")
+    started = time.time()
+    root = Path(tempfile.mkdtemp(prefix="coldstart-"))
+    try:
+        runner = Runner(root, args.warmup, args.calls)
+        log(f"scratch root {root}; warming the page cache with one discarded child")
+        runner.child("import", "mlp", root)
+        results = {
+            w: measure_workload(runner, w, args.runs, args.skip_peers) for w in args.workload_list
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    text, md = report(results, args, time.time() - started)
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(md)
+    log(f"wrote {out}; total {(time.time() - started) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Layouts: the inductor kernels assume the example's strides; the eager graph takes any."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from torch_precompile import PrecompileError, precompile
+
+from conftest import assert_same
+from workloads import WORKLOADS
+
+
+def _transposed_copy(t: torch.Tensor) -> torch.Tensor:
+    """Same shape and values, column-major strides."""
+    return t.t().contiguous().t()
+
+
+def test_input_in_another_layout(backend: str, artifacts) -> None:
+    run = artifacts.load("mlp_train", backend)
+    model, x, t = WORKLOADS["mlp_train"].args()
+    eager_model = copy.deepcopy(model)
+    before = model.bn.running_mean.clone()
+    if backend == "inductor":
+        with pytest.raises(PrecompileError, match=r"input x: the compiled kernels assume strides "
+                           r"\(4, 1\).*got \(1, 5\).*contiguous"):
+            run(model, _transposed_copy(x), t)
+        assert torch.equal(model.bn.running_mean, before), "a kernel ran before the check"
+        assert all(p.grad is None for p in model.parameters())
+    else:
+        assert_same(run(model, _transposed_copy(x), t), WORKLOADS["mlp_train"].fn(
+            eager_model, x, t))
+
+
+def test_parameter_in_another_layout(backend: str, artifacts) -> None:
+    run = artifacts.load("mlp_infer", backend)
+    model, x = WORKLOADS["mlp_infer"].args()
+    expected = model(x)
+    model.fc1.weight = nn.Parameter(_transposed_copy(model.fc1.weight.detach()))
+    if backend == "inductor":
+        with pytest.raises(PrecompileError, match="model parameter 'fc1.weight': the compiled "
+                           "kernels assume strides"):
+            run(model, x)
+    else:
+        assert_same(run(model, x), expected)
+
+
+def test_channels_last_example_round_trips(backend: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    run = precompile.load(*precompile(lambda m, x: m(x), model, x, backend=backend))
+    assert_same(run(model, x), model(x))
+    other = torch.randn(2, 3, 6, 6)
+    if backend == "inductor":
+        with pytest.raises(PrecompileError, match="assume strides"):
+            run(model, other)
+    else:
+        assert_same(run(model, other), model(other))
