@@ -297,7 +297,7 @@ class WorkloadResults:
     """Everything measured for one workload."""
 
     cold: dict[str, list[Outcome]] = field(default_factory=dict)
-    steady: dict[str, Outcome] = field(default_factory=dict)
+    steady: dict[str, list[Outcome]] = field(default_factory=dict)
     build: dict[str, Outcome] = field(default_factory=dict)
 
 
@@ -355,8 +355,10 @@ class Runner:
         return Outcome(payload=payload, parent_start=start)
 
 
-def measure_workload(runner: Runner, workload: str, runs: int, skip_peers: bool) -> WorkloadResults:
-    """Builds, then ``runs`` interleaved rounds of cold starts, then one steady-state run each."""
+def measure_workload(
+    runner: Runner, workload: str, runs: int, steady_repeats: int, skip_peers: bool
+) -> WorkloadResults:
+    """Builds, then interleaved rounds of cold starts, then interleaved steady-state processes."""
     workdir = runner.root / "artifacts" / workload
     workdir.mkdir(parents=True)
     inference = workload in INFERENCE_WORKLOADS
@@ -383,10 +385,12 @@ def measure_workload(runner: Runner, workload: str, runs: int, skip_peers: bool)
             out = blocked(mode) or runner.child(mode, workload, workdir)
             res.cold.setdefault(mode, []).append(out)
             log(f"[{workload}] round {i + 1}/{runs} {mode}: {_describe(out, 'cold')}")
-    for mode in STEADY_MODES:
-        if wanted(mode):
-            res.steady[mode] = out = blocked(mode) or runner.child(mode, workload, workdir)
-            log(f"[{workload}] {mode}: {_describe(out, 'us_per_call')}")
+    steady_modes = [m for m in STEADY_MODES if wanted(m)]
+    for i in range(steady_repeats):
+        for mode in steady_modes:
+            out = blocked(mode) or runner.child(mode, workload, workdir)
+            res.steady.setdefault(mode, []).append(out)
+            log(f"[{workload}] {i + 1}/{steady_repeats} {mode}: {_describe(out, 'us_per_call')} us")
     return res
 
 
@@ -450,23 +454,33 @@ def cold_table(res: WorkloadResults, inference: bool) -> list[list[str]]:
     return rows
 
 
+def _steady_us(res: WorkloadResults, mode: str) -> float:
+    """Best (lowest) per-process median us/call of a steady-state mode; nan when it failed."""
+    outs = res.steady.get(mode, [])
+    if not outs or _first_error(outs) is not None:
+        return math.nan
+    return min(o.payload["us_per_call"] for o in outs if o.payload)
+
+
 def steady_table(res: WorkloadResults, inference: bool) -> list[list[str]]:
-    """Rows: approach, median us/call, ratio to torch.compile."""
-    comp = res.steady.get("steady-compile")
-    comp_us = comp.payload["us_per_call"] if comp and comp.payload else math.nan
+    """Rows: approach, best per-process median us/call, all medians, ratios."""
+    eager_us, comp_us = _steady_us(res, "steady-eager"), _steady_us(res, "steady-compile")
     rows = []
     for mode, label in STEADY_MODES.items():
-        out = res.steady.get(mode)
-        if out is None:
+        outs = res.steady.get(mode)
+        if outs is None:
             if mode == "steady-aoti" and not inference:
-                rows.append([label, "n/a", ""])
+                rows.append([label, "n/a", "", "", ""])
             continue
-        if out.payload is None:
-            rows.append([label, f"failed: {out.error}", ""])
+        error = _first_error(outs)
+        if error is not None:
+            rows.append([label, f"failed: {error}", "", "", ""])
             continue
-        us = out.payload["us_per_call"]
-        ratio = "" if math.isnan(comp_us) else f"{us / comp_us:.2f}x"
-        rows.append([label, f"{us:.1f}", ratio])
+        us = _steady_us(res, mode)
+        each = ", ".join(f"{o.payload['us_per_call']:.0f}" for o in outs if o.payload)
+        vs_comp = "" if math.isnan(comp_us) else f"{us / comp_us:.2f}x"
+        vs_eager = "" if math.isnan(eager_us) else f"{us / eager_us:.2f}x"
+        rows.append([label, f"{us:.1f}", each, vs_comp, vs_eager])
     return rows
 
 
@@ -495,7 +509,7 @@ def build_table(res: WorkloadResults, inference: bool) -> list[list[str]]:
 COLD_HEADER = [
     "mode", "seconds (median)", "vs import torch", "min-max", "load+first call", "max diff",
 ]  # fmt: skip
-STEADY_HEADER = ["approach", "us/call (median)", "vs torch.compile"]
+STEADY_HEADER = ["approach", "us/call", "per-process medians", "vs torch.compile", "vs eager"]
 BUILD_HEADER = ["approach", "build seconds", "artifact size"]
 
 
@@ -523,29 +537,29 @@ WORKLOAD_TITLES = {
 }
 
 EXPLANATION = """\
-Every cold-start number is the wall time from just before the parent starts a fresh child
-process (`subprocess.run` with `sys.executable`) to the `time.time()` the child takes right after
-its first result (for `import torch`, right after `import torch`); each child builds the model
-and inputs (seeded) after `import torch` with the same code for every mode, and runs with its own
-empty `TORCHINDUCTOR_CACHE_DIR` and `TMPDIR`. *import torch*: interpreter start plus
-`import torch`, the floor. *eager*: `fn(model, x)` in plain PyTorch. *torch.compile cold*:
-`torch.compile(fn)` with empty caches, so the first call traces, compiles and builds its C++
-kernels. *torch.compile warm*: a setup process compiled and called once and saved
-`torch.compiler.save_cache_artifacts()`; the measured process calls
-`torch.compiler.load_cache_artifacts()` on those bytes (included in the time), then
-`torch.compile(fn)` and the first call. *AOTInductor*: a package built once with
+Every cold-start number is the wall time from just before the parent starts a fresh child process
+(`subprocess.run` with `sys.executable`) to the `time.time()` the child takes right after its first
+result (for `import torch`, right after `import torch`); each child builds the model and inputs
+(seeded) after `import torch` with the same code for every mode, and runs with its own empty
+`TORCHINDUCTOR_CACHE_DIR` and `TMPDIR`. *import torch*: interpreter start plus `import torch`, the
+floor. *eager*: `fn(model, x)` in plain PyTorch. *torch.compile cold*: `torch.compile(fn)` with
+empty caches, so the first call traces, compiles and builds its C++ kernels. *torch.compile warm*:
+a setup process compiled and called once and saved `torch.compiler.save_cache_artifacts()`; the
+measured process calls `torch.compiler.load_cache_artifacts()` on those bytes (included in the
+time), then `torch.compile(fn)` and the first call. *AOTInductor*: a package built once with
 `torch.export.export` and `aoti_compile_and_package` (weights baked in), loaded with
 `aoti_load_package` and called on the inputs (inference only). *ours, with cache*: `code, cache =
 precompile(fn, model, ...)` built once; the measured process runs `precompile.load(code, cache)`
-and calls it with the model. *ours, without cache*: `precompile.load(code, None)`, so the
-kernels are built from the source in the measured process. "load+first call" is the part after
-the model and inputs exist (load, compile, first call); "max diff" is the largest absolute
-difference of the first result (and gradients, for training) from a fresh eager run, over all
-runs. Steady state: one process per approach, after warm-up calls, the median of per-call
-`time.perf_counter()` times; training steps are called repeatedly without zeroing gradients
-(they accumulate alike everywhere). Inference `fn` is called as written (grad mode on) by eager
-and torch.compile. Build time: once per workload with empty caches; for torch.compile, the
-median first compiled call over the setup process and all cold runs."""
+and calls it with the model. *ours, without cache*: `precompile.load(code, None)`, so the kernels
+are built from the source in the measured process. "load+first call" is the part after the model
+and inputs exist (load, compile, first call); "max diff" is the largest absolute difference of the
+first result (and gradients, for training) from a fresh eager run, over all runs. Steady state: per
+process, after warm-up calls, the median of per-call `time.perf_counter()` times (torch.compile
+compiles first, with empty caches; ours loads with its cache); the lowest of the processes' medians
+is reported, to damp interference; training steps are called repeatedly without zeroing gradients
+(they accumulate alike everywhere). Inference `fn` is called as written (grad mode on) by eager and
+torch.compile. Build time: once per workload with empty caches; for torch.compile, the median first
+compiled call over the setup process and all cold runs."""
 
 
 def machine_description() -> str:
@@ -583,7 +597,8 @@ def report(
         f"{torch.get_num_threads()} intra-op threads\n"
         f"- Command: `{command_line()}`\n"
         f"- N = {args.runs} cold-start runs per mode (median reported); steady state: "
-        f"{args.warmup} warm-up calls, median of {args.calls} timed calls\n"
+        f"{args.steady_repeats} processes per approach, each {args.warmup} warm-up calls then "
+        f"the median of {args.calls} timed calls; the lowest process median is reported\n"
         f"- Total run time: {elapsed / 60:.1f} min\n"
     )
     md.append(EXPLANATION + "\n")
@@ -615,6 +630,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=50, help="steady-state warm-up calls (>= 20)")
     p.add_argument("--calls", type=int, default=500, help="steady-state timed calls (>= 200)")
     p.add_argument(
+        "--steady-repeats", type=int, default=3, help="steady-state processes per approach"
+    )
+    p.add_argument(
         "--child", nargs=3, metavar=("MODE", "WORKLOAD", "WORKDIR"), help=argparse.SUPPRESS
     )
     args = p.parse_args(argv)
@@ -622,8 +640,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(workloads) - set(WORKLOADS)
     if unknown:
         p.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
-    if args.runs < 1 or args.warmup < 20 or args.calls < 200:
-        p.error("need --runs >= 1, --warmup >= 20 and --calls >= 200")
+    if args.runs < 1 or args.warmup < 20 or args.calls < 200 or args.steady_repeats < 1:
+        p.error("need --runs >= 1, --warmup >= 20, --calls >= 200 and --steady-repeats >= 1")
     args.workload_list = workloads
     return args
 
@@ -644,7 +662,8 @@ def main(argv: list[str] | None = None) -> None:
         log(f"scratch root {root}; warming the page cache with one discarded child")
         runner.child("import", "mlp", root)
         results = {
-            w: measure_workload(runner, w, args.runs, args.skip_peers) for w in args.workload_list
+            w: measure_workload(runner, w, args.runs, args.steady_repeats, args.skip_peers)
+            for w in args.workload_list
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)

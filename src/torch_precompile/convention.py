@@ -25,8 +25,11 @@ class CallingConvention:
     per entry of ``grad_param_indices``, then one tensor per value guard (see
     ``capture.guards``) that must hold the recorded value. Per-leaf lists are aligned with
     ``user_input_names``; tensor-only fields hold None for a Python-value leaf and vice versa.
-    ``input_strides`` (per flat input, set by a backend whose kernels assume a layout) lists
-    the strides each call must present, None where any layout will do.
+    ``dynamic_dims`` lists one (shape_id or "", [[leaf, dim], ...]) per dynamic size symbol;
+    ``shape_relations`` are (Python expression over ``d``, the sizes in that order; readable
+    form) that must hold at every call. ``input_strides`` (per flat input, set by a backend
+    whose kernels assume a layout) lists the strides each call must present (or a
+    memory-format name for a dynamic input), None where any layout will do.
     """
 
     backend: str
@@ -52,7 +55,9 @@ class CallingConvention:
     user_input_bounds: list[dict[int, tuple[int | None, int | None]] | None]
     user_input_values: list[EncodedValue | None]
     value_guards: list[tuple[str, EncodedValue]]
-    input_strides: list[tuple[int, ...] | None] | None = None
+    dynamic_dims: list[tuple[str, list[list[int]]]]
+    shape_relations: list[tuple[str, str]]
+    input_strides: list[tuple[int, ...] | str | None] | None = None
 
     def literals(self) -> dict[str, Any]:
         """The convention as ``{METADATA_NAME: literal value}``, in field order."""

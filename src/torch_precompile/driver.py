@@ -35,6 +35,7 @@ def bind_forward(meta: Mapping[str, Any], call: Callable[[list[Any]], list[Any]]
     out_spec = pytree.treespec_loads(meta["OUT_SPEC"])
     leaf_checks = _leaf_checks(meta)
     state_layouts, input_layouts = _layout_checks(meta)
+    size_check = _dynamic_size_check(meta)
     model_state = _model_state(meta, [arg_names[i] for i in module_positions], state_layouts)
     grad_indices: list[int] = meta["GRAD_PARAM_INDICES"]
     guards = meta["VALUE_GUARDS"]
@@ -77,6 +78,8 @@ def bind_forward(meta: Mapping[str, Any], call: Callable[[list[Any]], list[Any]]
         flat: list[Any] = []
         for check, leaf in zip(leaf_checks, leaves, strict=True):
             check(leaf, flat)
+        if size_check is not None:
+            size_check(leaves)
         for index, strides, name in input_layouts:
             _check_layout(flat[index], strides, name)
         state = model_state([args[i] for i in module_positions])
@@ -98,6 +101,53 @@ def bind_forward(meta: Mapping[str, Any], call: Callable[[list[Any]], list[Any]]
     return forward
 
 
+def _dynamic_size_check(meta: Mapping[str, Any]) -> Callable[[Sequence[Any]], None] | None:
+    """Check that dims sharing a size agree and that the trace's size relations hold."""
+    dims = meta["DYNAMIC_DIMS"]
+    if not dims:
+        return None
+    names = meta["USER_INPUT_NAMES"]
+    relations = [
+        (eval(f"lambda d: {code}", {"min": min, "max": max}), code, readable)
+        for code, readable in meta["SHAPE_RELATIONS"]
+    ]
+
+    def where(place: Sequence[int]) -> str:
+        return f"input {names[place[0]]} dim {place[1]}"
+
+    def check(leaves: Sequence[Any]) -> None:
+        sizes = []
+        for label, places in dims:
+            first = places[0]
+            size = leaves[first[0]].shape[first[1]]
+            for place in places[1:]:
+                other = leaves[place[0]].shape[place[1]]
+                if other != size:
+                    raise PrecompileError(
+                        f"{where(place)} (={other}) must equal {where(first)} (={size}): they "
+                        f"share shape_id {label!r}."
+                    )
+            sizes.append(size)
+        for holds, code, readable in relations:
+            if not holds(sizes):
+                raise PrecompileError(_relation_message(code, readable, dims, sizes, where))
+
+    return check
+
+
+def _relation_message(code: str, readable: str, dims: Sequence[Any], sizes: Sequence[int],
+                      where: Callable[[Sequence[int]], str]) -> str:
+    parts = code.split(" == ")
+    if len(parts) == 2 and all(p.startswith("d[") and p.endswith("]") for p in parts):
+        a, b = (int(p[2:-1]) for p in parts)
+        return (f"{where(dims[a][1][0])} (={sizes[a]}) must equal {where(dims[b][1][0])} "
+                f"(={sizes[b]}): the computation was captured for equal sizes.")
+    values = ", ".join(f"{where(places[0])} = {size}"
+                       for (_, places), size in zip(dims, sizes, strict=True))
+    return (f"the input sizes must satisfy {readable}, which the computation was captured "
+            f"with; this call has {values}.")
+
+
 def _layout_checks(meta: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
     """(index, strides, name) of each flat input whose layout the kernels assume."""
     strides = meta["INPUT_STRIDES"]
@@ -113,14 +163,33 @@ def _layout_checks(meta: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
         for n, shape in zip(meta["USER_INPUT_NAMES"], meta["USER_INPUT_SHAPES"], strict=True)
         if shape is not None
     ]
-    checks = [(i, tuple(s), names[i]) for i, s in enumerate(strides) if s is not None]
+    checks = [
+        (i, s if isinstance(s, str) else tuple(s), names[i])
+        for i, s in enumerate(strides)
+        if s is not None
+    ]
     return (
         [c for c in checks if c[0] < num_state],
         [(i - num_state, s, name) for i, s, name in checks if i >= num_state],
     )
 
 
-def _check_layout(tensor: torch.Tensor, strides: tuple[int, ...], name: str) -> None:
+_MEMORY_FORMATS = {
+    "contiguous": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "channels_last_3d": torch.channels_last_3d,
+}
+
+
+def _check_layout(tensor: torch.Tensor, strides: tuple[int, ...] | str, name: str) -> None:
+    if isinstance(strides, str):  # an input with dynamic dims: its memory format
+        if not tensor.is_contiguous(memory_format=_MEMORY_FORMATS[strides]):
+            raise PrecompileError(
+                f"{name}: the compiled kernels assume the {strides} memory format (the "
+                f"example's), got strides {tuple(tensor.stride())}. Pass it in that format "
+                "(.contiguous(memory_format=...)), or precompile with backend='eager'."
+            )
+        return
     # Strides of dims of size 0 or 1 never matter, as in Inductor's own assert.
     if tensor.numel() and any(
         size > 1 and got != want

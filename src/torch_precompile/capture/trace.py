@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import keyword
 import re
 from collections.abc import Callable, Mapping
@@ -15,12 +16,14 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
-from torch_precompile.capture import checks
+from torch_precompile.capture import checks, dynamic
 from torch_precompile.capture.guards import GuardRecorder
 from torch_precompile.capture.inputs import arg_names_of, encode_value, flatten_user_inputs
 from torch_precompile.capture.state import ModelState, intern_model_state
 from torch_precompile.convention import CallingConvention
 from torch_precompile.errors import PrecompileError
+
+Alias = tuple[int, tuple[int, ...], tuple[int, ...], int] | tuple[int, None, None, None]
 
 
 @dataclass(frozen=True)
@@ -29,16 +32,19 @@ class Capture:
 
     ``graph`` takes the flat inputs of ``convention`` followed by ``literals`` (tensors the
     artifact rebuilds from source) and returns a list: result leaves, then gradients.
-    ``example_inputs`` are the flat example tensors it was traced with. ``output_aliases``
-    maps each result output that is a view of a flat input to (input index, size, stride,
-    storage offset relative to the input's).
+    ``example_inputs`` are the flat example tensors it was traced with: fake tensors with
+    unbacked symbols when dims were marked dynamic, ``fake_mode`` then holding their ShapeEnv.
+    ``output_aliases`` maps each result output that is a view of a flat input to (input index,
+    size, stride, storage offset relative to the input's), with None for "the input itself".
     """
 
     graph: torch.fx.GraphModule
     literals: list[torch.Tensor]
     convention: CallingConvention
     example_inputs: list[torch.Tensor]
-    output_aliases: dict[int, tuple[int, tuple[int, ...], tuple[int, ...], int]]
+    output_aliases: dict[int, Alias]
+    fake_mode: Any = None
+    memory_formats: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 def capture(
@@ -58,14 +64,12 @@ def capture(
     )
     tensor_positions = inputs.tensor_positions
     num_state, num_params = len(state.tensors), state.num_params
-    # Parameters are traced as themselves (a backward writes their .grad, which is restored
-    # below); buffers and input tensors are traced as copies, so that mutations fn makes while
-    # being traced (BatchNorm statistics, in-place input updates) never touch the caller's.
-    examples = [
-        *state.tensors[:num_params],
-        *(_copy(t) for t in state.tensors[num_params:]),
-        *(_copy(inputs.leaves[i]) for i in tensor_positions),
-    ]
+    marks = dynamic.read_marks(inputs.leaves, inputs.names)
+    if any(marks) and backend != "inductor":
+        raise NotImplementedError(
+            "dims marked with mark_unbacked (dynamic shapes) need backend='inductor'; the eager "
+            "backend runs static graphs only."
+        )
     outputs: dict[str, Any] = {}
     recorder = GuardRecorder()
 
@@ -79,7 +83,7 @@ def capture(
             for module, binding in zip(modules, state.bindings, strict=True):
                 reparam = {name: flat[index] for name, index in binding.items()}
                 stack.enter_context(_reparametrize_module(module, reparam, tie_weights=True))
-            with recorder:
+            with recorder if dynamic_inputs is None else contextlib.nullcontext():
                 result = fn(*call_args)
         _reject_stray_gradients(state, flat, num_params)
         result_leaves, out_spec = pytree.tree_flatten(result)
@@ -93,10 +97,26 @@ def capture(
     try:
         for p in state.tensors[:num_params]:
             p.grad = None
-        with torch.enable_grad(), _fork_rng(examples):
-            gm = make_fx(
-                flat_fn, decomposition_table=decompositions, _error_on_data_dependent_ops=False
-            )(*examples)
+        if any(marks):
+            dynamic_inputs = dynamic.fake_inputs(state.tensors, inputs.leaves, inputs.names, marks)
+            examples = dynamic_inputs.fakes
+            gm = _trace_symbolic(flat_fn, examples, dynamic_inputs, decompositions)
+        else:
+            dynamic_inputs = None
+            # Parameters are traced as themselves (a backward writes their .grad, restored
+            # below); buffers and input tensors as copies, so that mutations fn makes while
+            # being traced (BatchNorm statistics, in-place input updates) never touch the
+            # caller's.
+            examples = [
+                *state.tensors[:num_params],
+                *(_copy(t) for t in state.tensors[num_params:]),
+                *(_copy(inputs.leaves[i]) for i in tensor_positions),
+            ]
+            with torch.enable_grad(), _fork_rng(examples):
+                gm = make_fx(
+                    flat_fn, decomposition_table=decompositions,
+                    _error_on_data_dependent_ops=False,
+                )(*examples)
     finally:
         for p, grad in zip(state.tensors[:num_params], saved_grads, strict=True):
             p.grad = grad
@@ -107,6 +127,27 @@ def capture(
         gm, checks.origin_finder(fn, [(arg_names[i], args[i]) for i in module_positions])
     )
     _name_placeholders(gm, state, [inputs.names[i] for i in tensor_positions])
+    shapes: list[Any] = [_shape(leaf) for leaf in inputs.leaves]
+    bounds: list[Any] = [None for _ in inputs.leaves]
+    dynamic_dims: list[Any] = []
+    relations: list[Any] = []
+    if dynamic_inputs is not None:
+        dynamic.check_not_specialized(dynamic_inputs, inputs.names)
+        relations = dynamic.shape_relations(dynamic_inputs, inputs.names)
+        for leaf_index, leaf_marks in enumerate(marks):
+            if leaf_marks:
+                shapes[leaf_index] = tuple(
+                    None if d in leaf_marks else s for d, s in enumerate(shapes[leaf_index])
+                )
+                bounds[leaf_index] = {
+                    d: (m.low, m.high) for d, m in leaf_marks.items()
+                    if m.low is not None or m.high is not None
+                } or None
+        dynamic_dims = [
+            (label, [list(place) for place in places])
+            for label, places in zip(dynamic_inputs.labels, dynamic_inputs.occurrences,
+                                     strict=True)
+        ]
     convention = CallingConvention(
         backend=backend,
         num_positional_args=len(args),
@@ -125,29 +166,63 @@ def capture(
         in_spec=_dump_in_spec(inputs.spec),
         out_spec=_dump_out_spec(outputs["spec"]),
         user_input_names=inputs.names,
-        user_input_shapes=[_shape(leaf) for leaf in inputs.leaves],
+        user_input_shapes=shapes,
         user_input_dtypes=[_text(leaf, "dtype") for leaf in inputs.leaves],
         user_input_devices=[_text(leaf, "device") for leaf in inputs.leaves],
-        user_input_bounds=[None for _ in inputs.leaves],
+        user_input_bounds=bounds,
         user_input_values=inputs.values,
         value_guards=[
             (g.description, encode_value(g.description, g.expected)) for g in recorder.guards
         ],
+        dynamic_dims=dynamic_dims,
+        shape_relations=relations,
     )
-    return Capture(gm, literals, convention, examples, outputs["aliases"])
+    if dynamic_inputs is None:
+        return Capture(gm, literals, convention, examples, outputs["aliases"])
+    flat_index = {leaf: num_state + i for i, leaf in enumerate(tensor_positions)}
+    formats = {flat_index[leaf]: name for leaf, name in dynamic_inputs.memory_formats.items()}
+    return Capture(gm, literals, convention, examples, outputs["aliases"],
+                   dynamic_inputs.fake_mode, formats)
 
 
-def _output_aliases(
-    results: list[Any], flat: tuple[torch.Tensor, ...]
-) -> dict[int, tuple[int, tuple[int, ...], tuple[int, ...], int]]:
-    owners = {t.untyped_storage().data_ptr(): i for i, t in enumerate(flat) if t.numel()}
-    aliases = {}
+def _trace_symbolic(
+    flat_fn: Callable[..., Any],
+    fakes: list[torch.Tensor],
+    dynamic_inputs: dynamic.DynamicInputs,
+    decompositions: Mapping[Any, Callable[..., Any]] | None,
+) -> torch.fx.GraphModule:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        with torch.enable_grad(), dynamic_inputs.fake_mode:
+            return make_fx(flat_fn, decomposition_table=decompositions,
+                           tracing_mode="symbolic")(*fakes)
+    except GuardOnDataDependentSymNode as e:
+        raise PrecompileError(
+            "fn branches on, or needs a fixed value of, a dim marked with mark_unbacked (or a "
+            "value computed from one), so no single artifact can serve every size. Marked dims "
+            "that must be equal should share one shape_id; otherwise leave the dim static or "
+            "write fn without the size-dependent decision. The trace stopped at: "
+            f"{str(e).splitlines()[0]}"
+        ) from e
+
+
+def _output_aliases(results: list[Any], flat: tuple[torch.Tensor, ...]) -> dict[int, Alias]:
+    owners = {t.untyped_storage()._cdata: i for i, t in enumerate(flat)}
+    aliases: dict[int, Alias] = {}
     for out, result in enumerate(results):
-        if isinstance(result, torch.Tensor) and result.numel():
-            source = owners.get(result.untyped_storage().data_ptr())
-            if source is not None:
-                offset = result.storage_offset() - flat[source].storage_offset()
-                aliases[out] = (source, tuple(result.shape), tuple(result.stride()), offset)
+        if not isinstance(result, torch.Tensor):
+            continue
+        source = owners.get(result.untyped_storage()._cdata)
+        if source is None:
+            continue
+        if result is flat[source]:
+            aliases[out] = (source, None, None, None)
+            continue
+        layout = (*result.shape, *result.stride(), result.storage_offset())
+        if all(isinstance(v, int) for v in layout):  # a view with symbolic sizes stays a copy
+            offset = result.storage_offset() - flat[source].storage_offset()
+            aliases[out] = (source, tuple(result.shape), tuple(result.stride()), offset)
     return aliases
 
 

@@ -15,4 +15,4 @@ class LoweredGraph:
 
     source: str
     acceleration: bytes | None
-    input_strides: list[tuple[int, ...] | None] | None = None
+    input_strides: list[tuple[int, ...] | str | None] | None = None

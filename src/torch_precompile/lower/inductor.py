@@ -49,10 +49,10 @@ def lower_inductor(capture: Capture) -> LoweredGraph:
             "the inductor backend has nothing to compile: fn returns its inputs or constants "
             "without computing on them. Use backend='eager' for such a computation."
         )
-    graph = _functional_graph(capture.graph, tensor_outputs, inputs)
-    wrapper = _compile(graph)
+    graph = _functional_graph(capture.graph, tensor_outputs, inputs, capture.fake_mode)
+    wrapper = _compile(graph, capture.fake_mode)
     input_names = [n.name for n in graph.graph.find_nodes(op="placeholder")]
-    strides = _asserted_strides(wrapper, input_names, len(capture.example_inputs))
+    strides = _asserted_strides(wrapper, input_names, capture)
     source = "\n".join([
         "# Stand-ins for the Inductor imports of the generated module below: prebuilt kernels",
         "# come from load(); anything else imports torch._inductor when first used.",
@@ -73,11 +73,18 @@ def _has_compute(gm: torch.fx.GraphModule) -> bool:
 
 
 def _functional_graph(
-    captured: torch.fx.GraphModule, tensor_outputs: list[int], inputs: list[torch.Tensor]
+    captured: torch.fx.GraphModule,
+    tensor_outputs: list[int],
+    inputs: list[torch.Tensor],
+    fake_mode: Any,
 ) -> torch.fx.GraphModule:
-    """Retrace the capture functionally, with Inductor's decompositions, on fake tensors."""
+    """Retrace the capture functionally, with Inductor's decompositions, on fake tensors.
+
+    A dynamic capture is retraced inside its own fake mode, so the unbacked symbols of its
+    inputs (and what the ShapeEnv learned about them) carry over to the lowering.
+    """
     from torch._inductor.decomposition import select_decomp_table
-    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
     gm = torch.fx.GraphModule(captured, captured.graph)  # a copy: the capture stays as it was
@@ -88,12 +95,14 @@ def _functional_graph(
         results = gm(*args)
         return [results[i] for i in tensor_outputs]
 
+    functional = torch.func.functionalize(tensors_only, remove="mutations")
     try:
-        return make_fx(
-            torch.func.functionalize(tensors_only, remove="mutations"),
-            decomposition_table=select_decomp_table(),
-            tracing_mode="fake",
-        )(*inputs)
+        if fake_mode is None:
+            return make_fx(functional, decomposition_table=select_decomp_table(),
+                           tracing_mode="fake")(*inputs)
+        with fake_mode:
+            fakes = [t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t) for t in inputs]
+            return make_fx(functional, decomposition_table=select_decomp_table())(*fakes)
     except DynamicOutputShapeException as e:
         raise PrecompileError(
             f"the inductor backend cannot compile {e.func}, whose output size depends on tensor "
@@ -112,19 +121,23 @@ def _without_baked_reads(graph: torch.fx.Graph) -> torch.fx.Graph:
     return copied
 
 
-def _compile(graph: torch.fx.GraphModule) -> str:
+def _compile(graph: torch.fx.GraphModule, fake_mode: Any) -> str:
     import torch._inductor.config as inductor_config
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx_inner
 
     placeholders = list(graph.graph.find_nodes(op="placeholder"))
     fake_inputs = [p.meta["val"] for p in placeholders]
-    fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
+    if fake_mode is None:
+        fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
     if fake_mode is None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         fake_mode = FakeTensorMode()
-    with tracing(TracingContext(fake_mode)), inductor_config.patch(INDUCTOR_OPTIONS):
+    options = dict(INDUCTOR_OPTIONS)
+    if fake_mode.shape_env is not None:
+        options["scalar_asserts"] = True  # keep Inductor's own checks of size assumptions
+    with tracing(TracingContext(fake_mode)), inductor_config.patch(options):
         compiled = compile_fx_inner(graph, fake_inputs, is_inference=True)
     source = getattr(compiled, "source_code", None)
     if not source or "runner.call" not in source:
@@ -135,15 +148,19 @@ def _compile(graph: torch.fx.GraphModule) -> str:
 
 
 def _asserted_strides(
-    wrapper: str, input_names: list[str], num_inputs: int
-) -> list[tuple[int, ...] | None]:
-    """Strides Inductor asserts for each flat input (None: not read, any layout will do)."""
+    wrapper: str, input_names: list[str], capture: Capture
+) -> list[tuple[int, ...] | str | None]:
+    """The layout Inductor asserts for each flat input: its strides, or for an input with
+    dynamic dims its memory-format name; None where the kernels never read it."""
     index = {name: i for i, name in enumerate(input_names)}
-    strides: list[tuple[int, ...] | None] = [None] * num_inputs
-    for name, _, stride_text in _SIZE_ASSERT.findall(wrapper):
+    num_inputs = len(capture.example_inputs)
+    strides: list[tuple[int, ...] | str | None] = [None] * num_inputs
+    for name, _, _ in _SIZE_ASSERT.findall(wrapper):
         i = index.get(name)
         if i is not None and i < num_inputs:
-            strides[i] = tuple(int(s) for s in stride_text.replace(" ", "").split(",") if s)
+            strides[i] = capture.memory_formats.get(i) or tuple(
+                int(s) for s in capture.example_inputs[i].stride()
+            )
     return strides
 
 
@@ -199,13 +216,16 @@ def _call_source(
         )
         lines.append(f"    outputs = [{slots}]")
     for out, (source_index, size, stride, offset) in aliases.items():
+        if size is None:
+            lines.append(f"    outputs[{out}] = inputs[{source_index}]  # fn returned it")
+            continue
         lines.append(f"    # output {out} is a view of input {source_index}, as in eager")
         lines.append(
             f"    outputs[{out}] = _view_of(inputs[{source_index}], {size!r}, {stride!r}, "
             f"{offset!r})"
         )
     lines.append("    return outputs")
-    if aliases:
+    if any(alias[1] is not None for alias in aliases.values()):
         lines += [
             "",
             "",

@@ -1,0 +1,278 @@
+"""Dynamic dims: inputs marked with ``torch._dynamo.decorators.mark_unbacked`` are traced with
+unbacked symbols, so one artifact serves every size of those dims.
+
+``mark_unbacked`` leaves private attributes on the tensor (``_dynamo_unbacked_indices``,
+``_dynamo_strict_unbacked_indices``, ``_dynamo_shape_ids``, ``_dynamo_unbacked_bounds``,
+``_dynamo_hint_overrides``, ``_specialize_on``); this module is the one place that reads them.
+An unbacked symbol cannot be guarded on, so a computation that would branch on or specialize
+a marked dim fails at capture. What the trace needed to assume about the sizes (``Eq(u0, u1)``
+when two marked dims meet in one operation) is recorded as deferred runtime asserts; those
+become checks the driver runs before any kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from torch_precompile.errors import PrecompileError
+
+MEMORY_FORMATS = {
+    "contiguous": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "channels_last_3d": torch.channels_last_3d,
+}
+
+
+@dataclass(frozen=True)
+class Mark:
+    shape_id: Any
+    low: int | None
+    high: int | None
+    hint: int | None
+
+
+@dataclass(frozen=True)
+class DynamicInputs:
+    """Fake inputs with unbacked symbols, and how each symbol maps back to the user's dims."""
+
+    fakes: list[torch.Tensor]
+    fake_mode: Any
+    symbols: list[Any]  # one sympy symbol per dynamic size
+    labels: list[str]  # the shape_id, or "" when the symbol is not shared by label
+    occurrences: list[list[tuple[int, int]]]  # per symbol: (leaf index, dim) pairs
+    memory_formats: dict[int, str]  # leaf index -> layout name of a marked input
+
+
+def has_marks(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and bool(
+        getattr(value, "_dynamo_unbacked_indices", None)
+        or getattr(value, "_dynamo_strict_unbacked_indices", None)
+    )
+
+
+def read_marks(leaves: Sequence[Any], names: Sequence[str]) -> list[dict[int, Mark]]:
+    """The marked dims of each leaf; rejects marks that one artifact cannot honour."""
+    marks: list[dict[int, Mark]] = []
+    for leaf, name in zip(leaves, names, strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            marks.append({})
+            continue
+        if getattr(leaf, "_dynamo_dynamic_indices", None):
+            raise PrecompileError(
+                f"input {name} has a dim marked with mark_dynamic (a backed dynamic dim), which "
+                "precompile cannot honour: one artifact cannot re-specialize per size. Mark it "
+                "with torch._dynamo.decorators.mark_unbacked instead, or leave it static."
+            )
+        specialize_on = getattr(leaf, "_specialize_on", None) or {}
+        if any(specialize_on.values()):
+            raise PrecompileError(
+                f"input {name} is marked with mark_unbacked(..., specialize_on=...), which asks "
+                "for per-value specializations; a precompiled artifact is one graph. Remove "
+                "specialize_on."
+            )
+        dims = set(getattr(leaf, "_dynamo_unbacked_indices", None) or ())
+        dims |= set(getattr(leaf, "_dynamo_strict_unbacked_indices", None) or ())
+        if dims and is_traceable_wrapper_subclass(leaf):
+            raise PrecompileError(
+                f"input {name} is a tensor subclass ({type(leaf).__name__}) with a "
+                "mark_unbacked dim; dynamic capture handles plain tensors only. Mark a plain "
+                "tensor, or leave the dim static."
+            )
+        shape_ids = getattr(leaf, "_dynamo_shape_ids", None) or {}
+        bounds = getattr(leaf, "_dynamo_unbacked_bounds", None) or {}
+        hints = getattr(leaf, "_dynamo_hint_overrides", None) or {}
+        for dim in dims:
+            if not -leaf.dim() <= dim < leaf.dim():
+                raise PrecompileError(
+                    f"input {name} is marked dynamic in dim {dim}, but it has {leaf.dim()} dims."
+                )
+        marks.append({
+            dim % leaf.dim(): Mark(shape_ids.get(dim), *bounds.get(dim, (None, None)),
+                                   hints.get(dim))
+            for dim in dims
+        })
+    return marks
+
+
+def memory_format_name(leaf: torch.Tensor, name: str) -> str:
+    for format_name, memory_format in MEMORY_FORMATS.items():
+        if leaf.is_contiguous(memory_format=memory_format):
+            return format_name
+    raise PrecompileError(
+        f"input {name} has a dynamic dim but a layout that is neither contiguous, channels_last "
+        f"nor channels_last_3d (strides {tuple(leaf.stride())}); the artifact could not check "
+        "it at other sizes. Pass it in one of those layouts (.contiguous()), or leave its dims "
+        "static."
+    )
+
+
+def fake_inputs(
+    state: Sequence[torch.Tensor],
+    leaves: Sequence[Any],
+    names: Sequence[str],
+    marks: Sequence[dict[int, Mark]],
+) -> DynamicInputs:
+    """Fake tensors for the flat inputs: static model state, unbacked symbols for marked dims."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    shape_env = ShapeEnv()
+    fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    by_label: dict[Any, int] = {}
+    symbols: list[Any] = []
+    labels: list[str] = []
+    occurrences: list[list[tuple[int, int]]] = []
+    memory_formats: dict[int, str] = {}
+    fakes: list[torch.Tensor] = []
+    with fake_mode:
+        for tensor in state:
+            fake = fake_mode.from_tensor(tensor, static_shapes=True)
+            fakes.append(fake.requires_grad_(tensor.requires_grad) if tensor.is_leaf else fake)
+        for index, (leaf, name, leaf_marks) in enumerate(zip(leaves, names, marks, strict=True)):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if not leaf_marks:
+                fakes.append(fake_mode.from_tensor(leaf, static_shapes=True))
+                continue
+            sizes: list[Any] = []
+            for dim, size in enumerate(leaf.shape):
+                mark = leaf_marks.get(dim)
+                if mark is None:
+                    sizes.append(int(size))
+                    continue
+                slot = by_label.get(mark.shape_id) if mark.shape_id is not None else None
+                if slot is None:
+                    symbol = shape_env.create_unbacked_symint()
+                    torch._check(symbol >= 0)
+                    if mark.hint is not None:
+                        shape_env.var_to_hint_override[symbol.node.expr] = mark.hint
+                    slot = len(symbols)
+                    symbols.append(symbol)
+                    labels.append("" if mark.shape_id is None else str(mark.shape_id))
+                    occurrences.append([])
+                    if mark.shape_id is not None:
+                        by_label[mark.shape_id] = slot
+                symbol = symbols[slot]
+                if mark.low is not None:
+                    torch._check(symbol >= mark.low)
+                if mark.high is not None:
+                    torch._check(symbol <= mark.high)
+                occurrences[slot].append((index, dim))
+                sizes.append(symbol)
+            memory_formats[index] = memory_format_name(leaf, name)
+            fake = torch.empty(sizes, dtype=leaf.dtype, device=leaf.device,
+                               memory_format=MEMORY_FORMATS[memory_formats[index]])
+            fakes.append(fake.requires_grad_(leaf.requires_grad))
+        # The symbols are bound by the inputs themselves, not by an operation of the trace.
+        shape_env.pending_fresh_unbacked_symbols.clear()
+    return DynamicInputs(fakes, fake_mode, [s.node.expr for s in symbols], labels, occurrences,
+                         memory_formats)
+
+
+def check_not_specialized(dynamic: DynamicInputs, names: Sequence[str]) -> None:
+    """A trace may narrow a marked dim's range, but must not pin it to one value."""
+    shape_env = dynamic.fake_mode.shape_env
+    for symbol, places in zip(dynamic.symbols, dynamic.occurrences, strict=True):
+        value_range = shape_env.var_to_range.get(symbol)
+        replaced = shape_env.replacements.get(symbol)
+        pinned = replaced is not None and getattr(replaced, "is_number", False)
+        if pinned or (value_range is not None and value_range.lower == value_range.upper):
+            leaf, dim = places[0]
+            value = replaced if pinned else value_range.lower
+            raise PrecompileError(
+                f"fn fixes the dynamic dim {dim} of input {names[leaf]} to {value} (for example "
+                "with a view or reshape to a constant size), so the artifact could only serve "
+                "that size. Leave that dim static, or write fn so the size stays free."
+            )
+
+
+def shape_relations(
+    dynamic: DynamicInputs, names: Sequence[str]
+) -> list[tuple[str, str]]:
+    """The trace's deferred runtime asserts that relate dynamic dims, as driver checks.
+
+    Each is (Python expression over ``d``, the dynamic sizes in DYNAMIC_DIMS order; the same
+    expression written with the user's names). Bounds the driver already checks are skipped.
+    """
+    shape_env = dynamic.fake_mode.shape_env
+    slot_of = {symbol: i for i, symbol in enumerate(dynamic.symbols)}
+    readable = {
+        symbol: f"input {names[dynamic.occurrences[i][0][0]]} dim {dynamic.occurrences[i][0][1]}"
+        for i, symbol in enumerate(dynamic.symbols)
+    }
+    relations: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for asserts in shape_env.deferred_runtime_asserts.values():
+        for runtime_assert in asserts:
+            expr = runtime_assert.expr
+            if not expr.free_symbols or _is_plain_bound(expr, slot_of):
+                continue
+            unknown = [s for s in expr.free_symbols if s not in slot_of]
+            if unknown:
+                raise PrecompileError(
+                    f"the trace needs {expr} to hold at run time, which involves values "
+                    "computed inside fn; precompile can only check relations between input "
+                    "sizes. Leave those dims static."
+                )
+            code = _python(expr, lambda s: f"d[{slot_of[s]}]")
+            if code not in seen:
+                seen.add(code)
+                relations.append((code, _python(expr, lambda s: readable[s])))
+    return relations
+
+
+def _is_plain_bound(expr: Any, slot_of: dict[Any, int]) -> bool:
+    """``0 <= u0``, ``u0 >= 2``: bounds, which the driver checks from the marks already."""
+    import sympy
+
+    if isinstance(expr, sympy.core.relational.Relational) and len(expr.free_symbols) == 1:
+        sides = (expr.lhs, expr.rhs)
+        return any(s in slot_of for s in sides) and any(s.is_number for s in sides)
+    return False
+
+
+def _python(expr: Any, name: Any) -> str:
+    """Python source for a sympy size expression (the operators shape asserts use)."""
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
+
+    def text(e: Any) -> str:
+        if e.is_Symbol:
+            return name(e)
+        if e.is_Integer:
+            return str(int(e))
+        if e.is_Rational:
+            return f"({int(e.p)} / {int(e.q)})"
+        if isinstance(e, sympy.Add):
+            return "(" + " + ".join(text(a) for a in e.args) + ")"
+        if isinstance(e, sympy.Mul):
+            return "(" + " * ".join(text(a) for a in e.args) + ")"
+        if isinstance(e, sympy.Pow) and e.exp.is_Integer and int(e.exp) > 0:
+            return f"({text(e.base)} ** {int(e.exp)})"
+        if isinstance(e, FloorDiv):
+            return f"({text(e.args[0])} // {text(e.args[1])})"
+        if isinstance(e, Mod | PythonMod | sympy.Mod):
+            return f"({text(e.args[0])} % {text(e.args[1])})"
+        relations = {sympy.Eq: "==", sympy.Ne: "!=", sympy.Le: "<=", sympy.Lt: "<",
+                     sympy.Ge: ">=", sympy.Gt: ">"}
+        for kind, op in relations.items():
+            if isinstance(e, kind):
+                return f"{text(e.lhs)} {op} {text(e.rhs)}"
+        if isinstance(e, sympy.And | sympy.Or):
+            joiner = " and " if isinstance(e, sympy.And) else " or "
+            return "(" + joiner.join(text(a) for a in e.args) + ")"
+        if isinstance(e, sympy.Not):
+            return f"(not {text(e.args[0])})"
+        if isinstance(e, sympy.Max | sympy.Min):
+            return f"{type(e).__name__.lower()}({', '.join(text(a) for a in e.args)})"
+        raise PrecompileError(
+            f"the trace needs the sizes to satisfy {expr}, which precompile cannot turn into a "
+            "check. Leave those dims static."
+        )
+
+    return text(expr)
