@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import platform
+import resource
 import shlex
 import shutil
 import statistics
@@ -290,6 +291,7 @@ class Outcome:
     payload: dict[str, Any] | None = None
     error: str | None = None
     parent_start: float = 0.0
+    background: float = math.nan  # other processes' CPU use while it ran, in cores
 
 
 @dataclass
@@ -313,14 +315,59 @@ def _short_reason(stderr: str) -> str:
     return reason if len(reason) <= 120 else reason[:117] + "..."
 
 
+def _busy_cpu_seconds() -> float:
+    """CPU seconds all processes have used since boot (nan where /proc/stat is missing)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return math.nan
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds used by this process and its waited-for descendants."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class CpuMeter:
+    """Measures the CPU that processes other than ours used over an interval, in cores."""
+
+    def __init__(self) -> None:
+        self.start = (time.monotonic(), _busy_cpu_seconds(), _own_cpu_seconds())
+
+    def cores(self) -> float:
+        """Average number of cores busy with other processes' work since construction."""
+        wall, busy, own = self.start
+        wall = time.monotonic() - wall
+        return max(0.0, (_busy_cpu_seconds() - busy - (_own_cpu_seconds() - own)) / wall)
+
+
 class Runner:
     """Starts children, each with a fresh empty Inductor cache dir and temp dir under one root."""
 
-    def __init__(self, root: Path, warmup: int, calls: int) -> None:
+    def __init__(self, root: Path, warmup: int, calls: int, quiet_wait: float) -> None:
         self.root = root
         self.warmup = warmup
         self.calls = calls
+        self.quiet_wait = quiet_wait
         self._count = 0
+
+    def wait_for_quiet(self, threshold: float = 0.25, window: float = 0.5) -> None:
+        """Wait (up to ``quiet_wait`` s) until other processes use under ``threshold`` cores."""
+        deadline = time.monotonic() + self.quiet_wait
+        logged = False
+        while time.monotonic() < deadline:
+            meter = CpuMeter()
+            time.sleep(window)
+            load = meter.cores()
+            if not load >= threshold:  # also true for nan (no /proc/stat)
+                return
+            if not logged:
+                log(f"  other processes busy ({load:.2f} cores); waiting up to {self.quiet_wait} s")
+                logged = True
 
     def fresh_dirs(self, label: str) -> dict[str, str]:
         """Environment variables pointing at new empty cache and temp dirs."""
@@ -341,6 +388,8 @@ class Runner:
             "--child", mode, workload, str(workdir),
             "--warmup", str(self.warmup), "--calls", str(self.calls),
         ]  # fmt: skip
+        self.wait_for_quiet()
+        meter = CpuMeter()
         start = time.time()
         try:
             proc = subprocess.run(
@@ -348,11 +397,13 @@ class Runner:
             )
         except subprocess.TimeoutExpired:
             return Outcome(error=f"timeout after {CHILD_TIMEOUT_S} s", parent_start=start)
+        background = meter.cores()
         markers = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
         if proc.returncode != 0 or not markers:
-            return Outcome(error=_short_reason(proc.stderr), parent_start=start)
+            reason = _short_reason(proc.stderr)
+            return Outcome(error=reason, parent_start=start, background=background)
         payload = json.loads(markers[-1][len(RESULT_MARKER) :])
-        return Outcome(payload=payload, parent_start=start)
+        return Outcome(payload=payload, parent_start=start, background=background)
 
 
 def measure_workload(
@@ -400,6 +451,7 @@ def _cold_seconds(out: Outcome) -> float:
 
 
 def _describe(out: Outcome, key: str) -> str:
+    """One progress-line summary of an outcome."""
     if out.payload is None:
         return f"failed: {out.error}"
     if key == "cold":
@@ -407,8 +459,29 @@ def _describe(out: Outcome, key: str) -> str:
         diff = out.payload.get("max_diff")
         if diff is not None and not diff <= 1e-3:
             text += f"  (WARNING: max diff from eager {diff:.3g})"
-        return text
-    return f"{out.payload[key]:.3f}"
+    else:
+        text = f"{out.payload[key]:.3f}"
+    if out.background >= 0.1:
+        text += f"  [other processes used {out.background:.2f} cores meanwhile]"
+    return text
+
+
+def background_note(res: WorkloadResults) -> str:
+    """How busy other processes kept the machine while this workload's children ran."""
+    outs = [
+        *(o for group in res.cold.values() for o in group),
+        *(o for group in res.steady.values() for o in group),
+        *res.build.values(),
+    ]
+    loads = [o.background for o in outs if not math.isnan(o.background)]
+    if not loads:
+        return "Other processes' CPU use during these measurements: unknown."
+    busy = sum(load >= 0.1 for load in loads)
+    return (
+        f"Other processes' CPU use while these {len(loads)} children ran: median "
+        f"{_median(loads):.2f} cores, max {max(loads):.2f} (of {os.cpu_count()}); "
+        f"{busy} children ran next to >= 0.1 cores of other work."
+    )
 
 
 def _median(values: list[float]) -> float:
@@ -599,7 +672,8 @@ def report(
         f"- N = {args.runs} cold-start runs per mode (median reported); steady state: "
         f"{args.steady_repeats} processes per approach, each {args.warmup} warm-up calls then "
         f"the median of {args.calls} timed calls; the lowest process median is reported\n"
-        f"- Total run time: {elapsed / 60:.1f} min\n"
+        f"- Total run time: {elapsed / 60:.1f} min; before each child the script waited up to "
+        f"{args.quiet_wait:g} s for other processes to go idle\n"
     )
     md.append(EXPLANATION + "\n")
     for name, res in results.items():
@@ -615,6 +689,9 @@ def report(
         for title, header, rows in sections:
             md.append(f"### {title}\n\n{md_table(header, rows)}\n")
             text.append(f"\n{title}\n{text_table(header, rows)}")
+        note = background_note(res)
+        md.append(f"{note}\n")
+        text.append(f"\n{note}")
     return "\n".join(text) + "\n", "\n".join(md)
 
 
@@ -629,6 +706,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--warmup", type=int, default=50, help="steady-state warm-up calls (>= 20)")
     p.add_argument("--calls", type=int, default=500, help="steady-state timed calls (>= 200)")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=30.0,
+        help="seconds to wait, before each child, for other processes to go idle (default 30)",
+    )
     p.add_argument(
         "--steady-repeats", type=int, default=3, help="steady-state processes per approach"
     )
@@ -658,7 +741,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     root = Path(tempfile.mkdtemp(prefix="coldstart-"))
     try:
-        runner = Runner(root, args.warmup, args.calls)
+        runner = Runner(root, args.warmup, args.calls, args.quiet_wait)
         log(f"scratch root {root}; warming the page cache with one discarded child")
         runner.child("import", "mlp", root)
         results = {

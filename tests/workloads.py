@@ -178,3 +178,30 @@ WORKLOADS: dict[str, Workload] = {
     "mutate": Workload(mutate_fn, lambda: (nn.Linear(4, 2), torch.randn(3, 4))),
     "dropout": Workload(infer, lambda: (Dropper().train(), torch.randn(64, 64))),
 }
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block written with plain ops (no fixed sizes inside)."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+        attn = scores.softmax(-1) @ v
+        x = x + self.proj(attn.transpose(1, 2).flatten(2))
+        return x + self.mlp(self.norm2(x))
+
+
+def block_step(m: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    loss = F.mse_loss(m(x), target)
+    loss.backward()
+    return loss.detach()

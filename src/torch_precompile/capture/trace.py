@@ -45,6 +45,7 @@ class Capture:
     output_aliases: dict[int, Alias]
     fake_mode: Any = None
     memory_formats: dict[int, str] = dataclasses.field(default_factory=dict)
+    symbol_names: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def capture(
@@ -181,8 +182,13 @@ def capture(
         return Capture(gm, literals, convention, examples, outputs["aliases"])
     flat_index = {leaf: num_state + i for i, leaf in enumerate(tensor_positions)}
     formats = {flat_index[leaf]: name for leaf, name in dynamic_inputs.memory_formats.items()}
+    symbol_names = {
+        str(symbol): f"input {inputs.names[places[0][0]]} dim {places[0][1]}"
+        for symbol, places in zip(dynamic_inputs.symbols, dynamic_inputs.occurrences,
+                                  strict=True)
+    }
     return Capture(gm, literals, convention, examples, outputs["aliases"],
-                   dynamic_inputs.fake_mode, formats)
+                   dynamic_inputs.fake_mode, formats, symbol_names)
 
 
 def _trace_symbolic(

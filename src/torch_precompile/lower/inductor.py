@@ -26,6 +26,8 @@ aten = torch.ops.aten
 # Reads whose value the trace baked (capture guards them); nothing downstream uses the result.
 _BAKED_READS = (aten._local_scalar_dense.default, aten.item.default, aten.equal.default,
                 aten.is_nonzero.default)
+# Convolution operators and the positions of their activation arguments.
+_CONVOLUTIONS = {aten.convolution.default: (0,), aten.convolution_backward.default: (0, 1)}
 _INDUCTOR_IMPORT = re.compile(r"^from (torch\._inductor[\w.]*) import (\w+)(?: as (\w+))?$",
                               re.MULTILINE)
 _SIZE_ASSERT = re.compile(r"assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)")
@@ -50,7 +52,7 @@ def lower_inductor(capture: Capture) -> LoweredGraph:
             "without computing on them. Use backend='eager' for such a computation."
         )
     graph = _functional_graph(capture.graph, tensor_outputs, inputs, capture.fake_mode)
-    wrapper = _compile(graph, capture.fake_mode)
+    wrapper = _compile(graph, capture.fake_mode, capture.symbol_names)
     input_names = [n.name for n in graph.graph.find_nodes(op="placeholder")]
     strides = _asserted_strides(wrapper, input_names, capture)
     source = "\n".join([
@@ -88,7 +90,7 @@ def _functional_graph(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     gm = torch.fx.GraphModule(captured, captured.graph)  # a copy: the capture stays as it was
-    gm.graph = _without_baked_reads(captured.graph)
+    gm.graph = _prepared_graph(captured.graph, dynamic=fake_mode is not None)
     gm.recompile()
 
     def tensors_only(*args: torch.Tensor) -> list[torch.Tensor]:
@@ -111,17 +113,31 @@ def _functional_graph(
         ) from e
 
 
-def _without_baked_reads(graph: torch.fx.Graph) -> torch.fx.Graph:
+def _prepared_graph(graph: torch.fx.Graph, dynamic: bool) -> torch.fx.Graph:
+    """A copy without the baked reads; with dynamic dims, convolutions get contiguous inputs.
+
+    Fake convolution cannot tell the output layout of a channels_last input whose sizes are
+    unbacked (it answers contiguous; eager gives channels_last), and Inductor would then
+    assert the wrong strides. A contiguous input makes both agree.
+    """
     import copy
 
     copied = copy.deepcopy(graph)
     for node in reversed(list(copied.nodes)):
         if node.op == "call_function" and node.target in _BAKED_READS and not node.users:
             copied.erase_node(node)
+        elif dynamic and node.target in _CONVOLUTIONS:
+            for position in _CONVOLUTIONS[node.target]:
+                source = node.args[position]
+                with copied.inserting_before(node):
+                    contiguous = copied.call_function(
+                        aten.clone.default, (source,), {"memory_format": torch.contiguous_format}
+                    )
+                node.update_arg(position, contiguous)
     return copied
 
 
-def _compile(graph: torch.fx.GraphModule, fake_mode: Any) -> str:
+def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str, str]) -> str:
     import torch._inductor.config as inductor_config
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx_inner
@@ -137,14 +153,45 @@ def _compile(graph: torch.fx.GraphModule, fake_mode: Any) -> str:
     options = dict(INDUCTOR_OPTIONS)
     if fake_mode.shape_env is not None:
         options["scalar_asserts"] = True  # keep Inductor's own checks of size assumptions
-    with tracing(TracingContext(fake_mode)), inductor_config.patch(options):
-        compiled = compile_fx_inner(graph, fake_inputs, is_inference=True)
+        # Channels-last conversions for convolutions rely on layout predictions that do not
+        # hold for unbacked sizes (see _prepared_graph).
+        options["layout_optimization"] = False
+    try:
+        with tracing(TracingContext(fake_mode)), inductor_config.patch(options):
+            compiled = compile_fx_inner(graph, fake_inputs, is_inference=True)
+    except Exception as e:
+        guard = _data_dependent_guard(e)
+        if guard is None:
+            raise
+        condition = re.sub(r"\bu\d+\b", lambda m: symbol_names.get(m[0], m[0]), guard)
+        condition = re.sub(r"^Eq\((.+), (.+)\)$", r"\1 == \2", condition)
+        raise PrecompileError(
+            f"Inductor needs to know whether {condition} to compile this graph, and a dynamic "
+            "dim cannot be decided on at build time. Declare bounds that settle it (for "
+            "example mark_unbacked(x, dim, min=2) when a size of 1 is what Inductor asks "
+            "about), or leave that dim static."
+        ) from e
     source = getattr(compiled, "source_code", None)
     if not source or "runner.call" not in source:
         raise PrecompileError(
             "Inductor produced no Python wrapper for this graph; use backend='eager'."
         )
     return source
+
+
+def _data_dependent_guard(error: BaseException) -> str | None:
+    """The condition of a data-dependent guard anywhere in ``error``'s chain, if any."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, GuardOnDataDependentSymNode) or "GuardOnDataDependentSymNode" in str(
+            seen
+        ):
+            found = re.search(r"data-dependent expression (.+?) \(unhinted", str(seen))
+            return found[1] if found else "a size condition"
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _asserted_strides(

@@ -1,0 +1,267 @@
+"""Dynamic dims (inductor backend): one artifact for every size of the dims marked with
+mark_unbacked, with every size rule checked before any kernel runs."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.decorators import mark_dynamic, mark_unbacked
+
+from torch_precompile import PrecompileError, precompile
+from torch_precompile.artifact.metadata import parse_metadata
+from torch_precompile.capture import capture
+
+from conftest import assert_same, model_state, run_python
+from workloads import MLP, Block, PartlyFrozen, block_step, infer, mse_step
+
+SIZES = [0, 1, 5, 33]  # 5 is the example size
+
+
+def _marked(t: torch.Tensor, *dims: int, **options) -> torch.Tensor:
+    for dim in dims:
+        mark_unbacked(t, dim, **options)
+    return t
+
+
+@pytest.fixture(scope="module")
+def mlp_infer():
+    torch.manual_seed(0)
+    model = PartlyFrozen().eval()
+    code, cache = precompile(infer, model, _marked(torch.randn(5, 4), 0))
+    return model, code, cache, precompile.load(code, cache)
+
+
+@pytest.fixture(scope="module")
+def mlp_train():
+    torch.manual_seed(0)
+    model = PartlyFrozen()
+    x = _marked(torch.randn(5, 4), 0, shape_id="batch")
+    t = _marked(torch.randn(5, 2), 0, shape_id="batch")
+    code, cache = precompile(mse_step, model, x, t)
+    return model, code, cache, precompile.load(code, cache)
+
+
+@pytest.fixture(scope="module")
+def block_train():
+    torch.manual_seed(0)
+    model = Block()
+    x, t = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    for tensor in (x, t):
+        mark_unbacked(tensor, 0, shape_id="batch")
+        mark_unbacked(tensor, 1, shape_id="seq", min=2)
+    code, cache = precompile(block_step, model, x, t)
+    return model, code, cache, precompile.load(code, cache)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_inference_at_every_size(size: int, mlp_infer) -> None:
+    model, _, _, run = mlp_infer
+    x = torch.randn(size, 4)
+    assert_same(run(model, x), model(x))
+
+
+def test_marked_dims_are_recorded_as_none(mlp_infer) -> None:
+    meta = parse_metadata(mlp_infer[1])
+    assert meta["USER_INPUT_SHAPES"] == [(None, 4)]
+    assert meta["DYNAMIC_DIMS"] == [("", [[0, 0]])]
+    assert meta["INPUT_STRIDES"][-1] == "contiguous"
+
+
+def test_static_dims_are_still_checked(mlp_infer) -> None:
+    model, _, _, run = mlp_infer
+    with pytest.raises(PrecompileError, match=r"input x: expected shape \(\*, 4\) \(\* is "
+                       r"dynamic\), got \(3, 5\)"):
+        run(model, torch.randn(3, 5))
+
+
+def test_batchnorm_on_a_marked_batch_is_refused_clearly() -> None:
+    """torch.batch_norm itself decides on numel() == 0, which an unbacked batch cannot answer."""
+    with pytest.raises(PrecompileError, match=r"branches on, or needs a fixed value of.*"
+                       r"Eq\(8\*u0, 0\)"):
+        precompile(infer, MLP().eval(), _marked(torch.randn(5, 4), 0))
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_training_step_at_every_size(size: int, mlp_train) -> None:
+    model, _, _, run = mlp_train
+    compiled_model, eager_model = copy.deepcopy(model), copy.deepcopy(model)
+    x, t = torch.randn(size, 4), torch.randn(size, 2)
+    for _ in range(2):
+        assert_same(run(compiled_model, x, t), mse_step(eager_model, x, t))
+    assert_same(model_state(compiled_model), model_state(eager_model))
+
+
+@pytest.mark.parametrize(("batch", "seq"), [(0, 3), (1, 2), (2, 5), (3, 11)])
+def test_transformer_block_training_step(batch: int, seq: int, block_train) -> None:
+    model, _, _, run = block_train
+    compiled_model, eager_model = copy.deepcopy(model), copy.deepcopy(model)
+    x, t = torch.randn(batch, seq, 16), torch.randn(batch, seq, 16)
+    assert_same(run(compiled_model, x, t), block_step(eager_model, x, t), atol=1e-5)
+    assert_same(model_state(compiled_model), model_state(eager_model), atol=1e-5)
+
+
+def test_transformer_block_inference_dynamic_batch_and_sequence() -> None:
+    torch.manual_seed(0)
+    model = Block().eval()
+    x = torch.randn(2, 5, 16)
+    mark_unbacked(x, 0)
+    mark_unbacked(x, 1, min=2)
+    run = precompile.load(*precompile(infer, model, x))
+    for batch, seq in [(0, 4), (1, 2), (4, 7)]:
+        y = torch.randn(batch, seq, 16)
+        assert_same(run(model, y), model(y), atol=1e-5)
+    with pytest.raises(PrecompileError, match=r"input x: dim 1 is 1, outside the declared "
+                       r"range \[2, inf\]"):
+        run(model, torch.randn(2, 1, 16))
+
+
+def test_inductor_decision_on_a_dynamic_dim_is_explained() -> None:
+    x = _marked(torch.randn(2, 5, 16), 1)
+    with pytest.raises(PrecompileError, match=r"whether input x dim 1 == 1.*min=2"):
+        precompile(infer, Block().eval(), x)
+
+
+def test_shape_id_mismatch_is_rejected(mlp_train) -> None:
+    model, _, _, run = mlp_train
+    with pytest.raises(PrecompileError, match=r"input t dim 0 \(=4\) must equal input x dim 0 "
+                       r"\(=3\): they share shape_id 'batch'"):
+        run(model, torch.randn(3, 4), torch.randn(4, 2))
+
+
+def test_relation_between_independent_marks_is_enforced() -> None:
+    a, b = _marked(torch.randn(5), 0), _marked(torch.randn(5), 0)
+    code, cache = precompile(lambda a, b: (a + b) * 2, a, b)
+    assert parse_metadata(code)["SHAPE_RELATIONS"] == [("d[0] == d[1]",
+                                                        "input a dim 0 == input b dim 0")]
+    run = precompile.load(code, cache)
+    assert_same(run(torch.ones(3), torch.ones(3)), torch.full((3,), 4.0))
+    with pytest.raises(PrecompileError, match=r"input a dim 0 \(=3\) must equal input b dim 0 "
+                       r"\(=5\)"):
+        run(torch.ones(3), torch.ones(5))
+
+
+def test_multiple_of_relation_is_enforced() -> None:
+    code, cache = precompile(lambda x: x.reshape(-1, 4).sum(1), _marked(torch.randn(8), 0))
+    run = precompile.load(code, cache)
+    assert_same(run(torch.ones(12)), torch.full((3,), 4.0))
+    assert_same(run(torch.ones(0)), torch.ones(0))
+    with pytest.raises(PrecompileError, match=r"must satisfy \(input x dim 0 % 4\) == 0.*"
+                       "input x dim 0 = 10"):
+        run(torch.ones(10))
+
+
+def test_bounds_of_every_occurrence_are_enforced() -> None:
+    x = _marked(torch.randn(4, 3), 0, shape_id="n", max=8)
+    y = _marked(torch.randn(4, 3), 0, shape_id="n", min=2)
+    code, cache = precompile(lambda x, y: x * y, x, y)
+    assert parse_metadata(code)["USER_INPUT_BOUNDS"] == [{0: (None, 8)}, {0: (2, None)}]
+    run = precompile.load(code, cache)
+    assert_same(run(torch.ones(8, 3), torch.ones(8, 3)), torch.ones(8, 3))
+    with pytest.raises(PrecompileError, match=r"input y: dim 0 is 1, outside the declared "
+                       r"range \[2, inf\]"):
+        run(torch.ones(1, 3), torch.ones(1, 3))
+    with pytest.raises(PrecompileError, match=r"input x: dim 0 is 9, outside the declared "
+                       r"range \[0, 8\]"):
+        run(torch.ones(9, 3), torch.ones(9, 3))
+
+
+def test_hint_override_reaches_the_shape_env() -> None:
+    x = torch.randn(4, 3)
+    mark_unbacked(x, 0, hint_override=4096)
+    captured = capture(lambda x: x * 2, (x,), "inductor")
+    assert list(captured.fake_mode.shape_env.var_to_hint_override.values()) == [4096]
+    run = precompile.load(*precompile(lambda x: x * 2, x))
+    assert_same(run(torch.ones(7, 3)), torch.full((7, 3), 2.0))
+
+
+def test_strict_marks_are_dynamic_and_refuse_specialization() -> None:
+    x = _marked(torch.randn(5, 4), 0, strict=True)
+    run = precompile.load(*precompile(lambda x: x.sum(0), x))
+    assert_same(run(torch.ones(9, 4)), torch.full((4,), 9.0))
+    y = _marked(torch.randn(5, 4), 0, strict=True)
+    with pytest.raises(PrecompileError, match="fixes the dynamic dim 0 of input x to 5"):
+        precompile(lambda x: x.reshape(20), y)
+
+
+def test_branch_on_a_marked_dim_is_rejected() -> None:
+    x = _marked(torch.randn(5, 4), 0)
+    with pytest.raises(PrecompileError, match="branches on, or needs a fixed value of, a dim "
+                       "marked with mark_unbacked"):
+        precompile(lambda x: x * 2 if x.shape[0] > 3 else x, x)
+
+
+def test_unsupported_marks_are_rejected() -> None:
+    x = torch.randn(5, 4)
+    mark_dynamic(x, 0)
+    with pytest.raises(PrecompileError, match="mark_dynamic.*mark_unbacked instead"):
+        precompile(lambda x: x * 2, x)
+    y = torch.randn(5, 4)
+    mark_unbacked(y, 0, specialize_on=[lambda n: n == 1])
+    with pytest.raises(PrecompileError, match="specialize_on"):
+        precompile(lambda y: y * 2, y)
+
+
+def test_marked_subclass_is_rejected() -> None:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    t = TwoTensor(torch.randn(5, 4), torch.randn(5, 4))
+    t._dynamo_unbacked_indices = {0}
+    with pytest.raises(PrecompileError, match="tensor subclass \\(TwoTensor\\) with a "
+                       "mark_unbacked dim"):
+        precompile(lambda t: t * 2, t)
+
+
+def test_marked_input_in_an_odd_layout_is_rejected() -> None:
+    x = _marked(torch.randn(4, 5).t(), 0)
+    with pytest.raises(PrecompileError, match="neither contiguous, channels_last nor "
+                       "channels_last_3d"):
+        precompile(lambda x: x * 2, x)
+
+
+def test_eager_backend_with_marks_is_not_implemented() -> None:
+    with pytest.raises(NotImplementedError, match="backend='inductor'"):
+        precompile(lambda x: x * 2, _marked(torch.randn(5, 4), 0), backend="eager")
+
+
+def test_channels_last_marked_input_round_trips() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+    x = _marked(torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last), 0)
+    run = precompile.load(*precompile(infer, model, x))
+    for batch in (0, 1, 3):
+        y = torch.randn(batch, 3, 6, 6).to(memory_format=torch.channels_last)
+        assert_same(run(model, y), model(y), atol=1e-5)
+    with pytest.raises(PrecompileError, match="assume the channels_last memory format"):
+        run(model, torch.randn(3, 3, 6, 6))
+
+
+def test_dynamic_artifact_loads_from_cache_without_a_compiler(mlp_train, tmp_path) -> None:
+    from test_kernel_cache import _poisoned_toolchain
+
+    model, code, cache, _ = mlp_train
+    (tmp_path / "a.py").write_text(code)
+    (tmp_path / "a.cache").write_bytes(cache)
+    torch.save(model.state_dict(), tmp_path / "state.pt")
+    env, marker = _poisoned_toolchain(tmp_path)
+    proc = run_python(f"""
+        import copy, json, sys, torch
+        from torch_precompile import precompile
+        from workloads import PartlyFrozen, mse_step
+        run = precompile.load(open({str(tmp_path / "a.py")!r}).read(),
+                              open({str(tmp_path / "a.cache")!r}, "rb").read())
+        model = PartlyFrozen()
+        model.load_state_dict(torch.load({str(tmp_path / "state.pt")!r}))
+        same = {{}}
+        for n in (1, 7):
+            x, t = torch.randn(n, 4), torch.randn(n, 2)
+            same[n] = bool(torch.allclose(run(model, x, t), mse_step(copy.deepcopy(model), x, t)))
+        print(json.dumps({{"inductor": "torch._inductor" in sys.modules, "same": same}}))
+    """, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"inductor": False, "same": {"1": True, "7": True}}
+    assert not marker.exists()
