@@ -173,3 +173,28 @@ def test_model_changes_between_calls_are_seen(backend: str, artifacts) -> None:
         run(model, x)
     del model.fc2.late
     torch.testing.assert_close(run(model, x), model(x).detach())
+
+
+def test_requires_grad_is_fixed_at_capture_for_a_training_step(backend: str, artifacts) -> None:
+    run = artifacts.load("mlp_train", backend)
+    model, x, t = WORKLOADS["mlp_train"].args()
+    run(model, x, t)
+    model.fc2.bias.requires_grad_(False)
+    with pytest.raises(PrecompileError, match=r"model parameter 'fc2.bias' has "
+                       "requires_grad=False, but was captured with requires_grad=True"):
+        run(model, x, t)
+    model.fc2.bias.requires_grad_(True)
+    with pytest.raises(PrecompileError, match="input x has requires_grad=True"):
+        run(model, x.clone().requires_grad_(), t)
+    frozen_run = artifacts.load("frozen", backend)
+    frozen, fx, ft = WORKLOADS["frozen"].args()
+    frozen.fc1.weight.requires_grad_(True)
+    with pytest.raises(PrecompileError, match="'fc1.weight' has requires_grad=True"):
+        frozen_run(frozen, fx, ft)
+
+
+def test_requires_grad_does_not_matter_for_inference(backend: str, artifacts) -> None:
+    run = artifacts.load("mlp_infer", backend)
+    model, x = WORKLOADS["mlp_infer"].args()
+    model.requires_grad_(False)
+    torch.testing.assert_close(run(model, x.requires_grad_()), model(x).detach())

@@ -217,6 +217,8 @@ def _dtype(name: str) -> torch.dtype:
 def _leaf_checks(meta: Mapping[str, Any]) -> list[Callable[[Any, list[Any]], None]]:
     """One check per user-input leaf; a tensor check appends the tensor to the flat inputs."""
     checks: list[Callable[[Any, list[Any]], None]] = []
+    # With a backward inside fn, requires_grad decides which gradients eager would produce.
+    has_backward = bool(meta["GRAD_PARAM_INDICES"])
     for i, name in enumerate(meta["USER_INPUT_NAMES"]):
         shape = meta["USER_INPUT_SHAPES"][i]
         if shape is None:
@@ -229,6 +231,7 @@ def _leaf_checks(meta: Mapping[str, Any]) -> list[Callable[[Any, list[Any]], Non
                     _dtype(meta["USER_INPUT_DTYPES"][i]),
                     torch.device(meta["USER_INPUT_DEVICES"][i]),
                     meta["USER_INPUT_BOUNDS"][i] or {},
+                    meta["USER_INPUT_REQUIRES_GRAD"][i] if has_backward else None,
                 )
             )
     return checks
@@ -262,6 +265,7 @@ def _tensor_check(
     dtype: torch.dtype,
     device: torch.device,
     bounds: Mapping[int, tuple[int | None, int | None]],
+    requires_grad: bool | None,
 ) -> Callable[[Any, list[Any]], None]:
     static = None not in shape
     shown = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
@@ -283,10 +287,20 @@ def _tensor_check(
             raise PrecompileError(f"input {name}: expected dtype {dtype}, got {leaf.dtype}.")
         if leaf.device != device:
             raise PrecompileError(f"input {name}: expected device {device}, got {leaf.device}.")
+        if requires_grad is not None and leaf.requires_grad != requires_grad:
+            raise PrecompileError(_requires_grad_message(f"input {name}", requires_grad))
         flat.append(leaf)
 
     check.expected = f"Tensor{shown}"  # type: ignore[attr-defined]
     return check
+
+
+def _requires_grad_message(what: str, captured: bool) -> str:
+    return (
+        f"{what} has requires_grad={not captured}, but was captured with requires_grad="
+        f"{captured}: which tensors get gradients from the backward inside fn is fixed at "
+        "capture. Set it back, or precompile again."
+    )
 
 
 def _check_dynamic_shape(
@@ -380,7 +394,8 @@ def _model_state(
     strides: list[Any] = [None] * len(expected)
     for index, stride, _ in layouts:
         strides[index] = stride
-    checks = [(*e, s) for e, s in zip(expected, strides, strict=True)]
+    requires_grad = _checked_requires_grad(meta, len(expected))
+    checks = [(*e, s, r) for e, s, r in zip(expected, strides, requires_grad, strict=True)]
     remembered: dict[tuple[int, ...], tuple[Any, ...]] = {}
 
     def state(modules: Sequence[Any]) -> list[torch.Tensor]:
@@ -389,10 +404,12 @@ def _model_state(
         if entry is not None:
             refs, snapshot, tensors = entry
             if all([r() is m for r, m in zip(refs, modules, strict=True)]) and _unchanged(snapshot):
-                for tensor, (shape, dtype, device, stride) in zip(tensors, checks, strict=True):
+                for tensor, (shape, dtype, device, stride, grad) in zip(tensors, checks,
+                                                                         strict=True):
                     if (tensor.shape != shape or tensor.dtype is not dtype
                             or tensor.device != device
-                            or (stride is not None and tensor.stride() != stride)):
+                            or (stride is not None and tensor.stride() != stride)
+                            or (grad is not None and tensor.requires_grad is not grad)):
                         return walk(modules)  # names the problem, or accepts a benign stride
                 return list(tensors)
         tensors = walk(modules)
@@ -402,6 +419,14 @@ def _model_state(
         return list(tensors)
 
     return state
+
+
+def _checked_requires_grad(meta: Mapping[str, Any], count: int) -> list[bool | None]:
+    """Per interned tensor, the requires_grad a call must present (None: not checked)."""
+    if not meta["GRAD_PARAM_INDICES"]:
+        return [None] * count
+    flags: list[bool | None] = list(meta["PARAM_REQUIRES_GRAD"])
+    return flags + [None] * (count - len(flags))
 
 
 def _snapshot(modules: Sequence[torch.nn.Module]) -> list[tuple[dict[str, Any], list[Any]]]:
@@ -444,6 +469,7 @@ def _model_walk(
     ]
     tied: Mapping[str, str] = meta["TIED_NAMES"]
     qualify = len(module_names) > 1
+    requires_grad = _checked_requires_grad(meta, len(expected))
 
     def members(modules: Sequence[torch.nn.Module]) -> Any:
         for kind, named in (
@@ -492,6 +518,10 @@ def _model_walk(
                     f"model {kind} {name!r}: expected shape {tuple(shape)}, dtype {dtype}, "
                     f"device {device}; got shape {tuple(tensor.shape)}, dtype {tensor.dtype}, "
                     f"device {tensor.device}. Load a checkpoint of the same architecture."
+                )
+            if requires_grad[index] is not None and tensor.requires_grad != requires_grad[index]:
+                raise PrecompileError(
+                    _requires_grad_message(f"model {kind} {name!r}", requires_grad[index])
                 )
             first_name[id(tensor)] = name
             tensors.append(tensor)

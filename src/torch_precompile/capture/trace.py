@@ -158,6 +158,7 @@ def capture(
         param_shapes=[tuple(t.shape) for t in state.tensors[:num_params]],
         param_dtypes=[str(t.dtype) for t in state.tensors[:num_params]],
         param_devices=[str(t.device) for t in state.tensors[:num_params]],
+        param_requires_grad=[t.requires_grad for t in state.tensors[:num_params]],
         buffer_names=state.buffer_names,
         buffer_shapes=[tuple(t.shape) for t in state.tensors[num_params:]],
         buffer_dtypes=[str(t.dtype) for t in state.tensors[num_params:]],
@@ -170,6 +171,10 @@ def capture(
         user_input_shapes=shapes,
         user_input_dtypes=[_text(leaf, "dtype") for leaf in inputs.leaves],
         user_input_devices=[_text(leaf, "device") for leaf in inputs.leaves],
+        user_input_requires_grad=[
+            leaf.requires_grad if isinstance(leaf, torch.Tensor) else None
+            for leaf in inputs.leaves
+        ],
         user_input_bounds=bounds,
         user_input_values=inputs.values,
         value_guards=[
