@@ -6,10 +6,11 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-from torch_precompile import runtime
-from torch_precompile.artifact import envelope
+from torch_precompile import runtime, storage
+from torch_precompile.artifact import envelope, signature
 from torch_precompile.artifact.render import render
 from torch_precompile.capture import Capture, capture
 from torch_precompile.errors import PrecompileError
@@ -47,6 +48,8 @@ class Precompile:
         backend: ``"inductor"`` (compiled kernels) or ``"eager"`` (the captured ATen graph).
         tracer: ``"make_fx"``; ``"dynamo"`` is not implemented yet.
         decompositions: optional ``{OpOverload: fn}`` table applied while tracing.
+        sign_key: optional bytes; the returned cache then carries an HMAC over the pair, which
+            ``load(..., verify_key=...)`` checks before anything is executed.
     """
 
     PrecompileError = PrecompileError
@@ -59,38 +62,42 @@ class Precompile:
         backend: str = "inductor",
         tracer: str = "make_fx",
         decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+        sign_key: bytes | None = None,
     ) -> tuple[str, bytes]:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
-        if tracer not in TRACERS:
-            raise ValueError(f"tracer must be one of {TRACERS}, got {tracer!r}.")
-        if tracer == "dynamo":
-            raise NotImplementedError(
-                "tracer='dynamo' is not implemented yet; use tracer='make_fx' (the default)."
-            )
-        if not callable(fn):
-            raise PrecompileError(f"fn must be callable, got {type(fn).__name__}.")
-        if decompositions is not None and not isinstance(decompositions, Mapping):
-            raise PrecompileError(
-                "decompositions must be a mapping {OpOverload: function} or None, got "
-                f"{type(decompositions).__name__}."
-            )
-        with _lock:
-            captured = capture(fn, example_inputs, backend, decompositions)
-            lowered = _lower(captured, backend)
-            convention = dataclasses.replace(
-                captured.convention, input_strides=lowered.input_strides
-            )
-            python_code = render(convention, lowered)
-        return python_code, envelope.pack(backend, python_code, lowered.acceleration)
+        return build(fn, example_inputs, backend=backend, tracer=tracer,
+                     decompositions=decompositions, sign_key=sign_key)
 
-    def load(self, python_code: str, cache: bytes | None) -> runtime.LoadedArtifact:
+    def load(
+        self, python_code: str, cache: bytes | None, *, verify_key: bytes | None = None
+    ) -> runtime.LoadedArtifact:
         """Load an artifact pair from ``precompile()``: check it, then execute ``python_code``.
 
         ``cache`` may be None (or unusable, with a warning): the artifact then builds its
-        kernels on first use. A cache from another ``precompile()`` call is refused.
+        kernels on first use. A cache from another ``precompile()`` call is refused. With
+        ``verify_key``, a pair whose signature is missing or wrong is refused before anything
+        is unpickled or executed.
         """
-        return runtime.load(python_code, cache)
+        return runtime.load(python_code, cache, verify_key=verify_key)
+
+    def save(
+        self,
+        python_code: str,
+        cache: bytes | None,
+        path: str | os.PathLike[str],
+        *,
+        sign_key: bytes | None = None,
+    ) -> Path:
+        """Write the pair to ``path`` (the source) and a cache file beside it, atomically.
+
+        With ``sign_key`` the saved cache carries an HMAC over both. Returns ``path``.
+        """
+        return storage.save(python_code, cache, path, sign_key=sign_key)
+
+    def load_file(
+        self, path: str | os.PathLike[str], *, verify_key: bytes | None = None
+    ) -> runtime.LoadedArtifact:
+        """Load a pair written by ``save``; ``verify_key`` as in ``load``."""
+        return runtime.load(*storage.load_file(path), verify_key=verify_key)
 
     def __repr__(self) -> str:
         return "torch_precompile.precompile"
@@ -103,6 +110,47 @@ class Precompile:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Precompile:
         return self
+
+
+def build(
+    fn: Callable[..., Any],
+    example_inputs: tuple[Any, ...],
+    *,
+    backend: str = "inductor",
+    tracer: str = "make_fx",
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+    sign_key: bytes | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[str, bytes]:
+    """The pipeline behind ``precompile()``; ``progress`` hears about each stage."""
+    report = progress or (lambda stage: None)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+    if tracer not in TRACERS:
+        raise ValueError(f"tracer must be one of {TRACERS}, got {tracer!r}.")
+    if tracer == "dynamo":
+        raise NotImplementedError(
+            "tracer='dynamo' is not implemented yet; use tracer='make_fx' (the default)."
+        )
+    if not callable(fn):
+        raise PrecompileError(f"fn must be callable, got {type(fn).__name__}.")
+    if decompositions is not None and not isinstance(decompositions, Mapping):
+        raise PrecompileError(
+            "decompositions must be a mapping {OpOverload: function} or None, got "
+            f"{type(decompositions).__name__}."
+        )
+    with _lock:
+        report("capture")
+        captured = capture(fn, example_inputs, backend, decompositions)
+        report("lower")
+        lowered = _lower(captured, backend)
+        convention = dataclasses.replace(captured.convention, input_strides=lowered.input_strides)
+        report("render")
+        python_code = render(convention, lowered)
+    cache = envelope.pack(backend, python_code, lowered.acceleration)
+    if sign_key is not None:
+        cache = signature.sign(sign_key, python_code, cache)
+    return python_code, cache
 
 
 def _lower(captured: Capture, backend: str) -> LoweredGraph:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any, NoReturn
 
-from torch_precompile.artifact import envelope
+from torch_precompile.artifact import envelope, signature
 from torch_precompile.artifact.metadata import parse_metadata
 from torch_precompile.errors import PrecompileError
 
@@ -46,8 +46,14 @@ class LoadedArtifact:
         self._not_exportable()
 
 
-def load(python_code: str, cache: bytes | None) -> LoadedArtifact:
+def load(
+    python_code: str, cache: bytes | None, verify_key: bytes | None = None
+) -> LoadedArtifact:
     """Check the pair, make the cache's kernels available, execute ``python_code``."""
+    if verify_key is not None:
+        if not isinstance(python_code, str):
+            raise PrecompileError("python_code must be a str.")
+        signature.verify(verify_key, python_code, cache)
     metadata = parse_metadata(python_code)
     backend = metadata["BACKEND"]
     acceleration = envelope.unpack(cache, backend, python_code)

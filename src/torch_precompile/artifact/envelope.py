@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from torch_precompile.artifact import signature
 from torch_precompile.errors import PrecompileError
 
 FORMAT = "torch-precompile"
@@ -44,7 +45,7 @@ def unpack(cache: bytes | None, backend: str, python_code: str) -> bytes | None:
     if cache is None:
         return None
     try:
-        envelope = torch.load(io.BytesIO(bytes(cache)), weights_only=True)
+        envelope = torch.load(io.BytesIO(signature.split(bytes(cache))[1]), weights_only=True)
     except Exception as e:
         log.warning(
             "precompile cache unreadable (%s: %s); running from python_code alone, which "

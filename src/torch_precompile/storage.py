@@ -1,0 +1,131 @@
+"""Artifact pairs on disk: ``path`` holds the source; its cache lies beside it.
+
+The cache file is named after the code it belongs to (``model.<hash>.cache`` for
+``model.py``), and the source is written last, by an atomic rename: that rename is the one
+moment the new pair appears. A crash or kill at any point before it leaves the old pair (and
+at most an unused file); after it, the new one. A reader never sees a new source with an old
+cache, because it looks the cache up by the hash of the source it read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+from torch_precompile.artifact import envelope, signature
+from torch_precompile.artifact.metadata import parse_metadata
+from torch_precompile.errors import PrecompileError
+
+log = logging.getLogger("torch_precompile")
+_HASH_CHARS = 16
+_STALE_TEMP_SECONDS = 3600
+
+
+def cache_path(path: str | os.PathLike[str], python_code: str) -> Path:
+    """Where the cache of ``python_code`` saved at ``path`` lives."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.{envelope.code_hash(python_code)[:_HASH_CHARS]}.cache")
+
+
+def save(
+    python_code: str,
+    cache: bytes | None,
+    path: str | os.PathLike[str],
+    sign_key: bytes | None = None,
+) -> Path:
+    """Write the pair atomically; return the path of the source."""
+    path = Path(path)
+    parse_metadata(python_code)  # refuse to write something that is not an artifact
+    if cache is not None:
+        cache = bytes(cache)
+        if sign_key is not None:
+            cache = signature.sign(sign_key, python_code, cache)
+    elif sign_key is not None:
+        raise PrecompileError("sign_key needs a cache: the signature is stored in it.")
+    if not path.parent.is_dir():
+        raise PrecompileError(f"cannot save to {path}: {path.parent} is not a directory.")
+    previous = _previous_cache(path)
+    new_cache = cache_path(path, python_code)
+    if cache is not None:
+        _write_atomically(new_cache, cache)
+    _write_atomically(path, python_code.encode())  # the commit point
+    _remove_stale(path, keep={new_cache, previous})
+    return path
+
+
+def load_file(path: str | os.PathLike[str]) -> tuple[str, bytes | None]:
+    """Read a saved pair: the source, and the cache that belongs to it (None when absent)."""
+    path = Path(path)
+    try:
+        python_code = path.read_text()
+    except FileNotFoundError:
+        raise PrecompileError(f"no artifact at {path}.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PrecompileError(f"cannot read the artifact at {path}: {e}") from e
+    try:
+        cache: bytes | None = cache_path(path, python_code).read_bytes()
+    except FileNotFoundError:
+        log.warning("no cache beside %s (expected %s); running from the source alone.", path,
+                    cache_path(path, python_code).name)
+        cache = None
+    return python_code, cache
+
+
+def _write_atomically(target: Path, data: bytes) -> None:
+    temp = target.with_name(f".{target.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    try:
+        with open(temp, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        raise
+    _sync_directory(target.parent)
+
+
+def _sync_directory(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _previous_cache(path: Path) -> Path | None:
+    try:
+        return cache_path(path, path.read_text())
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _remove_stale(path: Path, keep: set[Path | None]) -> None:
+    """Drop caches of earlier sources (keeping the one just replaced, for readers still on
+    it) and temporary files that a killed writer left behind."""
+    caches = re.compile(rf"{re.escape(path.stem)}\.[0-9a-f]{{{_HASH_CHARS}}}\.cache")
+    now = time.time()
+    for entry in path.parent.iterdir():
+        name = entry.name
+        stale_cache = caches.fullmatch(name) and entry not in keep
+        stale_temp = (
+            name.startswith((f".{path.name}.", f".{path.stem}."))
+            and name.endswith(".tmp")
+            and now - _mtime(entry) > _STALE_TEMP_SECONDS
+        )
+        if stale_cache or stale_temp:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+
+
+def _mtime(entry: Path) -> float:
+    try:
+        return entry.stat().st_mtime
+    except OSError:
+        return time.time()
