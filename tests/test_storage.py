@@ -1,0 +1,151 @@
+"""Artifact pairs on disk, and signatures."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from torch_precompile import PrecompileError, precompile
+from torch_precompile.artifact import envelope
+from torch_precompile.storage import cache_path
+
+from conftest import assert_same
+from workloads import WORKLOADS
+
+KEY = b"correct horse battery staple"
+
+
+@pytest.fixture
+def pair(backend: str, artifacts) -> tuple[str, bytes]:
+    return artifacts.pair("mlp_infer", backend)
+
+
+def _runs(run) -> None:
+    model, x = WORKLOADS["mlp_infer"].args()
+    assert_same(run(model, x), model(x))
+
+
+def test_save_and_load_file(pair, tmp_path) -> None:
+    code, cache = pair
+    path = precompile.save(code, cache, tmp_path / "mlp.py")
+    assert path.read_text() == code
+    assert cache_path(path, code).read_bytes() == cache
+    assert cache_path(path, code).name.startswith("mlp.") and path.suffix == ".py"
+    _runs(precompile.load_file(path))
+
+
+def test_resave_replaces_the_pair_and_keeps_one_previous_cache(pair, artifacts, backend,
+                                                               tmp_path) -> None:
+    code, cache = pair
+    other_code, other_cache = artifacts.pair("mlp_train", backend)
+    path = tmp_path / "m.py"
+    precompile.save(code, cache, path)
+    precompile.save(other_code, other_cache, path)
+    precompile.save(code, cache, path)
+    caches = sorted(p.name for p in tmp_path.glob("m.*.cache"))
+    assert caches == sorted({cache_path(path, code).name, cache_path(path, other_code).name})
+    _runs(precompile.load_file(path))
+
+
+def test_missing_cache_warns_and_runs(pair, tmp_path, caplog) -> None:
+    code, cache = pair
+    path = precompile.save(code, cache, tmp_path / "m.py")
+    cache_path(path, code).unlink()
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        run = precompile.load_file(path)
+    assert any("no cache beside" in r.message for r in caplog.records)
+    _runs(run)
+
+
+def test_save_refuses_what_is_not_an_artifact(pair, tmp_path) -> None:
+    code, cache = pair
+    with pytest.raises(PrecompileError, match="not a precompile artifact"):
+        precompile.save("print('hi')\n", cache, tmp_path / "x.py")
+    with pytest.raises(PrecompileError, match="is not a directory"):
+        precompile.save(code, cache, tmp_path / "missing" / "x.py")
+    with pytest.raises(PrecompileError, match="no artifact at"):
+        precompile.load_file(tmp_path / "absent.py")
+
+
+def test_signed_pairs(pair, tmp_path) -> None:
+    code, cache = pair
+    path = precompile.save(code, cache, tmp_path / "m.py", sign_key=KEY)
+    _runs(precompile.load_file(path, verify_key=KEY))
+    _runs(precompile.load_file(path))  # no key: as before
+    with pytest.raises(PrecompileError, match="signature does not match"):
+        precompile.load_file(path, verify_key=b"another key")
+    unsigned = precompile.save(code, cache, tmp_path / "u.py")
+    with pytest.raises(PrecompileError, match="not signed"):
+        precompile.load_file(unsigned, verify_key=KEY)
+
+
+def test_precompile_signs_in_memory(backend: str) -> None:
+    model, x = WORKLOADS["mlp_infer"].args()
+    code, cache = precompile(WORKLOADS["mlp_infer"].fn, model, x, backend=backend, sign_key=KEY)
+    _runs(precompile.load(code, cache, verify_key=KEY))
+    with pytest.raises(PrecompileError, match="no cache"):
+        precompile.load(code, None, verify_key=KEY)
+    with pytest.raises(PrecompileError, match="sign_key must be non-empty bytes"):
+        precompile(WORKLOADS["mlp_infer"].fn, model, x, backend=backend, sign_key="text")
+
+
+def test_verification_comes_before_anything_runs(pair, tmp_path) -> None:
+    code, cache = pair
+    marker = tmp_path / "executed"
+    hostile = f"open({str(marker)!r}, 'w').close()\n" + code
+    signed_cache = precompile.save(code, cache, tmp_path / "m.py", sign_key=KEY)
+    del signed_cache
+    real_cache = cache_path(tmp_path / "m.py", code).read_bytes()
+    for candidate_code, candidate_cache in [(hostile, real_cache), (code, real_cache[:-1] + b"x"),
+                                            (hostile, cache)]:
+        with pytest.raises(PrecompileError):
+            precompile.load(candidate_code, candidate_cache, verify_key=KEY)
+    assert not marker.exists()
+
+
+def _generation(base: str, i: int) -> tuple[str, bytes]:
+    """A distinct, valid pair per save: old caches can never stand in for a new source."""
+    code = f"{base}# generation {i}\n"
+    return code, envelope.pack("eager", code, b"\0" * (2 << 20))
+
+
+def _keep_saving(base: str, target: Path, start: int) -> None:
+    i = start
+    while True:
+        code, cache = _generation(base, i)
+        precompile.save(code, cache, target)
+        i += 1
+
+
+def test_kill_at_any_moment_leaves_a_whole_pair(artifacts, tmp_path) -> None:
+    """SIGKILL a forked writer that keeps saving new pairs over one path, at random moments;
+    after each kill what is on disk must be one whole pair, and it must load."""
+    base, _ = artifacts.pair("mlp_infer", "eager")
+    target = tmp_path / "model.py"
+    rng = random.Random(1234)
+    kills = generations_seen = 0
+    for trial in range(80):
+        pid = os.fork()
+        if pid == 0:  # the writer: never returns
+            try:
+                _keep_saving(base, target, start=trial * 100_000)
+            finally:
+                os._exit(1)
+        time.sleep(rng.uniform(0.0, 0.05))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        kills += 1
+        if not target.exists():
+            continue  # killed before the first pair appeared
+        code = target.read_text()
+        generation = int(code.rsplit("# generation ", 1)[1])
+        assert cache_path(target, code).read_bytes() == _generation(base, generation)[1]
+        generations_seen += 1
+        precompile.load_file(target)  # a mismatched pair would raise here
+    assert kills >= 50 and generations_seen >= 40
