@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import json
 import logging
 import math
@@ -312,7 +313,7 @@ def _short_reason(stderr: str) -> str:
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if "Error" in ln or "error" in ln]
     reason = (errors or lines or ["no output"])[-1]
-    return reason if len(reason) <= 120 else reason[:117] + "..."
+    return reason if len(reason) <= 100 else reason[:97] + "..."
 
 
 def _busy_cpu_seconds() -> float:
@@ -345,11 +346,35 @@ class CpuMeter:
         return max(0.0, (_busy_cpu_seconds() - busy - (_own_cpu_seconds() - own)) / wall)
 
 
+def snapshot_package(root: Path) -> tuple[Path, str]:
+    """Copy the torch_precompile sources under ``root`` so that every child runs the same code.
+
+    Returns the directory to put on PYTHONPATH and a description of the copied version.
+    """
+    spec = importlib.util.find_spec("torch_precompile")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("torch_precompile is not importable")
+    source = Path(next(iter(spec.submodule_search_locations)))
+    dest = root / "snapshot"
+    shutil.copytree(source, dest / "torch_precompile", ignore=shutil.ignore_patterns("__pycache__"))
+    git = ["git", "-C", str(source)]
+    sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if sha.returncode != 0:
+        return dest, f"{source} (not a git checkout)"
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--", "."], capture_output=True, text=True
+    ).stdout.strip()
+    return dest, f"git {sha.stdout.strip()}" + (" plus uncommitted changes" if dirty else "")
+
+
 class Runner:
     """Starts children, each with a fresh empty Inductor cache dir and temp dir under one root."""
 
-    def __init__(self, root: Path, warmup: int, calls: int, quiet_wait: float) -> None:
+    def __init__(
+        self, root: Path, warmup: int, calls: int, quiet_wait: float, pythonpath: Path
+    ) -> None:
         self.root = root
+        self.pythonpath = pythonpath
         self.warmup = warmup
         self.calls = calls
         self.quiet_wait = quiet_wait
@@ -382,6 +407,9 @@ class Runner:
     def child(self, mode: str, workload: str, workdir: Path) -> Outcome:
         """Run one child with empty caches; time from just before its start is in the outcome."""
         env = {**os.environ, **self.fresh_dirs(f"{workload}-{mode}")}
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(self.pythonpath), os.environ.get("PYTHONPATH")) if p
+        )
         env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
         cmd = [
             sys.executable, str(Path(__file__).resolve()),
@@ -441,7 +469,7 @@ def measure_workload(
         for mode in steady_modes:
             out = blocked(mode) or runner.child(mode, workload, workdir)
             res.steady.setdefault(mode, []).append(out)
-            log(f"[{workload}] {i + 1}/{steady_repeats} {mode}: {_describe(out, 'us_per_call')} us")
+            log(f"[{workload}] {i + 1}/{steady_repeats} {mode}: {_describe(out, 'us_per_call')}")
     return res
 
 
@@ -460,7 +488,7 @@ def _describe(out: Outcome, key: str) -> str:
         if diff is not None and not diff <= 1e-3:
             text += f"  (WARNING: max diff from eager {diff:.3g})"
     else:
-        text = f"{out.payload[key]:.3f}"
+        text = f"{out.payload[key]:.3f} {'us' if key == 'us_per_call' else 's'}"
     if out.background >= 0.1:
         text += f"  [other processes used {out.background:.2f} cores meanwhile]"
     return text
@@ -667,7 +695,7 @@ def report(
         f"- Date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}\n"
         f"- Machine: {machine_description()}\n"
         f"- torch {torch.__version__}, Python {platform.python_version()}, "
-        f"{torch.get_num_threads()} intra-op threads\n"
+        f"{torch.get_num_threads()} intra-op threads; torch_precompile {args.version}\n"
         f"- Command: `{command_line()}`\n"
         f"- N = {args.runs} cold-start runs per mode (median reported); steady state: "
         f"{args.steady_repeats} processes per approach, each {args.warmup} warm-up calls then "
@@ -741,7 +769,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     root = Path(tempfile.mkdtemp(prefix="coldstart-"))
     try:
-        runner = Runner(root, args.warmup, args.calls, args.quiet_wait)
+        snapshot, args.version = snapshot_package(root)
+        runner = Runner(root, args.warmup, args.calls, args.quiet_wait, snapshot)
+        log(f"children import torch_precompile from a copy of {args.version} in {snapshot}")
         log(f"scratch root {root}; warming the page cache with one discarded child")
         runner.child("import", "mlp", root)
         results = {

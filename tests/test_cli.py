@@ -1,0 +1,131 @@
+"""The command line as a user runs it: exit codes, output, and what it refuses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FACTORY = """
+import torch
+from torch import nn
+from torch._dynamo.decorators import mark_unbacked
+
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    mark_unbacked(x, 0, min=1)
+    return (lambda m, x: m(x).softmax(-1)), (model, x)
+
+
+def not_a_pair():
+    return 42
+"""
+
+
+def _cli(*args: str, cwd: Path, console_script: bool = False) -> subprocess.CompletedProcess[str]:
+    if console_script:
+        command = [str(Path(sys.executable).with_name("torch-precompile")), *args]
+    else:
+        command = [sys.executable, "-m", "torch_precompile", *args]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(cwd)})
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cli")
+    (folder / "factory.py").write_text(FACTORY)
+    (folder / "key").write_bytes(b"sekrit")
+    proc = _cli("compile", "factory:make", "-o", "model.py", "--sign-key-file", "key",
+                cwd=folder, console_script=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "capturing fn" in proc.stderr and "lowering (inductor" in proc.stderr
+    assert "model.py (" in proc.stdout
+    return folder
+
+
+def test_inspect(compiled: Path) -> None:
+    proc = _cli("inspect", "model.py", "--json", cwd=compiled)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["call"] == "forward(m, x)"
+    assert report["inputs"][0]["shape"] == ["*", 4] and report["inputs"][0]["bounds"] == {
+        "0": [1, None]}
+    assert report["dynamic_dims"] == [{"shape_id": None, "dims": ["x[0]"]}]
+    assert [p["name"] for p in report["parameters"]] == ["0.weight", "0.bias", "2.weight",
+                                                         "2.bias"]
+    assert report["cache"]["signed"] is True and report["cache"]["matches_source"] is True
+    assert report["cache"]["runs_here"] == "yes" and len(report["cache"]["kernels"]) >= 1
+    text = _cli("inspect", "model.py", cwd=compiled)
+    assert text.returncode == 0 and "kernels   :" in text.stdout and "runs here: yes" in text.stdout
+
+
+def test_inspect_executes_nothing(compiled: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "executed"
+    hostile = f"open({str(marker)!r}, 'w').close()\n" + (compiled / "model.py").read_text()
+    (tmp_path / "model.py").write_text(hostile)
+    proc = _cli("inspect", "model.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "cache     : missing" in proc.stdout
+    assert not marker.exists()
+
+
+def test_verify(compiled: Path) -> None:
+    ok = _cli("verify", "model.py", "--key-file", "key", cwd=compiled)
+    assert ok.returncode == 0 and "signature valid" in ok.stdout and "verified" in ok.stdout
+    (compiled / "wrong").write_bytes(b"guess")
+    bad = _cli("verify", "model.py", "--key-file", "wrong", cwd=compiled)
+    assert bad.returncode == 1 and "FAILED: the artifact's signature does not match" in bad.stdout
+    unkeyed = _cli("verify", "model.py", cwd=compiled)
+    assert unkeyed.returncode == 0 and "signed (not checked" in unkeyed.stdout
+
+
+def test_verify_spots_a_corrupt_cache(compiled: Path, tmp_path: Path) -> None:
+    for name in ("model.py", *(p.name for p in compiled.glob("model.*.cache"))):
+        (tmp_path / name).write_bytes((compiled / name).read_bytes())
+    cache = next(tmp_path.glob("model.*.cache"))
+    data = bytearray(cache.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    cache.write_bytes(bytes(data))
+    proc = _cli("verify", "model.py", cwd=tmp_path)
+    assert proc.returncode == 1 and "FAILED" in proc.stdout
+
+
+def test_errors_are_one_line_and_exit_1(compiled: Path) -> None:
+    missing = _cli("inspect", "absent.py", cwd=compiled)
+    assert missing.returncode == 1
+    assert missing.stderr.startswith("torch-precompile: error: cannot read absent.py")
+    assert "Traceback" not in missing.stderr
+    not_pair = _cli("compile", "factory:not_a_pair", "-o", "x.py", cwd=compiled)
+    assert not_pair.returncode == 1 and "must return (fn, example_inputs)" in not_pair.stderr
+    bad_target = _cli("compile", "factory", "-o", "x.py", cwd=compiled)
+    assert bad_target.returncode == 1 and "expected MODULE:FACTORY" in bad_target.stderr
+
+
+def test_usage_errors_exit_2(compiled: Path) -> None:
+    assert _cli("frobnicate", cwd=compiled).returncode == 2
+    assert _cli("compile", "factory:make", cwd=compiled).returncode == 2  # no -o
+    help_text = _cli("--help", cwd=compiled)
+    assert help_text.returncode == 0 and "compile" in help_text.stdout
+
+
+def test_loaded_from_the_cli_output(compiled: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", "import torch, factory\n"
+         "from torch_precompile import precompile\n"
+         "run = precompile.load_file('model.py', verify_key=b'sekrit')\n"
+         "fn, (model, x) = factory.make()\n"
+         "y = torch.randn(6, 4)\n"
+         "assert torch.allclose(run(model, y), fn(model, y))\n"
+         "print('OK')"],
+        cwd=compiled, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(compiled)},
+    )
+    assert proc.stdout.strip() == "OK", proc.stderr[-2000:]
