@@ -69,8 +69,19 @@ def load(
     filename = f"<precompiled artifact {envelope.code_hash(python_code)[:12]}>"
     # Registered so that tracebacks through the artifact show its source lines.
     linecache.cache[filename] = (len(python_code), None, python_code.splitlines(True), filename)
-    exec(compile(python_code, filename, "exec"), namespace)
+    try:
+        exec(compile(python_code, filename, "exec"), namespace)
+    except Exception as e:
+        raise PrecompileError(
+            f"executing python_code failed ({type(e).__name__}: {e}); it is damaged, or needs "
+            "what this process lacks (with no usable cache, a C++ compiler to build kernels)."
+        ) from e
+    forward = namespace.get("forward")
+    if not callable(forward):
+        raise PrecompileError(
+            "python_code ran but defines no forward(): it is truncated or not an artifact."
+        )
     # The driver raises the PrecompileError it finds in its globals at raise time; point it at
     # the package's class so callers can catch one type.
     namespace["PrecompileError"] = PrecompileError
-    return LoadedArtifact(namespace["forward"], metadata)
+    return LoadedArtifact(forward, metadata)

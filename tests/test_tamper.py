@@ -1,0 +1,115 @@
+"""Damaged, foreign and mismatched pairs: each is refused, or runs correctly from the source.
+
+Never another exception, never a wrong result."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+
+from torch_precompile import PrecompileError, precompile
+from torch_precompile.artifact import envelope
+
+from conftest import assert_same
+from workloads import WORKLOADS
+
+NAME = "mlp_train"
+
+
+def _expect_refused_or_correct(code: str, cache: bytes | None) -> str:
+    """Load and run; return 'refused' or 'ran'. Anything else fails the test."""
+    try:
+        run = precompile.load(code, cache)
+    except PrecompileError:
+        return "refused"
+    workload = WORKLOADS[NAME]
+    args, eager_args = workload.args(), workload.args()
+    try:
+        result = run(*args)
+    except PrecompileError:
+        return "refused"
+    assert_same(result, workload.fn(*eager_args))
+    assert_same([p.grad for p in args[0].parameters()],
+                [p.grad for p in eager_args[0].parameters()])
+    return "ran"
+
+
+def _flip(data: bytes, position: int) -> bytes:
+    flipped = bytearray(data)
+    flipped[position % len(flipped)] ^= 1 << (position % 8)
+    return bytes(flipped)
+
+
+def test_truncated_caches(backend: str, artifacts, caplog) -> None:
+    code, cache = artifacts.pair(NAME, backend)
+    with caplog.at_level(logging.ERROR, logger="torch_precompile"):
+        for length in (0, 1, 10, len(cache) // 3, len(cache) // 2, len(cache) - 1):
+            assert _expect_refused_or_correct(code, cache[:length]) == "ran", length
+
+
+def test_bit_flipped_caches(backend: str, artifacts, caplog) -> None:
+    code, cache = artifacts.pair(NAME, backend)
+    outcomes = []
+    with caplog.at_level(logging.ERROR, logger="torch_precompile"):
+        for position in range(0, len(cache), max(1, len(cache) // 40)):
+            outcomes.append(_expect_refused_or_correct(code, _flip(cache, position)))
+    assert "ran" in outcomes
+
+
+def test_bit_flipped_kernel_objects(artifacts) -> None:
+    code, cache = artifacts.pair(NAME, "inductor")
+    payload = torch.load(io.BytesIO(envelope.unpack(cache, "inductor", code)), weights_only=True)
+    for entry in payload["kernels"].values():
+        entry["object"] = _flip(entry["object"], len(entry["object"]) // 2)
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    assert _expect_refused_or_correct(code, envelope.pack("inductor", code,
+                                                          buffer.getvalue())) == "ran"
+
+
+def test_foreign_and_future_caches(backend: str, artifacts) -> None:
+    code, cache = artifacts.pair(NAME, backend)
+    envelope_dict = torch.load(io.BytesIO(cache), weights_only=True)
+    for change in ({"version": 2}, {"format": "other-tool"}, {"artifact": "not bytes"}):
+        buffer = io.BytesIO()
+        torch.save({**envelope_dict, **change}, buffer)
+        assert _expect_refused_or_correct(code, buffer.getvalue()) == "ran", change
+    for junk in (b"", b"\0" * 100, b"PK\x03\x04garbage", "a string"):
+        assert _expect_refused_or_correct(code, junk) == "ran"  # type: ignore[arg-type]
+
+
+def test_swapped_pairs_are_refused(backend: str, artifacts) -> None:
+    code, cache = artifacts.pair(NAME, backend)
+    other_code, other_cache = artifacts.pair("mlp_infer", backend)
+    with pytest.raises(PrecompileError, match="different python_code"):
+        precompile.load(code, other_cache)
+    with pytest.raises(PrecompileError, match="different python_code"):
+        precompile.load(other_code, cache)
+    other_backend = "eager" if backend == "inductor" else "inductor"
+    with pytest.raises(PrecompileError, match="made by backend"):
+        precompile.load(code, artifacts.pair(NAME, other_backend)[1])
+
+
+def test_damaged_sources(backend: str, artifacts) -> None:
+    code, cache = artifacts.pair(NAME, backend)
+    lines = code.splitlines(keepends=True)
+    truncations = [code[: len(code) // k] for k in (2, 3, 5)]
+    truncations += ["".join(lines[:n]) for n in (len(lines) // 2, len(lines) - 3)]
+    for damaged in [*truncations, "", "\n\n", code.replace("ARTIFACT_FORMAT", "FORMAT", 1)]:
+        with pytest.raises(PrecompileError):
+            precompile.load(damaged, cache)  # the cache no longer matches
+        # Alone, a cut source is refused; or, cut only after the driver, still runs right.
+        _expect_refused_or_correct(damaged, None)
+    for position in range(0, len(code), max(1, len(code) // 25)):
+        with pytest.raises(PrecompileError, match="different python_code|not a precompile|parse"):
+            precompile.load(_flip(code.encode(), position).decode(errors="replace"), cache)
+
+
+def test_source_of_another_version_is_refused(backend: str, artifacts) -> None:
+    code, _ = artifacts.pair(NAME, backend)
+    future = code.replace("'torch-precompile artifact 1'", "'torch-precompile artifact 9'")
+    with pytest.raises(PrecompileError, match="made by another version of torch-precompile"):
+        precompile.load(future, None)
