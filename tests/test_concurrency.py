@@ -1,0 +1,105 @@
+"""Concurrency: threads sharing one loaded artifact; processes loading one pair at once."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from conftest import TESTS_DIR
+from workloads import WORKLOADS
+
+
+def _in_threads(work, count: int) -> list[BaseException]:
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as e:  # reported by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    return errors
+
+
+def test_threads_share_one_inference_artifact(backend: str, artifacts) -> None:
+    run = artifacts.load("mlp_infer", backend)
+    model, _ = WORKLOADS["mlp_infer"].args()
+
+    def work(i: int) -> None:
+        generator = torch.Generator().manual_seed(i)
+        for _ in range(40):
+            x = torch.randn(5, 4, generator=generator)
+            torch.testing.assert_close(run(model, x), model(x).detach())
+
+    assert _in_threads(work, 8) == []
+
+
+def test_threads_train_their_own_models_with_one_artifact(backend: str, artifacts) -> None:
+    """Each thread's results equal, bit for bit, the same calls made one thread at a time."""
+    run = artifacts.load("mlp_train", backend)
+    workload = WORKLOADS["mlp_train"]
+    base, x, t = workload.args()
+
+    def steps(i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        model = copy.deepcopy(base)
+        losses = [run(model, x + i, t - i) for _ in range(10)]
+        return losses, [p.grad for p in model.parameters()]
+
+    expected = [steps(i) for i in range(6)]
+    got: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    assert _in_threads(lambda i: got.__setitem__(i, steps(i)), 6) == []
+    for i, (losses, grads) in enumerate(expected):
+        assert all(torch.equal(a, b) for a, b in zip(got[i][0], losses, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(got[i][1], grads, strict=True))
+    eager = copy.deepcopy(base)
+    for _ in range(10):
+        eager_loss = workload.fn(eager, x, t)
+    torch.testing.assert_close(expected[0][0][-1], eager_loss, rtol=1e-4, atol=1e-5)
+
+
+LOADER = """
+import sys, torch
+from torch_precompile import precompile
+from workloads import WORKLOADS
+code = open(sys.argv[1]).read()
+cache = open(sys.argv[2], "rb").read() if sys.argv[2] != "-" else None
+run = precompile.load(code, cache)
+model, x = WORKLOADS["mlp_infer"].args()
+torch.testing.assert_close(run(model, x), model(x).detach())
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("with_cache", [True, False], ids=["with-cache", "without-cache"])
+def test_processes_load_one_pair_at_once_on_a_shared_empty_cache_dir(
+    with_cache: bool, artifacts, tmp_path
+) -> None:
+    code, cache = artifacts.pair("mlp_infer", "inductor")
+    (tmp_path / "a.py").write_text(code)
+    (tmp_path / "a.cache").write_bytes(cache)
+    shared = tmp_path / "inductor-cache"
+    env = {"PYTHONPATH": str(TESTS_DIR), "TORCHINDUCTOR_CACHE_DIR": str(shared)}
+    import os
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOADER, str(tmp_path / "a.py"),
+             str(tmp_path / "a.cache") if with_cache else "-"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **env},
+        )
+        for _ in range(4)
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0 and out.strip() == "OK", err[-3000:]
