@@ -42,8 +42,12 @@ _T_TORCH_IMPORTED = time.time()
 
 RESULT_MARKER = "COLDSTART_RESULT "
 CHILD_TIMEOUT_S = 900
-WORKLOADS = ("mlp", "block", "block_train")
-INFERENCE_WORKLOADS = ("mlp", "block")
+WORKLOADS = ("mlp", "block", "block_train", "block_dyn")
+INFERENCE_WORKLOADS = ("mlp", "block")  # AOTInductor is built for these (static shapes)
+# Inference runs under torch.no_grad() in every mode, as a server would call it.
+NO_GRAD_WORKLOADS = ("mlp", "block", "block_dyn")
+# Dynamic batch and sequence length: (batch, seq) sizes measured in steady state.
+DYNAMIC_SIZES = {"block_dyn": [(1, 16), (4, 32), (16, 64)]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,7 +108,23 @@ def build_workload(name: str) -> tuple[Callable[..., Any], nn.Module, tuple[torc
     if name == "block_train":
         model = Block().train()
         return train_step, model, (torch.randn(4, 32, 64), torch.randn(4, 32, 64))
+    if name == "block_dyn":
+        return infer, Block().eval(), (torch.randn(4, 32, 64),)
     raise ValueError(f"unknown workload {name!r}")
+
+
+def mark_dynamic_dims(workload: str, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Batch and sequence of a dynamic workload's input: any batch, sequences of 2 or more."""
+    if workload in DYNAMIC_SIZES:
+        from torch._dynamo.decorators import mark_unbacked
+
+        mark_unbacked(inputs[0], 0)
+        mark_unbacked(inputs[0], 1, min=2)
+
+
+def compiled(workload: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compile as a user would for this workload (dynamic=True for a dynamic one)."""
+    return torch.compile(fn, dynamic=True) if workload in DYNAMIC_SIZES else torch.compile(fn)
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,10 +184,10 @@ def _prepare(mode: str, workload: str, workdir: Path) -> Callable[..., Any]:
     if mode in ("eager", "steady-eager"):
         return fn
     if mode in ("compile-cold", "steady-compile"):
-        return torch.compile(fn)
+        return compiled(workload, fn)
     if mode == "compile-warm":
         torch.compiler.load_cache_artifacts((workdir / "compile_artifacts.bin").read_bytes())
-        return torch.compile(fn)
+        return compiled(workload, fn)
     if mode in ("aoti", "steady-aoti"):
         runner = torch._inductor.aoti_load_package(str(workdir / "model.pt2"))
         return lambda _model, *inputs: runner(*inputs)
@@ -182,9 +202,9 @@ def _build(mode: str, workload: str, workdir: Path) -> dict[str, Any]:
     """Build an artifact once, with empty caches; return its build time and size."""
     fn, model, inputs = build_workload(workload)
     if mode == "build-compile":
-        compiled = torch.compile(fn)
+        compiled_fn = compiled(workload, fn)
         start = time.perf_counter()
-        compiled(model, *inputs)
+        compiled_fn(model, *inputs)
         seconds = time.perf_counter() - start
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
@@ -202,6 +222,7 @@ def _build(mode: str, workload: str, workdir: Path) -> dict[str, Any]:
         from torch_precompile import precompile
 
         start = time.perf_counter()
+        mark_dynamic_dims(workload, inputs)
         code, cache = precompile(fn, model, *inputs)
         seconds = time.perf_counter() - start
         (workdir / "ours.py").write_text(code)
@@ -210,11 +231,25 @@ def _build(mode: str, workload: str, workdir: Path) -> dict[str, Any]:
     raise ValueError(f"unknown build mode {mode!r}")
 
 
+def _median_call_us(run: Callable[..., Any], model: nn.Module, inputs: tuple[torch.Tensor, ...],
+                    warmup: int, calls: int) -> float:
+    for _ in range(warmup):
+        run(model, *inputs)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        run(model, *inputs)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
 def run_child(mode: str, workload: str, workdir: Path, warmup: int, calls: int) -> None:
     """Entry point of a child process: do one measurement, print it as one marker line."""
     if mode == "import":
         _emit({"t_first": _T_TORCH_IMPORTED})
         return
+    if workload in NO_GRAD_WORKLOADS:
+        torch.set_grad_enabled(False)
     if mode.startswith("build-"):
         _emit(_build(mode, workload, workdir))
         return
@@ -222,14 +257,12 @@ def run_child(mode: str, workload: str, workdir: Path, warmup: int, calls: int) 
     t_ready = time.time()
     run = _prepare(mode, workload, workdir)
     if mode.startswith("steady-"):
-        for _ in range(warmup):
-            run(model, *inputs)
-        times = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            run(model, *inputs)
-            times.append(time.perf_counter() - start)
-        _emit({"us_per_call": statistics.median(times) * 1e6, "calls": calls})
+        by_size = {}
+        for batch, seq in DYNAMIC_SIZES.get(workload, []):
+            sized = (torch.randn(batch, seq, inputs[0].shape[-1]),)
+            by_size[f"{batch}x{seq}"] = _median_call_us(run, model, sized, warmup, calls)
+        us = _median_call_us(run, model, inputs, warmup, calls)
+        _emit({"us_per_call": us, "calls": calls, "by_size": by_size})
         return
     start = time.perf_counter()
     result = run(model, *inputs)
@@ -585,6 +618,26 @@ def steady_table(res: WorkloadResults, inference: bool) -> list[list[str]]:
     return rows
 
 
+def dynamic_table(res: WorkloadResults) -> list[list[str]]:
+    """Rows: size, best per-process us/call of eager, torch.compile(dynamic=True), ours."""
+    def best(mode: str, size: str) -> float:
+        outs = [o for o in res.steady.get(mode, []) if o.payload and size in o.payload["by_size"]]
+        return min((o.payload["by_size"][size] for o in outs), default=math.nan)
+
+    sizes = next((list(o.payload["by_size"]) for group in res.steady.values() for o in group
+                  if o.payload and o.payload.get("by_size")), [])
+    rows = []
+    for size in sizes:
+        eager, comp, ours = (best(m, size) for m in ("steady-eager", "steady-compile",
+                                                      "steady-ours"))
+        rows.append([size, f"{eager:.1f}", f"{comp:.1f}", f"{ours:.1f}", f"{ours / comp:.2f}x"])
+    return rows
+
+
+DYNAMIC_HEADER = ["batch x seq", "eager us/call", "torch.compile(dynamic=True) us/call",
+                  "ours us/call", "ours vs torch.compile"]
+
+
 def build_table(res: WorkloadResults, inference: bool) -> list[list[str]]:
     """Rows: approach, build seconds, artifact size."""
     rows = []
@@ -635,6 +688,8 @@ WORKLOAD_TITLES = {
     "mlp": "`mlp`: MLP 256-512-512-10 forward, batch 32, eval",
     "block": "`block`: pre-norm transformer block forward (dim 64, 4 heads, seq 32, batch 4), eval",
     "block_train": "`block_train`: the same block's training step (forward, MSE, backward), train",
+    "block_dyn": "`block_dyn`: the block's forward with dynamic batch and sequence length (ours: "
+                 "mark_unbacked, seq min 2; torch.compile(dynamic=True)), eval",
 }
 
 EXPLANATION = """\
@@ -658,9 +713,11 @@ first result (and gradients, for training) from a fresh eager run, over all runs
 process, after warm-up calls, the median of per-call `time.perf_counter()` times (torch.compile
 compiles first, with empty caches; ours loads with its cache); the lowest of the processes' medians
 is reported, to damp interference; training steps are called repeatedly without zeroing gradients
-(they accumulate alike everywhere). Inference `fn` is called as written (grad mode on) by eager and
-torch.compile. Build time: once per workload with empty caches; for torch.compile, the median first
-compiled call over the setup process and all cold runs."""
+(they accumulate alike everywhere). Inference workloads run under `torch.no_grad()` in every mode.
+`block_dyn` uses one artifact (ours) or one `torch.compile(fn, dynamic=True)` for every size; its
+steady state is measured at each listed size in the same processes. Build time: once per
+workload with empty caches; for torch.compile, the median first compiled call over the setup
+process and all cold runs."""
 
 
 def machine_description() -> str:
@@ -712,6 +769,9 @@ def report(
             ("Steady state (microseconds per call)", STEADY_HEADER, steady_table(res, inference)),
             ("Build time (once, empty caches)", BUILD_HEADER, build_table(res, inference)),
         ]  # fmt: skip
+        if name in DYNAMIC_SIZES:
+            sections.insert(2, ("Steady state at several sizes, one artifact (microseconds per "
+                                "call)", DYNAMIC_HEADER, dynamic_table(res)))
         md.append(f"## {WORKLOAD_TITLES[name]}\n")
         text.append(f"\n=== {name} ===")
         for title, header, rows in sections:

@@ -7,14 +7,15 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch_precompile import runtime, storage
 from torch_precompile.artifact import envelope, signature
-from torch_precompile.artifact.render import render
-from torch_precompile.capture import Capture, capture
 from torch_precompile.errors import PrecompileError
-from torch_precompile.lower import LoweredGraph
+
+if TYPE_CHECKING:
+    from torch_precompile.capture import Capture
+    from torch_precompile.lower import LoweredGraph
 
 BACKENDS = ("inductor", "eager")
 TRACERS = ("make_fx", "dynamo")
@@ -139,6 +140,10 @@ def build(
             "decompositions must be a mapping {OpOverload: function} or None, got "
             f"{type(decompositions).__name__}."
         )
+    # The build pipeline is imported here, not at module level: load() never needs it.
+    from torch_precompile.artifact.render import render
+    from torch_precompile.capture import capture
+
     with _lock:
         report("capture")
         captured = capture(fn, example_inputs, backend, decompositions)
@@ -154,6 +159,7 @@ def build(
 
 
 def _lower(captured: Capture, backend: str) -> LoweredGraph:
+    """Realize the captured graph with ``backend``."""
     if backend == "eager":
         from torch_precompile.lower.eager import lower_eager
 

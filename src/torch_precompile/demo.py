@@ -84,8 +84,16 @@ if kind == "train":
     for a, b in zip(args[0].state_dict().values(), eager_args[0].state_dict().values()):
         diffs.append((a.double() - b.double()).abs().max().item())
 report["max_abs_diff"] = max(diffs)
+report["inductor_imported"] = "torch._inductor" in sys.modules
 print(json.dumps(report))
 """
+
+
+def _kernel_note(code: str, report: dict[str, Any]) -> str:
+    from torch_precompile.lower.kernels import cpp_kernel_calls
+
+    built = "rebuilt" if report["inductor_imported"] else "loaded from the cache, no compiler run"
+    return f"\n                 {len(cpp_kernel_calls(code))} C++ kernels {built}"
 
 
 def run_demo(out_dir: Path, backend: str) -> int:
@@ -124,7 +132,8 @@ def run_demo(out_dir: Path, backend: str) -> int:
               f"{path.with_suffix('.cache').name} {len(cache) / 1024:.1f} KiB, "
               f"built in {build_s:.2f} s")
         print(f"  fresh process: import torch {report['import_torch_s']:.2f} s, "
-              f"load {report['load_s']:.3f} s, first call {report['first_call_s']:.3f} s")
+              f"load {report['load_s']:.3f} s, first call {report['first_call_s']:.3f} s"
+              f"{_kernel_note(code, report) if backend == 'inductor' else ''}")
         checked = "output" if kind == "infer" else "loss, gradients, buffers over 4 SGD steps"
         print(f"  vs eager ({checked}): max abs diff {report['max_abs_diff']:.2e} "
               f"-> {'OK' if ok else 'MISMATCH'}\n")

@@ -12,6 +12,8 @@ from torch_precompile.errors import PrecompileError
 _NOT_AN_ARTIFACT = "it is not a precompile artifact (python_code from precompile())"
 # The layout of python_code; an artifact of another format is refused, not half-understood.
 ARTIFACT_FORMAT = "torch-precompile artifact 1"
+METADATA_TITLE = "The calling convention (read by load() without executing this file)"
+DRIVER_TITLE = "The driver: forward(*args) checks a call and runs call()"
 
 
 def metadata_source(convention: CallingConvention) -> str:
@@ -29,8 +31,26 @@ def parse_metadata(python_code: str) -> dict[str, Any]:
         raise PrecompileError(
             f"python_code must be a str, got {type(python_code).__name__}; {_NOT_AN_ARTIFACT}."
         )
+    found = _literals(_metadata_section(python_code))
+    if not found:  # not laid out as rendered: read the whole module
+        found = _literals(python_code)
+    artifact_format = found.pop("ARTIFACT_FORMAT", None)
+    return _checked(found, artifact_format)
+
+
+def _metadata_section(python_code: str) -> str:
+    """Section 3 alone: parsing it is fast, where the kernels' source makes the whole slow."""
+    start = python_code.find(f"# 3. {METADATA_TITLE}\n")
+    end = python_code.find(f"# 4. {DRIVER_TITLE}\n", start)
+    if start < 0 or end < 0:
+        return ""
+    return python_code[start:end]
+
+
+def _literals(source: str) -> dict[str, Any]:
+    """The metadata assignments at the top level of ``source``, evaluated as literals."""
     try:
-        tree = ast.parse(python_code)
+        tree = ast.parse(source)
     except SyntaxError as e:
         raise PrecompileError(
             f"python_code does not parse (line {e.lineno}: {e.msg}); {_NOT_AN_ARTIFACT}."
@@ -51,7 +71,10 @@ def parse_metadata(python_code: str) -> dict[str, Any]:
                 raise PrecompileError(
                     f"python_code's {name} is not a literal; {_NOT_AN_ARTIFACT}."
                 ) from e
-    artifact_format = found.pop("ARTIFACT_FORMAT", None)
+    return found
+
+
+def _checked(found: dict[str, Any], artifact_format: Any) -> dict[str, Any]:
     if artifact_format is not None and artifact_format != ARTIFACT_FORMAT:
         raise PrecompileError(
             f"python_code is a {artifact_format!r}, made by another version of torch-precompile; "

@@ -9,7 +9,7 @@ import torch
 
 import torch_precompile
 from torch_precompile import driver
-from torch_precompile.artifact.metadata import metadata_source
+from torch_precompile.artifact.metadata import DRIVER_TITLE, METADATA_TITLE, metadata_source
 from torch_precompile.convention import CallingConvention
 from torch_precompile.errors import PrecompileError
 from torch_precompile.lower import LoweredGraph
@@ -69,9 +69,9 @@ def render(convention: CallingConvention, lowered: LoweredGraph) -> str:
         ),
         _section(2, "The compiled graph: call(flat_inputs) -> flat_outputs"),
         lowered.source,
-        _section(3, "The calling convention (read by load() without executing this file)"),
+        _section(3, METADATA_TITLE),
         metadata_source(convention),
-        _section(4, "The driver: forward(*args) checks a call and runs call()"),
+        _section(4, DRIVER_TITLE),
         driver_source,
         "",
         "forward = bind_forward(globals(), call)",
@@ -82,6 +82,7 @@ def render(convention: CallingConvention, lowered: LoweredGraph) -> str:
 
 def _section(number: int, title: str) -> str:
     return f"\n{_RULE}\n# {number}. {title}\n{_RULE}\n"
+
 
 
 def _top_level_names(source: str) -> set[str]:
