@@ -24,6 +24,11 @@ def make():
     return (lambda m, x: m(x).softmax(-1)), (model, x)
 
 
+def make_static():
+    torch.manual_seed(0)
+    return (lambda m, x: m(x) * 2), (nn.Linear(4, 2), torch.randn(3, 4))
+
+
 def not_a_pair():
     return 42
 """
@@ -129,3 +134,35 @@ def test_loaded_from_the_cli_output(compiled: Path) -> None:
         env={**os.environ, "PYTHONPATH": str(compiled)},
     )
     assert proc.stdout.strip() == "OK", proc.stderr[-2000:]
+
+
+def test_progress_is_live_on_a_terminal(compiled: Path) -> None:
+    """On a terminal, stage lines are redrawn in place (carriage returns, a running clock)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch_precompile", "compile", "factory:make_static", "-o",
+             "tty.py", "--backend", "eager"],
+            cwd=compiled, stdout=subprocess.PIPE, stderr=follower, timeout=600,
+            env={**os.environ, "PYTHONPATH": str(compiled)},
+        )
+        os.close(follower)
+        follower = -1
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        if follower >= 0:
+            os.close(follower)
+        os.close(leader)
+    shown = b"".join(chunks).decode()
+    assert proc.returncode == 0
+    assert "\r\x1b[K" in shown and "capturing fn (one traced run): done in" in shown
