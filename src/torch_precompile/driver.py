@@ -8,8 +8,8 @@ So it imports only torch and the standard library, and it must never grow a
 ``forward`` checks a call in a fixed order (arity, input structure, user inputs, models),
 hands the flat tensors to the compiled ``call``, re-checks the tensor values the trace
 decided on, accumulates harvested gradients onto the runtime model's ``.grad`` and rebuilds
-``fn``'s result. Every broken rule raises
-``PrecompileError`` naming the argument, what was expected and what was given.
+``fn``'s result. Every broken rule raises ``PrecompileError`` naming the argument, what was
+expected and what was given.
 """
 
 import math
@@ -107,6 +107,7 @@ def _dynamic_size_check(meta: Mapping[str, Any]) -> Callable[[Sequence[Any]], No
     if not dims:
         return None
     names = meta["USER_INPUT_NAMES"]
+    # The relations are arithmetic over sizes that capture wrote into this same file.
     relations = [
         (eval(f"lambda d: {code}", {"min": min, "max": max}), code, readable)
         for code, readable in meta["SHAPE_RELATIONS"]
