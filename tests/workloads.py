@@ -123,8 +123,9 @@ def literal_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def mask_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Bakes -inf, nan handling and a device into the graph, as attention masks do."""
+    """Bakes -inf, nan and a device into the graph, as attention masks do."""
     scores = m(x)
+    scores = torch.where(scores > 10, float("nan"), scores)
     causal = torch.ones(scores.shape[-1], scores.shape[-1], device=x.device).tril().bool()
     square = scores[:, :, None] * scores[:, None, :]
     masked = square.masked_fill(~causal, float("-inf"))
