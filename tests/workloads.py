@@ -6,7 +6,6 @@ package cannot be imported.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -147,9 +146,6 @@ class Workload:
     def args(self) -> tuple[Any, ...]:
         torch.manual_seed(0)
         return self.make_args()
-
-    def fresh_copy(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return copy.deepcopy(args)
 
 
 def _mlp(train: bool) -> nn.Module:

@@ -48,13 +48,6 @@ class DynamicInputs:
     memory_formats: dict[int, str]  # leaf index -> layout name of a marked input
 
 
-def has_marks(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and bool(
-        getattr(value, "_dynamo_unbacked_indices", None)
-        or getattr(value, "_dynamo_strict_unbacked_indices", None)
-    )
-
-
 def read_marks(leaves: Sequence[Any], names: Sequence[str]) -> list[dict[int, Mark]]:
     """The marked dims of each leaf; rejects marks that one artifact cannot honour."""
     marks: list[dict[int, Mark]] = []

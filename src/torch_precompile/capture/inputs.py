@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from dataclasses import dataclass
@@ -64,8 +65,6 @@ def encode_value(name: str, value: Any) -> EncodedValue:
 
 def arg_names_of(fn: Any, count: int) -> list[str]:
     """Names of ``fn``'s first ``count`` positional parameters, for error messages."""
-    import inspect
-
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):

@@ -73,6 +73,7 @@ def capture(
         )
     outputs: dict[str, Any] = {}
     recorder = GuardRecorder()
+    dynamic_inputs: dynamic.DynamicInputs | None = None  # set below, read by flat_fn
 
     def flat_fn(*flat: torch.Tensor) -> list[Any]:
         leaves = list(inputs.leaves)
@@ -103,7 +104,6 @@ def capture(
             examples = dynamic_inputs.fakes
             gm = _trace_symbolic(flat_fn, examples, dynamic_inputs, decompositions)
         else:
-            dynamic_inputs = None
             # Parameters are traced as themselves (a backward writes their .grad, restored
             # below); buffers and input tensors as copies, so that mutations fn makes while
             # being traced (BatchNorm statistics, in-place input updates) never touch the
