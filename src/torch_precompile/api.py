@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from torch_precompile import runtime, storage
 from torch_precompile.artifact import envelope, signature
 from torch_precompile.errors import PrecompileError
+from torch_precompile.spec import ArtifactSpec, parse_spec
 
 if TYPE_CHECKING:
     from torch_precompile.capture import Capture
@@ -94,6 +94,14 @@ class Precompile:
         """
         return storage.save(python_code, cache, path, sign_key=sign_key)
 
+    def inspect(self, python_code: str) -> ArtifactSpec:
+        """The typed spec of an artifact: its calling convention, read without executing it.
+
+        Raises ``PrecompileError`` for a source that is not an artifact, or one whose spec
+        schema version this torch-precompile cannot read.
+        """
+        return parse_spec(python_code)
+
     def load_file(
         self, path: str | os.PathLike[str], *, verify_key: bytes | None = None
     ) -> runtime.LoadedArtifact:
@@ -149,9 +157,9 @@ def build(
         captured = capture(fn, example_inputs, backend, decompositions)
         report("lower")
         lowered = _lower(captured, backend)
-        convention = dataclasses.replace(captured.convention, input_strides=lowered.input_strides)
+        spec = captured.spec.with_strides(lowered.input_strides)
         report("render")
-        python_code = render(convention, lowered)
+        python_code = render(spec, lowered)
     cache = envelope.pack(backend, python_code, lowered.acceleration)
     if sign_key is not None:
         cache = signature.sign(sign_key, python_code, cache)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch_precompile.storage import cache_path
+
 SEED = 0
 BATCH = 16
 
@@ -63,10 +65,8 @@ import copy, json, sys
 from torch_precompile import precompile
 from torch_precompile.demo import WORKLOADS, example
 kind, code_path = sys.argv[1], sys.argv[2]
-code = open(code_path).read()
-cache = open(code_path.removesuffix(".py") + ".cache", "rb").read()
 t0 = time.perf_counter()
-run = precompile.load(code, cache)
+run = precompile.load_file(code_path)
 t1 = time.perf_counter()
 args = example(kind)
 eager_args = copy.deepcopy(args)
@@ -101,7 +101,6 @@ def _kernel_note(code: str, report: dict[str, Any]) -> str:
 
 def run_demo(out_dir: Path, backend: str) -> int:
     from torch_precompile import precompile
-    from torch_precompile.artifact.metadata import parse_metadata
 
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"torch-precompile demo: backend={backend!r}, artifacts in {out_dir}/\n")
@@ -111,10 +110,8 @@ def run_demo(out_dir: Path, backend: str) -> int:
         start = time.perf_counter()
         code, cache = precompile(fn, *args, backend=backend)
         build_s = time.perf_counter() - start
-        path = out_dir / f"mlp_{kind}.py"
-        path.write_text(code)
-        path.with_suffix(".cache").write_bytes(cache)
-        meta = parse_metadata(code)
+        path = precompile.save(code, cache, out_dir / f"mlp_{kind}.py")
+        spec = precompile.inspect(code)
         proc = subprocess.run(
             [sys.executable, "-c", _CHECK, kind, str(path)],
             capture_output=True, text=True, timeout=900,
@@ -126,13 +123,13 @@ def run_demo(out_dir: Path, backend: str) -> int:
         report = json.loads(proc.stdout.strip().splitlines()[-1])
         ok = report["max_abs_diff"] < 1e-4
         failures += not ok
-        grads = len(meta["GRAD_PARAM_INDICES"])
+        grads = sum(t.gets_grad for t in spec.model)
         print(f"[{kind}] {'inference (eval mode)' if kind == 'infer' else 'training step'}")
-        print(f"  captured : {len(meta['PARAM_NAMES'])} parameters, "
-              f"{len(meta['BUFFER_NAMES'])} buffers, inputs {meta['USER_INPUT_NAMES']}"
+        print(f"  captured : {len(spec.parameters)} parameters, {len(spec.buffers)} buffers, "
+              f"inputs {[leaf.path for leaf in spec.inputs]}"
               f"{f', {grads} gradients harvested' if grads else ''}")
         print(f"  artifact : {path.name} {len(code) / 1024:.1f} KiB, "
-              f"{path.with_suffix('.cache').name} {len(cache) / 1024:.1f} KiB, "
+              f"{cache_path(path, code).name} {len(cache) / 1024:.1f} KiB, "
               f"built in {build_s:.2f} s")
         print(f"  fresh process: import torch {report['import_torch_s']:.2f} s, "
               f"load {report['load_s']:.3f} s, first call {report['first_call_s']:.3f} s"

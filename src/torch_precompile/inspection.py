@@ -14,20 +14,20 @@ from typing import Any
 import torch
 
 from torch_precompile.artifact import envelope, signature
-from torch_precompile.artifact.metadata import parse_metadata
 from torch_precompile.errors import PrecompileError
+from torch_precompile.spec import ArtifactSpec, InputLeaf, parse_spec
 from torch_precompile.storage import cache_path
 
 
-def _read_pair(path: Path) -> tuple[str, dict[str, Any], Path, bytes | None]:
+def _read_pair(path: Path) -> tuple[str, ArtifactSpec, Path, bytes | None]:
     try:
         code = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise PrecompileError(f"cannot read {path}: {e}") from e
-    meta = parse_metadata(code)
+    spec = parse_spec(code)
     cache_file = cache_path(path, code)
     cache = cache_file.read_bytes() if cache_file.exists() else None
-    return code, meta, cache_file, cache
+    return code, spec, cache_file, cache
 
 
 def _load_plain(data: bytes) -> Any:
@@ -36,52 +36,56 @@ def _load_plain(data: bytes) -> Any:
 
 def describe(path: Path) -> dict[str, Any]:
     """Everything a reader wants to know about the pair at ``path``, as plain data."""
-    code, meta, cache_file, cache = _read_pair(path)
-    names = meta["ARG_NAMES"]
+    code, spec, cache_file, cache = _read_pair(path)
     report: dict[str, Any] = {
-        "source": {"path": str(path), "bytes": len(code.encode()), "backend": meta["BACKEND"]},
-        "call": f"forward({', '.join(names)})",
-        "models": [names[i] for i in meta["MODULE_POSITIONS"]],
+        "source": {"path": str(path), "bytes": len(code.encode()), "backend": spec.backend,
+                   "schema_version": spec.schema_version,
+                   "torch": f"{spec.torch.version} (git {spec.torch.git[:12]})"},
+        "call": f"forward({', '.join(a.name for a in spec.args)})",
+        "models": list(spec.model_names),
         "parameters": [
-            {"name": n, "shape": list(s), "dtype": d, "device": v,
-             "gets_grad": i in meta["GRAD_PARAM_INDICES"]}
-            for i, (n, s, d, v) in enumerate(zip(meta["PARAM_NAMES"], meta["PARAM_SHAPES"],
-                                                  meta["PARAM_DTYPES"], meta["PARAM_DEVICES"],
-                                                  strict=True))
+            {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "device": t.device,
+             "gets_grad": t.gets_grad}
+            for t in spec.parameters
         ],
         "buffers": [
-            {"name": n, "shape": list(s), "dtype": d, "device": v}
-            for n, s, d, v in zip(meta["BUFFER_NAMES"], meta["BUFFER_SHAPES"],
-                                  meta["BUFFER_DTYPES"], meta["BUFFER_DEVICES"], strict=True)
+            {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "device": t.device}
+            for t in spec.buffers
         ],
-        "tied": meta["TIED_NAMES"],
-        "inputs": [_describe_input(meta, i) for i in range(len(meta["USER_INPUT_NAMES"]))],
+        "tied": {t.name: t.tied_to for t in spec.model if t.tied_to is not None},
+        "modes": _describe_modes(spec),
+        "inputs": [_describe_input(leaf) for leaf in spec.inputs],
         "dynamic_dims": [
-            {"shape_id": label or None,
-             "dims": [f"{meta['USER_INPUT_NAMES'][leaf]}[{dim}]" for leaf, dim in places]}
-            for label, places in meta["DYNAMIC_DIMS"]
+            {"shape_id": dim.shape_id or None,
+             "dims": [f"{spec.inputs[leaf].path}[{d}]" for leaf, d in dim.places]}
+            for dim in spec.dynamic_dims
         ],
-        "size_rules": [readable for _, readable in meta["SHAPE_RELATIONS"]],
-        "value_guards": [description for description, _ in meta["VALUE_GUARDS"]],
-        "cache": _describe_cache(code, meta, cache_file, cache),
+        "size_rules": [relation.readable for relation in spec.size_relations],
+        "value_guards": [guard.description for guard in spec.value_guards],
+        "cache": _describe_cache(code, spec, cache_file, cache),
     }
     return report
 
 
-def _describe_input(meta: dict[str, Any], i: int) -> dict[str, Any]:
-    name = meta["USER_INPUT_NAMES"][i]
-    shape = meta["USER_INPUT_SHAPES"][i]
-    if shape is None:
-        kind, value = meta["USER_INPUT_VALUES"][i]
-        return {"name": name, "value": value[1] if kind == "repr" else value}
-    described = {"name": name, "shape": ["*" if s is None else s for s in shape],
-                 "dtype": meta["USER_INPUT_DTYPES"][i], "device": meta["USER_INPUT_DEVICES"][i]}
-    if meta["USER_INPUT_BOUNDS"][i]:
-        described["bounds"] = {str(d): list(b) for d, b in meta["USER_INPUT_BOUNDS"][i].items()}
+def _describe_modes(spec: ArtifactSpec) -> str:
+    training = sum(s.training for s in spec.submodules)
+    return f"{training} of {len(spec.submodules)} modules in training mode"
+
+
+def _describe_input(leaf: InputLeaf) -> dict[str, Any]:
+    if leaf.kind == "value":
+        assert leaf.value is not None
+        kind, value = leaf.value
+        return {"name": leaf.path, "value": value[1] if kind == "repr" else value}
+    assert leaf.shape is not None
+    described = {"name": leaf.path, "shape": ["*" if s is None else s for s in leaf.shape],
+                 "dtype": leaf.dtype, "device": leaf.device}
+    if leaf.bounds:
+        described["bounds"] = {str(d): list(b) for d, b in leaf.bounds.items()}
     return described
 
 
-def _describe_cache(code: str, meta: dict[str, Any], cache_file: Path, cache: bytes | None
+def _describe_cache(code: str, spec: ArtifactSpec, cache_file: Path, cache: bytes | None
                     ) -> dict[str, Any]:
     if cache is None:
         return {"path": str(cache_file), "present": False}
@@ -95,9 +99,9 @@ def _describe_cache(code: str, meta: dict[str, Any], cache_file: Path, cache: by
         return info
     info.update(readable="yes", format=outer.get("format"), version=outer.get("version"),
                 matches_source=outer.get("code_hash") == envelope.code_hash(code)
-                and outer.get("backend") == meta["BACKEND"])
+                and outer.get("backend") == spec.backend)
     artifact = outer.get("artifact")
-    if meta["BACKEND"] == "inductor" and isinstance(artifact, bytes):
+    if spec.backend == "inductor" and isinstance(artifact, bytes):
         from torch_precompile.lower.kernels import fingerprint_mismatch
 
         try:
@@ -117,12 +121,14 @@ def _describe_cache(code: str, meta: dict[str, Any], cache_file: Path, cache: by
 
 def render(report: dict[str, Any]) -> str:
     """The report as text for a terminal."""
-    lines = [f"{report['source']['path']}: backend {report['source']['backend']}, "
-             f"{report['source']['bytes'] / 1024:.1f} KiB",
+    source = report["source"]
+    lines = [f"{source['path']}: backend {source['backend']}, {source['bytes'] / 1024:.1f} KiB, "
+             f"spec schema {source['schema_version']}, torch {source['torch']}",
              f"  call      : {report['call']}   (models: {', '.join(report['models']) or '-'})"]
     grads = sum(p["gets_grad"] for p in report["parameters"])
     lines.append(f"  parameters: {len(report['parameters'])} ({grads} get gradients)"
-                 f", buffers: {len(report['buffers'])}, tied: {len(report['tied'])}")
+                 f", buffers: {len(report['buffers'])}, tied: {len(report['tied'])}, "
+                 f"{report['modes']}")
     for p in report["parameters"]:
         lines.append(f"    {p['name']:<40} {tuple(p['shape'])!s:<16} {p['dtype']:<16} "
                      f"{p['device']}{'  grad' if p['gets_grad'] else ''}")
@@ -164,8 +170,8 @@ def verify(path: Path, key: bytes | None) -> tuple[list[str], list[str]]:
     """(problems, notes) about the pair at ``path``: pairing, kernels, signature."""
     problems: list[str] = []
     notes: list[str] = []
-    code, meta, cache_file, cache = _read_pair(path)
-    notes.append(f"{path.name}: a precompiled artifact, backend {meta['BACKEND']!r}")
+    code, spec, cache_file, cache = _read_pair(path)
+    notes.append(f"{path.name}: a precompiled artifact, backend {spec.backend!r}")
     if cache is None:
         problems.append(f"the cache {cache_file.name} is missing")
         return problems, notes
@@ -189,13 +195,13 @@ def verify(path: Path, key: bytes | None) -> tuple[list[str], list[str]]:
     if outer.get("version") != envelope.VERSION:
         problems.append(f"the cache has version {outer.get('version')!r}; this version reads "
                         f"{envelope.VERSION}")
-    if outer.get("backend") != meta["BACKEND"] or outer.get("code_hash") != envelope.code_hash(
+    if outer.get("backend") != spec.backend or outer.get("code_hash") != envelope.code_hash(
             code):
         problems.append("the cache belongs to a different source (code_hash or backend differ)")
     else:
         notes.append("the cache belongs to this source")
     artifact = outer.get("artifact")
-    if meta["BACKEND"] == "inductor":
+    if spec.backend == "inductor":
         problems_before = len(problems)
         try:
             payload = _load_plain(artifact)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import linecache
 import logging
 from collections.abc import Callable
-from types import MappingProxyType
 from typing import Any, NoReturn
 
 from torch_precompile.artifact import envelope, signature
-from torch_precompile.artifact.metadata import parse_metadata
 from torch_precompile.errors import PrecompileError
+from torch_precompile.internals import torch_build
+from torch_precompile.spec import ArtifactSpec, parse_spec
 
 log = logging.getLogger("torch_precompile")
 
@@ -18,18 +18,18 @@ log = logging.getLogger("torch_precompile")
 class LoadedArtifact:
     """A loaded artifact: call it like the captured ``fn``, models included."""
 
-    __slots__ = ("_forward", "backend", "metadata")
+    __slots__ = ("_forward", "backend", "spec")
 
-    def __init__(self, forward: Callable[..., Any], metadata: dict[str, Any]) -> None:
+    def __init__(self, forward: Callable[..., Any], spec: ArtifactSpec) -> None:
         self._forward = forward
-        self.backend: str = metadata["BACKEND"]
-        self.metadata = MappingProxyType(metadata)
+        self.backend: str = spec.backend
+        self.spec = spec
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(*args, **kwargs)
 
     def __repr__(self) -> str:
-        args = ", ".join(self.metadata["ARG_NAMES"])
+        args = ", ".join(a.name for a in self.spec.args)
         return f"<precompiled {self.backend} artifact: forward({args})>"
 
     def _not_exportable(self, *_: Any, **__: Any) -> NoReturn:
@@ -54,8 +54,9 @@ def load(
         if not isinstance(python_code, str):
             raise PrecompileError("python_code must be a str.")
         signature.verify(verify_key, python_code, cache)
-    metadata = parse_metadata(python_code)
-    backend = metadata["BACKEND"]
+    spec = parse_spec(python_code)
+    check_torch_build(spec)
+    backend = spec.backend
     acceleration = envelope.unpack(cache, backend, python_code)
     log.warning(
         "precompile.load is executing python_code: it is a program, so only load artifacts you "
@@ -84,4 +85,15 @@ def load(
     # The driver raises the PrecompileError it finds in its globals at raise time; point it at
     # the package's class so callers can catch one type.
     namespace["PrecompileError"] = PrecompileError
-    return LoadedArtifact(forward, metadata)
+    return LoadedArtifact(forward, spec)
+
+
+def check_torch_build(spec: ArtifactSpec) -> None:
+    """An artifact runs under the torch build it was made with, and no other."""
+    here = torch_build()
+    if spec.torch != here:
+        raise PrecompileError(
+            f"this artifact was built with torch {spec.torch.version} (git {spec.torch.git}); "
+            f"this process runs torch {here.version} (git {here.git}). Its compiled graph and "
+            "driver are tied to the build that made them: precompile fn again under this torch."
+        )

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from torch_precompile.artifact import envelope, signature
-from torch_precompile.artifact.metadata import parse_metadata
 from torch_precompile.errors import PrecompileError
+from torch_precompile.spec import parse_spec
 
 log = logging.getLogger("torch_precompile")
 _HASH_CHARS = 16
@@ -39,7 +39,7 @@ def save(
 ) -> Path:
     """Write the pair atomically; return the path of the source."""
     path = Path(path)
-    parse_metadata(python_code)  # refuse to write something that is not an artifact
+    parse_spec(python_code)  # refuse to write something that is not an artifact
     if cache is not None:
         cache = bytes(cache)
         if sign_key is not None:

@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torch_precompile.errors import PrecompileError
+from torch_precompile.spec import SizeRelation
 
 MEMORY_FORMATS = {
     "contiguous": torch.contiguous_format,
@@ -184,22 +185,17 @@ def check_not_specialized(dynamic: DynamicInputs, names: Sequence[str]) -> None:
             )
 
 
-def shape_relations(
-    dynamic: DynamicInputs, names: Sequence[str]
-) -> list[tuple[str, str]]:
+def shape_relations(dynamic: DynamicInputs, names: Sequence[str]) -> tuple[SizeRelation, ...]:
     """The trace's deferred runtime asserts that relate dynamic dims, as driver checks.
 
-    Each is (Python expression over ``d``, the dynamic sizes in DYNAMIC_DIMS order; the same
-    expression written with the user's names). Bounds the driver already checks are skipped.
+    Each is an expression tree over the dynamic sizes (see ``SizeRelation``) and the same
+    relation written with the user's names. Bounds the driver already checks are skipped.
     """
     shape_env = dynamic.fake_mode.shape_env
     slot_of = {symbol: i for i, symbol in enumerate(dynamic.symbols)}
-    readable = {
-        symbol: f"input {names[dynamic.occurrences[i][0][0]]} dim {dynamic.occurrences[i][0][1]}"
-        for i, symbol in enumerate(dynamic.symbols)
-    }
-    relations: list[tuple[str, str]] = []
-    seen: set[str] = set()
+    readable = [f"input {names[places[0][0]]} dim {places[0][1]}"
+                for places in dynamic.occurrences]
+    relations: list[SizeRelation] = []
     for asserts in shape_env.deferred_runtime_asserts.values():
         for runtime_assert in asserts:
             expr = runtime_assert.expr
@@ -212,11 +208,11 @@ def shape_relations(
                     "computed inside fn; precompile can only check relations between input "
                     "sizes. Leave those dims static."
                 )
-            code = _python(expr, lambda s: f"d[{slot_of[s]}]")
-            if code not in seen:
-                seen.add(code)
-                relations.append((code, _python(expr, lambda s: readable[s])))
-    return relations
+            relation = SizeRelation(_tree(expr, expr, slot_of), "")
+            relation = SizeRelation(relation.expr, _text(relation.expr, readable))
+            if relation not in relations:
+                relations.append(relation)
+    return tuple(relations)
 
 
 def _is_plain_bound(expr: Any, slot_of: dict[Any, int]) -> bool:
@@ -229,43 +225,56 @@ def _is_plain_bound(expr: Any, slot_of: dict[Any, int]) -> bool:
     return False
 
 
-def _python(expr: Any, name: Any) -> str:
-    """Python source for a sympy size expression (the operators shape asserts use)."""
+def _tree(e: Any, whole: Any, slot_of: dict[Any, int]) -> Any:
+    """A sympy size expression as the driver's expression tree (see ``SizeRelation``)."""
     import sympy
-    from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
 
-    def text(e: Any) -> str:
-        if e.is_Symbol:
-            return name(e)
-        if e.is_Integer:
-            return str(int(e))
-        if e.is_Rational:
-            return f"({int(e.p)} / {int(e.q)})"
-        if isinstance(e, sympy.Add):
-            return "(" + " + ".join(text(a) for a in e.args) + ")"
-        if isinstance(e, sympy.Mul):
-            return "(" + " * ".join(text(a) for a in e.args) + ")"
-        if isinstance(e, sympy.Pow) and e.exp.is_Integer and int(e.exp) > 0:
-            return f"({text(e.base)} ** {int(e.exp)})"
-        if isinstance(e, FloorDiv):
-            return f"({text(e.args[0])} // {text(e.args[1])})"
-        if isinstance(e, Mod | PythonMod | sympy.Mod):
-            return f"({text(e.args[0])} % {text(e.args[1])})"
-        relations = {sympy.Eq: "==", sympy.Ne: "!=", sympy.Le: "<=", sympy.Lt: "<",
-                     sympy.Ge: ">=", sympy.Gt: ">"}
-        for kind, op in relations.items():
-            if isinstance(e, kind):
-                return f"{text(e.lhs)} {op} {text(e.rhs)}"
-        if isinstance(e, sympy.And | sympy.Or):
-            joiner = " and " if isinstance(e, sympy.And) else " or "
-            return "(" + joiner.join(text(a) for a in e.args) + ")"
-        if isinstance(e, sympy.Not):
-            return f"(not {text(e.args[0])})"
-        if isinstance(e, sympy.Max | sympy.Min):
-            return f"{type(e).__name__.lower()}({', '.join(text(a) for a in e.args)})"
+    if e.is_Symbol:
+        return ("d", slot_of[e])
+    if e.is_Integer:
+        return int(e)
+    if e.is_Rational:
+        return ("/", int(e.p), int(e.q))
+    if isinstance(e, sympy.Pow) and e.exp.is_Integer and int(e.exp) > 0:
+        return ("**", _tree(e.base, whole, slot_of), int(e.exp))
+    op = _operator(e)
+    if op is None:
         raise PrecompileError(
-            f"the trace needs the sizes to satisfy {expr}, which precompile cannot turn into a "
-            "check. Leave those dims static."
+            f"the trace needs the sizes to satisfy {whole}, which precompile cannot turn into "
+            "a check. Leave those dims static."
         )
+    return (op, *(_tree(arg, whole, slot_of) for arg in e.args))
 
-    return text(expr)
+
+def _operator(e: Any) -> str | None:
+    import sympy
+
+    from torch_precompile.internals import size_function_types
+
+    floor_div, mods = size_function_types()
+    kinds: list[tuple[Any, str]] = [
+        (sympy.Add, "+"), (sympy.Mul, "*"), (floor_div, "//"), ((*mods, sympy.Mod), "%"),
+        (sympy.Eq, "=="), (sympy.Ne, "!="), (sympy.Le, "<="), (sympy.Lt, "<"), (sympy.Ge, ">="),
+        (sympy.Gt, ">"), (sympy.And, "and"), (sympy.Or, "or"), (sympy.Not, "not"),
+        (sympy.Max, "max"), (sympy.Min, "min"),
+    ]
+    return next((op for kind, op in kinds if isinstance(e, kind)), None)
+
+
+_INFIX = {"+", "*", "//", "%", "/", "**", "==", "!=", "<=", "<", ">=", ">", "and", "or"}
+
+
+def _text(tree: Any, names: Sequence[str]) -> str:
+    """An expression tree written out with the user's names for the sizes."""
+    if isinstance(tree, int):
+        return str(tree)
+    op, *args = tree
+    if op == "d":
+        return names[args[0]]
+    parts = [_text(arg, names) for arg in args]
+    if op == "not":
+        return f"(not {parts[0]})"
+    if op in _INFIX:
+        joined = f" {op} ".join(parts)
+        return joined if op in ("==", "!=", "<=", "<", ">=", ">") else f"({joined})"
+    return f"{op}({', '.join(parts)})"

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torch_precompile.spec import ModelTensor, Submodule
+
 
 @dataclass(frozen=True)
 class ModelState:
@@ -13,7 +15,8 @@ class ModelState:
 
     ``tensors`` holds each distinct tensor once (tied weights are one graph input and get one
     gradient); ``tied_names`` maps every further name of an already-seen tensor to its first
-    name; ``bindings[i]`` maps module ``i``'s local names to indices into ``tensors``.
+    name; ``bindings[i]`` maps module ``i``'s local names to indices into ``tensors``;
+    ``members`` lists (kind, name, index into ``tensors``) in walk order, tied names included.
     """
 
     tensors: list[torch.Tensor]
@@ -21,6 +24,7 @@ class ModelState:
     buffer_names: list[str]
     tied_names: dict[str, str]
     bindings: list[dict[str, int]]
+    members: list[tuple[str, str, int]]
 
     @property
     def num_params(self) -> int:
@@ -35,14 +39,15 @@ def intern_model_state(modules: list[torch.nn.Module]) -> ModelState:
     names: dict[str, list[str]] = {"parameter": [], "buffer": []}
     tied: dict[str, str] = {}
     bindings: list[dict[str, int]] = [{} for _ in modules]
+    members: list[tuple[str, str, int]] = []
     for kind in ("parameter", "buffer"):
         for mi, module in enumerate(modules):
-            members = (
+            named = (
                 module.named_parameters(remove_duplicate=False)
                 if kind == "parameter"
                 else module.named_buffers(remove_duplicate=False)
             )
-            for local, tensor in members:
+            for local, tensor in named:
                 name = f"m{mi}.{local}" if qualify else local
                 index = index_of.get(id(tensor))
                 if index is None:
@@ -52,7 +57,31 @@ def intern_model_state(modules: list[torch.nn.Module]) -> ModelState:
                 else:
                     tied[name] = _name_at(index, names)
                 bindings[mi][local] = index
-    return ModelState(tensors, names["parameter"], names["buffer"], tied, bindings)
+                members.append((kind, name, index))
+    return ModelState(tensors, names["parameter"], names["buffer"], tied, bindings, members)
+
+
+def model_records(state: ModelState, grad_indices: list[int]) -> tuple[ModelTensor, ...]:
+    """One spec record per member name, in walk order; strides are the lowering's to set."""
+    records = []
+    for kind, name, index in state.members:
+        tensor = state.tensors[index]
+        records.append(ModelTensor(
+            name=name, kind=kind, tied_to=state.tied_names.get(name), shape=tuple(tensor.shape),
+            dtype=str(tensor.dtype), device=str(tensor.device), strides=None,
+            requires_grad=tensor.requires_grad, gets_grad=index in grad_indices,
+        ))
+    return tuple(records)
+
+
+def submodule_records(modules: list[torch.nn.Module]) -> tuple[Submodule, ...]:
+    """Every module reached from the model arguments, with its training flag."""
+    qualify = len(modules) > 1
+    return tuple(
+        Submodule(f"m{mi}.{name}" if qualify else name, module.training)
+        for mi, root in enumerate(modules)
+        for name, module in root.named_modules(remove_duplicate=False)
+    )
 
 
 def _name_at(index: int, names: dict[str, list[str]]) -> str:

@@ -19,30 +19,40 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch_precompile.capture import checks, dynamic
 from torch_precompile.capture.guards import GuardRecorder
 from torch_precompile.capture.inputs import arg_names_of, encode_value, flatten_user_inputs
-from torch_precompile.capture.state import ModelState, intern_model_state
-from torch_precompile.convention import CallingConvention
+from torch_precompile.capture.state import (
+    ModelState,
+    intern_model_state,
+    model_records,
+    submodule_records,
+)
 from torch_precompile.errors import PrecompileError
-
-Alias = tuple[int, tuple[int, ...], tuple[int, ...], int] | tuple[int, None, None, None]
+from torch_precompile.internals import storage_id, torch_build
+from torch_precompile.spec import (
+    SCHEMA_VERSION,
+    Argument,
+    ArtifactSpec,
+    DynamicDim,
+    InputLeaf,
+    OutputAlias,
+    SizeRelation,
+    ValueGuard,
+)
 
 
 @dataclass(frozen=True)
 class Capture:
-    """A captured computation: its graph and the calling convention around it.
+    """A captured computation: its graph and the spec of its calling convention.
 
-    ``graph`` takes the flat inputs of ``convention`` followed by ``literals`` (tensors the
-    artifact rebuilds from source) and returns a list: result leaves, then gradients.
+    ``graph`` takes the flat inputs of ``spec`` followed by ``literals`` (tensors the artifact
+    rebuilds from source) and returns a list: result leaves, gradients, value guards.
     ``example_inputs`` are the flat example tensors it was traced with: fake tensors with
     unbacked symbols when dims were marked dynamic, ``fake_mode`` then holding their ShapeEnv.
-    ``output_aliases`` maps each result output that is a view of a flat input to (input index,
-    size, stride, storage offset relative to the input's), with None for "the input itself".
     """
 
     graph: torch.fx.GraphModule
     literals: list[torch.Tensor]
-    convention: CallingConvention
+    spec: ArtifactSpec
     example_inputs: list[torch.Tensor]
-    output_aliases: dict[int, Alias]
     fake_mode: Any = None
     memory_formats: dict[int, str] = dataclasses.field(default_factory=dict)
     symbol_names: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -130,8 +140,8 @@ def capture(
     _name_placeholders(gm, state, [inputs.names[i] for i in tensor_positions])
     shapes: list[Any] = [_shape(leaf) for leaf in inputs.leaves]
     bounds: list[Any] = [None for _ in inputs.leaves]
-    dynamic_dims: list[Any] = []
-    relations: list[Any] = []
+    dynamic_dims: tuple[DynamicDim, ...] = ()
+    relations: tuple[SizeRelation, ...] = ()
     if dynamic_inputs is not None:
         dynamic.check_not_specialized(dynamic_inputs, inputs.names)
         relations = dynamic.shape_relations(dynamic_inputs, inputs.names)
@@ -144,47 +154,35 @@ def capture(
                     d: (m.low, m.high) for d, m in leaf_marks.items()
                     if m.low is not None or m.high is not None
                 } or None
-        dynamic_dims = [
-            (label, [list(place) for place in places])
+        dynamic_dims = tuple(
+            DynamicDim(label, tuple(tuple(place) for place in places))
             for label, places in zip(dynamic_inputs.labels, dynamic_inputs.occurrences,
                                      strict=True)
-        ]
-    convention = CallingConvention(
+        )
+    spec = ArtifactSpec(
+        schema_version=SCHEMA_VERSION,
         backend=backend,
-        num_positional_args=len(args),
-        arg_names=arg_names,
-        module_positions=module_positions,
-        param_names=state.param_names,
-        param_shapes=[tuple(t.shape) for t in state.tensors[:num_params]],
-        param_dtypes=[str(t.dtype) for t in state.tensors[:num_params]],
-        param_devices=[str(t.device) for t in state.tensors[:num_params]],
-        param_requires_grad=[t.requires_grad for t in state.tensors[:num_params]],
-        buffer_names=state.buffer_names,
-        buffer_shapes=[tuple(t.shape) for t in state.tensors[num_params:]],
-        buffer_dtypes=[str(t.dtype) for t in state.tensors[num_params:]],
-        buffer_devices=[str(t.device) for t in state.tensors[num_params:]],
-        tied_names=state.tied_names,
-        grad_param_indices=outputs["grad_indices"],
+        torch=torch_build(),
+        args=tuple(Argument(name, i in module_positions) for i, name in enumerate(arg_names)),
+        model=model_records(state, outputs["grad_indices"]),
+        submodules=submodule_records(modules),
+        inputs=tuple(
+            _input_record(leaf, name, value, shape, bound)
+            for leaf, name, value, shape, bound in zip(
+                inputs.leaves, inputs.names, inputs.values, shapes, bounds, strict=True)
+        ),
         in_spec=_dump_in_spec(inputs.spec),
         out_spec=_dump_out_spec(outputs["spec"]),
-        user_input_names=inputs.names,
-        user_input_shapes=shapes,
-        user_input_dtypes=[_text(leaf, "dtype") for leaf in inputs.leaves],
-        user_input_devices=[_text(leaf, "device") for leaf in inputs.leaves],
-        user_input_requires_grad=[
-            leaf.requires_grad if isinstance(leaf, torch.Tensor) else None
-            for leaf in inputs.leaves
-        ],
-        user_input_bounds=bounds,
-        user_input_values=inputs.values,
-        value_guards=[
-            (g.description, encode_value(g.description, g.expected)) for g in recorder.guards
-        ],
+        value_guards=tuple(
+            ValueGuard(g.description, encode_value(g.description, g.expected))
+            for g in recorder.guards
+        ),
         dynamic_dims=dynamic_dims,
-        shape_relations=relations,
+        size_relations=relations,
+        output_aliases=outputs["aliases"],
     )
     if dynamic_inputs is None:
-        return Capture(gm, literals, convention, examples, outputs["aliases"])
+        return Capture(gm, literals, spec, examples)
     flat_index = {leaf: num_state + i for i, leaf in enumerate(tensor_positions)}
     formats = {flat_index[leaf]: name for leaf, name in dynamic_inputs.memory_formats.items()}
     symbol_names = {
@@ -192,8 +190,14 @@ def capture(
         for symbol, places in zip(dynamic_inputs.symbols, dynamic_inputs.occurrences,
                                   strict=True)
     }
-    return Capture(gm, literals, convention, examples, outputs["aliases"],
-                   dynamic_inputs.fake_mode, formats, symbol_names)
+    return Capture(gm, literals, spec, examples, dynamic_inputs.fake_mode, formats, symbol_names)
+
+
+def _input_record(leaf: Any, name: str, value: Any, shape: Any, bounds: Any) -> InputLeaf:
+    if not isinstance(leaf, torch.Tensor):
+        return InputLeaf(path=name, kind="value", value=value)
+    return InputLeaf(path=name, kind="tensor", shape=shape, dtype=str(leaf.dtype),
+                     device=str(leaf.device), requires_grad=leaf.requires_grad, bounds=bounds)
 
 
 def _trace_symbolic(
@@ -218,23 +222,25 @@ def _trace_symbolic(
         ) from e
 
 
-def _output_aliases(results: list[Any], flat: tuple[torch.Tensor, ...]) -> dict[int, Alias]:
-    owners = {t.untyped_storage()._cdata: i for i, t in enumerate(flat)}
-    aliases: dict[int, Alias] = {}
+def _output_aliases(results: list[Any], flat: tuple[torch.Tensor, ...]
+                    ) -> tuple[OutputAlias, ...]:
+    owners = {storage_id(t): i for i, t in enumerate(flat)}
+    aliases: list[OutputAlias] = []
     for out, result in enumerate(results):
         if not isinstance(result, torch.Tensor):
             continue
-        source = owners.get(result.untyped_storage()._cdata)
+        source = owners.get(storage_id(result))
         if source is None:
             continue
         if result is flat[source]:
-            aliases[out] = (source, None, None, None)
+            aliases.append(OutputAlias(out, source))
             continue
         layout = (*result.shape, *result.stride(), result.storage_offset())
         if all(isinstance(v, int) for v in layout):  # a view with symbolic sizes stays a copy
             offset = result.storage_offset() - flat[source].storage_offset()
-            aliases[out] = (source, tuple(result.shape), tuple(result.stride()), offset)
-    return aliases
+            aliases.append(OutputAlias(out, source, tuple(result.shape), tuple(result.stride()),
+                                       offset))
+    return tuple(aliases)
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
@@ -302,10 +308,6 @@ def _dump_out_spec(spec: pytree.TreeSpec) -> str:
 
 def _shape(leaf: Any) -> tuple[int, ...] | None:
     return tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None
-
-
-def _text(leaf: Any, attr: str) -> str | None:
-    return str(getattr(leaf, attr)) if isinstance(leaf, torch.Tensor) else None
 
 
 def _name_placeholders(gm: torch.fx.GraphModule, state: ModelState, input_names: list[str]

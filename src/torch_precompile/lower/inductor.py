@@ -240,7 +240,7 @@ def _literal_lines(capture: Capture) -> list[str]:
 def _call_source(
     capture: Capture, tensor_outputs: list[int], constants: dict[int, Any], count: int
 ) -> str:
-    aliases = capture.output_aliases
+    aliases = capture.spec.output_aliases
     lines = [
         "",
         "def call(flat_inputs):",
@@ -262,17 +262,18 @@ def _call_source(
             for i in range(count)
         )
         lines.append(f"    outputs = [{slots}]")
-    for out, (source_index, size, stride, offset) in aliases.items():
-        if size is None:
-            lines.append(f"    outputs[{out}] = inputs[{source_index}]  # fn returned it")
+    for alias in aliases:
+        out, source = alias.output, alias.source
+        if alias.size is None:
+            lines.append(f"    outputs[{out}] = inputs[{source}]  # fn returned it")
             continue
-        lines.append(f"    # output {out} is a view of input {source_index}, as in eager")
+        lines.append(f"    # output {out} is a view of input {source}, as in eager")
         lines.append(
-            f"    outputs[{out}] = _view_of(inputs[{source_index}], {size!r}, {stride!r}, "
-            f"{offset!r})"
+            f"    outputs[{out}] = _view_of(inputs[{source}], {alias.size!r}, {alias.stride!r}, "
+            f"{alias.offset!r})"
         )
     lines.append("    return outputs")
-    if any(alias[1] is not None for alias in aliases.values()):
+    if any(alias.size is not None for alias in aliases):
         lines += [
             "",
             "",

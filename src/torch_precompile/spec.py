@@ -1,0 +1,297 @@
+"""The artifact spec: one typed, versioned description of an artifact's calling convention.
+
+Capture builds an ``ArtifactSpec``; the artifact carries it as ONE literal (``ARTIFACT_SPEC``,
+plain dicts, tuples and scalars); ``load``, ``inspect`` and the tests read it back with
+``parse_spec`` without executing anything; the driver inside the artifact reads the same
+literal. ``SCHEMA_VERSION`` names the literal's layout; its history and the compatibility
+policy are in ``docs/SPEC_VERSIONS.md``.
+
+Flat graph inputs are the model tensors that are not tied to an earlier one (in ``model``
+order), then the tensor leaves of ``inputs``. Graph outputs are ``fn``'s result leaves, then
+one gradient per parameter with ``gets_grad``, then one tensor per value guard.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pprint
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch_precompile.errors import PrecompileError
+
+SCHEMA_VERSION = 1
+"""The spec layout this version writes."""
+OLDEST_READABLE_SCHEMA = 1
+"""The oldest spec layout this version still reads (the window is inclusive)."""
+SPEC_NAME = "ARTIFACT_SPEC"
+"""The one top-level name the spec is assigned to in ``python_code``."""
+_NOT_AN_ARTIFACT = "it is not a precompile artifact (python_code from precompile())"
+
+# (kind, value) for a Python value: ("const", 3), ("float", "nan"),
+# ("repr", ("torch.dtype", "torch.float16")).
+EncodedValue = tuple[str, Any]
+Shape = tuple[int | None, ...]
+Layout = tuple[int, ...] | str | None
+
+
+@dataclass(frozen=True)
+class TorchBuild:
+    """The torch an artifact was built with, and so the only one it runs under."""
+
+    version: str
+    git: str
+
+
+@dataclass(frozen=True)
+class Argument:
+    """One positional argument of ``fn``: a model (``nn.Module``) or a runtime input."""
+
+    name: str
+    is_model: bool
+
+
+@dataclass(frozen=True)
+class ModelTensor:
+    """One name of a model's parameter or buffer, in the order ``forward`` walks them.
+
+    The walk is ``named_parameters(remove_duplicate=False)`` of every model, then
+    ``named_buffers``; with several models names are ``m{i}.{name}``. A name whose tensor
+    appeared earlier under ``tied_to`` takes no flat input of its own. ``strides`` is the
+    layout the compiled kernels assume (None: any layout).
+    """
+
+    name: str
+    kind: str  # "parameter" or "buffer"
+    tied_to: str | None
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    strides: tuple[int, ...] | None
+    requires_grad: bool
+    gets_grad: bool
+
+
+@dataclass(frozen=True)
+class Submodule:
+    """A module reached from a model argument, and its ``training`` flag at capture."""
+
+    name: str
+    training: bool
+
+
+@dataclass(frozen=True)
+class InputLeaf:
+    """One leaf of the runtime inputs, in pytree order: a tensor, or a baked Python value.
+
+    ``shape`` has None for a dynamic dim; ``bounds`` maps such a dim to its declared (min,
+    max); ``strides`` is the layout the kernels assume (a memory-format name for an input
+    with dynamic dims; None: any layout).
+    """
+
+    path: str
+    kind: str  # "tensor" or "value"
+    shape: Shape | None = None
+    dtype: str | None = None
+    device: str | None = None
+    strides: Layout = None
+    requires_grad: bool | None = None
+    bounds: dict[int, tuple[int | None, int | None]] | None = None
+    value: EncodedValue | None = None
+
+
+@dataclass(frozen=True)
+class ValueGuard:
+    """A tensor value the trace decided on; each call must reproduce ``expected``."""
+
+    description: str
+    expected: EncodedValue
+
+
+@dataclass(frozen=True)
+class DynamicDim:
+    """One dynamic size: every (input leaf index, dim) that carries it."""
+
+    shape_id: str
+    places: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class SizeRelation:
+    """A relation over the dynamic sizes that must hold at every call.
+
+    ``expr`` is an expression tree: an int, ``("d", i)`` for the size of ``dynamic_dims[i]``,
+    or ``(operator, *operands)`` with the operators of the driver's ``evaluate``.
+    """
+
+    expr: Any
+    readable: str
+
+
+@dataclass(frozen=True)
+class OutputAlias:
+    """A result leaf that is a view of flat input ``source`` (``size`` None: the input)."""
+
+    output: int
+    source: int
+    size: tuple[int, ...] | None = None
+    stride: tuple[int, ...] | None = None
+    offset: int | None = None
+
+
+@dataclass(frozen=True)
+class ArtifactSpec:
+    """Everything the driver needs to check a call and map it onto ``call(flat_inputs)``."""
+
+    schema_version: int
+    backend: str
+    torch: TorchBuild
+    args: tuple[Argument, ...]
+    model: tuple[ModelTensor, ...]
+    submodules: tuple[Submodule, ...]
+    inputs: tuple[InputLeaf, ...]
+    in_spec: str | None
+    out_spec: str
+    value_guards: tuple[ValueGuard, ...] = ()
+    dynamic_dims: tuple[DynamicDim, ...] = ()
+    size_relations: tuple[SizeRelation, ...] = ()
+    output_aliases: tuple[OutputAlias, ...] = ()
+
+    RECORDS: ClassVar[dict[str, type]] = {
+        "torch": TorchBuild, "args": Argument, "model": ModelTensor, "submodules": Submodule,
+        "inputs": InputLeaf, "value_guards": ValueGuard, "dynamic_dims": DynamicDim,
+        "size_relations": SizeRelation, "output_aliases": OutputAlias,
+    }
+
+    @property
+    def interned(self) -> tuple[ModelTensor, ...]:
+        """The model tensors that are flat graph inputs (those not tied to an earlier one)."""
+        return tuple(t for t in self.model if t.tied_to is None)
+
+    @property
+    def parameters(self) -> tuple[ModelTensor, ...]:
+        return tuple(t for t in self.interned if t.kind == "parameter")
+
+    @property
+    def buffers(self) -> tuple[ModelTensor, ...]:
+        return tuple(t for t in self.interned if t.kind == "buffer")
+
+    @property
+    def tensor_inputs(self) -> tuple[InputLeaf, ...]:
+        return tuple(leaf for leaf in self.inputs if leaf.kind == "tensor")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.args if a.is_model)
+
+    def with_strides(self, strides: Sequence[Layout] | None) -> ArtifactSpec:
+        """The spec with the layout a lowering assumes for each flat input (None: any)."""
+        if strides is None:
+            return self
+        flat = iter(strides)
+        model = tuple(dataclasses.replace(t, strides=next(flat)) if t.tied_to is None else t
+                      for t in self.model)
+        inputs = tuple(dataclasses.replace(leaf, strides=next(flat)) if leaf.kind == "tensor"
+                       else leaf for leaf in self.inputs)
+        return dataclasses.replace(self, model=model, inputs=inputs)
+
+    def to_literal(self) -> dict[str, Any]:
+        """The spec as plain dicts, tuples and scalars (what ``ARTIFACT_SPEC`` holds)."""
+        return dataclasses.asdict(self)
+
+    def source(self) -> str:
+        """``ARTIFACT_SPEC = {...}``: the assignment written into ``python_code``."""
+        text = pprint.pformat(self.to_literal(), width=96, compact=True, sort_dicts=False)
+        return f"{SPEC_NAME} = {text}\n"
+
+    @classmethod
+    def from_literal(cls, literal: Any) -> ArtifactSpec:
+        """Rebuild the typed spec; a literal of an unreadable schema version is refused."""
+        if not isinstance(literal, dict):
+            raise PrecompileError(f"python_code's {SPEC_NAME} is not a dict; {_NOT_AN_ARTIFACT}.")
+        check_schema_version(literal.get("schema_version"))
+        fields = _record_fields(cls, literal)
+        for name, record in cls.RECORDS.items():
+            value = fields[name]
+            fields[name] = (_record(record, value) if name == "torch"
+                            else tuple(_record(record, item) for item in value))
+        return cls(**fields)
+
+
+def check_schema_version(version: Any) -> None:
+    """Refuse a spec this version cannot read, naming both sides."""
+    if not isinstance(version, int) or not OLDEST_READABLE_SCHEMA <= version <= SCHEMA_VERSION:
+        readable = (f"{SCHEMA_VERSION}" if OLDEST_READABLE_SCHEMA == SCHEMA_VERSION
+                    else f"{OLDEST_READABLE_SCHEMA} to {SCHEMA_VERSION}")
+        newer = isinstance(version, int) and version > SCHEMA_VERSION
+        raise PrecompileError(
+            f"python_code has artifact spec schema version {version!r}; this torch-precompile "
+            f"reads schema version {readable}. "
+            + ("Upgrade torch-precompile to load it, or precompile" if newer else "Precompile")
+            + " it again with this version."
+        )
+
+
+def _record_fields(cls: type, literal: Any) -> dict[str, Any]:
+    if not isinstance(literal, dict):
+        raise PrecompileError(
+            f"python_code's {SPEC_NAME} holds a malformed {cls.__name__} record; "
+            f"{_NOT_AN_ARTIFACT}."
+        )
+    names = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    if not required <= literal.keys() <= names:
+        odd = sorted((required - literal.keys()) | (literal.keys() - names))
+        raise PrecompileError(
+            f"python_code's {SPEC_NAME} has a {cls.__name__} record with missing or unknown "
+            f"fields {odd}; {_NOT_AN_ARTIFACT}."
+        )
+    return dict(literal)
+
+
+def _record(cls: type, literal: Any) -> Any:
+    return cls(**_record_fields(cls, literal))
+
+
+def parse_spec(python_code: str) -> ArtifactSpec:
+    """Read ``python_code``'s spec by parsing only; nothing in it is executed."""
+    return ArtifactSpec.from_literal(spec_literal(python_code))
+
+
+def spec_literal(python_code: str) -> dict[str, Any]:
+    """The ``ARTIFACT_SPEC`` literal of ``python_code``, evaluated with ``ast.literal_eval``."""
+    if not isinstance(python_code, str):
+        raise PrecompileError(
+            f"python_code must be a str, got {type(python_code).__name__}; {_NOT_AN_ARTIFACT}."
+        )
+    # Fast path: parse the assignment alone; the kernels' source makes the whole file slow.
+    start = python_code.find(f"\n{SPEC_NAME} = ")
+    if start >= 0:
+        end = python_code.find("\n\n", start + 1)
+        try:
+            return _assigned_literal(python_code[start + 1 : end if end > 0 else None])
+        except PrecompileError:
+            pass  # not laid out as rendered: read the whole module below
+    return _assigned_literal(python_code)
+
+
+def _assigned_literal(source: str) -> Any:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:
+        raise PrecompileError(
+            f"python_code does not parse (line {e.lineno}: {e.msg}); {_NOT_AN_ARTIFACT}."
+        ) from e
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == SPEC_NAME):
+            try:
+                return ast.literal_eval(node.value)
+            except (ValueError, TypeError, SyntaxError) as e:
+                raise PrecompileError(
+                    f"python_code's {SPEC_NAME} is not a literal; {_NOT_AN_ARTIFACT}."
+                ) from e
+    raise PrecompileError(f"python_code has no {SPEC_NAME}; {_NOT_AN_ARTIFACT}.")
