@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torch_precompile import driver
-from torch_precompile.convention import METADATA_NAMES
+from torch_precompile.spec import SCHEMA_VERSION, SPEC_NAME
 
 from conftest import run_python
 from workloads import WORKLOADS
@@ -86,9 +86,11 @@ def test_sections_in_order(backend: str, artifacts) -> None:
     assert "no weights are stored here" in code
     positions = [code.index(f"=\n# {n}. ") for n in (2, 3, 4)]
     assert positions == sorted(positions)
-    metadata = code[positions[1]:positions[2]]
-    for name in METADATA_NAMES:
-        assert f"\n{name} = " in metadata, name
+    section = code[positions[1]:positions[2]]
+    assert f"\n{SPEC_NAME} = {{'schema_version': {SCHEMA_VERSION}," in section
+    assert code.count(f"\n{SPEC_NAME} = ") == 1
+    assert code.rstrip().splitlines()[-3:-1] == ["", f"PLAN = Plan({SPEC_NAME}, call)"] or (
+        f"\nPLAN = Plan({SPEC_NAME}, call)\n" in code[positions[2]:])
     assert code.index("def call(") < positions[1]
 
 

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_precompile import PrecompileError, precompile
-from torch_precompile.artifact.metadata import parse_metadata
 
 from conftest import assert_same
 from workloads import MLP, WORKLOADS, infer, mse_step
@@ -142,7 +141,7 @@ def test_unserializable_input_structure_falls_back_to_leaf_count(backend: str) -
     model, x = WORKLOADS["mlp_infer"].args()
     code, cache = precompile(lambda m, p: m(p.a) + p.b, model, Pair(x, x[:, :3]),
                              backend=backend)
-    assert parse_metadata(code)["IN_SPEC"] is None
+    assert precompile.inspect(code).in_spec is None
     run = precompile.load(code, cache)
     assert_same(run(model, Pair(x, x[:, :3])), model(x) + x[:, :3])
     with pytest.raises(PrecompileError, match="hold 3 leaves; the captured ones held 2"):

@@ -12,7 +12,6 @@ from torch import nn
 from torch._dynamo.decorators import mark_dynamic, mark_unbacked
 
 from torch_precompile import PrecompileError, precompile
-from torch_precompile.artifact.metadata import parse_metadata
 from torch_precompile.capture import capture
 
 from conftest import assert_same, model_state, run_python
@@ -65,10 +64,10 @@ def test_inference_at_every_size(size: int, mlp_infer) -> None:
 
 
 def test_marked_dims_are_recorded_as_none(mlp_infer) -> None:
-    meta = parse_metadata(mlp_infer[1])
-    assert meta["USER_INPUT_SHAPES"] == [(None, 4)]
-    assert meta["DYNAMIC_DIMS"] == [("", [[0, 0]])]
-    assert meta["INPUT_STRIDES"][-1] == "contiguous"
+    spec = precompile.inspect(mlp_infer[1])
+    assert [leaf.shape for leaf in spec.inputs] == [(None, 4)]
+    assert [(d.shape_id, d.places) for d in spec.dynamic_dims] == [("", ((0, 0),))]
+    assert spec.inputs[-1].strides == "contiguous"
 
 
 def test_static_dims_are_still_checked(mlp_infer) -> None:
@@ -135,8 +134,8 @@ def test_shape_id_mismatch_is_rejected(mlp_train) -> None:
 def test_relation_between_independent_marks_is_enforced() -> None:
     a, b = _marked(torch.randn(5), 0), _marked(torch.randn(5), 0)
     code, cache = precompile(lambda a, b: (a + b) * 2, a, b)
-    assert parse_metadata(code)["SHAPE_RELATIONS"] == [("d[0] == d[1]",
-                                                        "input a dim 0 == input b dim 0")]
+    assert [(r.expr, r.readable) for r in precompile.inspect(code).size_relations] == [
+        (("==", ("d", 0), ("d", 1)), "input a dim 0 == input b dim 0")]
     run = precompile.load(code, cache)
     assert_same(run(torch.ones(3), torch.ones(3)), torch.full((3,), 4.0))
     with pytest.raises(PrecompileError, match=r"input a dim 0 \(=3\) must equal input b dim 0 "
@@ -158,7 +157,8 @@ def test_bounds_of_every_occurrence_are_enforced() -> None:
     x = _marked(torch.randn(4, 3), 0, shape_id="n", max=8)
     y = _marked(torch.randn(4, 3), 0, shape_id="n", min=2)
     code, cache = precompile(lambda x, y: x * y, x, y)
-    assert parse_metadata(code)["USER_INPUT_BOUNDS"] == [{0: (None, 8)}, {0: (2, None)}]
+    assert [leaf.bounds for leaf in precompile.inspect(code).inputs] == [{0: (None, 8)},
+                                                                          {0: (2, None)}]
     run = precompile.load(code, cache)
     assert_same(run(torch.ones(8, 3), torch.ones(8, 3)), torch.ones(8, 3))
     with pytest.raises(PrecompileError, match=r"input y: dim 0 is 1, outside the declared "

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from torch_precompile import PrecompileError, precompile
-from torch_precompile.artifact.metadata import parse_metadata
 
 from conftest import assert_same, model_state
 
@@ -47,8 +46,9 @@ def test_gpt2_matches_eager(fn, batch, backend: str) -> None:
     model = _gpt2().train(fn is gpt2_train_step)
     ids, mask = batch
     code, cache = precompile(fn, model, ids, mask, backend=backend)
-    meta = parse_metadata(code)
-    assert meta["TIED_NAMES"] == {"lm_head.weight": "transformer.wte.weight"}
+    spec = precompile.inspect(code)
+    assert {t.name: t.tied_to for t in spec.model if t.tied_to} == {
+        "lm_head.weight": "transformer.wte.weight"}
     run = precompile.load(code, cache)
     eager_model = copy.deepcopy(model)
     for _ in range(2):
@@ -62,7 +62,7 @@ def test_gpt2_mask_decision_is_guarded(batch, backend: str) -> None:
     model = _gpt2().eval()
     ids, mask = batch
     code, cache = precompile(gpt2_logits, model, ids, mask, backend=backend)
-    guards = parse_metadata(code)["VALUE_GUARDS"]
+    guards = [(g.description, g.expected) for g in precompile.inspect(code).value_guards]
     assert any("masking_utils.py" in description for description, _ in guards), guards
     run = precompile.load(code, cache)
     other_padding = torch.ones_like(mask)

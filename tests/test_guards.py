@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from torch_precompile import PrecompileError, precompile
-from torch_precompile.artifact.metadata import parse_metadata
 
 from conftest import assert_same
 
@@ -44,9 +43,9 @@ def test_other_mask_count_is_refused(run_branchy) -> None:
         run(x, torch.tensor([True, False, False, True]))
 
 
-def test_guards_are_in_the_metadata(run_branchy) -> None:
+def test_guards_are_in_the_spec(run_branchy) -> None:
     code = run_branchy[1]
-    guards = parse_metadata(code)["VALUE_GUARDS"]
+    guards = [(g.description, g.expected) for g in precompile.inspect(code).value_guards]
     assert [expected for _, expected in guards] == [("const", True), ("const", 3)]
 
 

@@ -12,7 +12,7 @@ import torch
 
 from torch_precompile import precompile
 from torch_precompile.artifact import envelope
-from torch_precompile.lower import kernels
+from torch_precompile.artifact import kernel_payload as kernels
 
 from conftest import assert_same, run_python
 from workloads import WORKLOADS

@@ -11,7 +11,6 @@ import torch
 
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.artifact import envelope
-from torch_precompile.artifact.metadata import parse_metadata
 
 from conftest import assert_same
 from workloads import WORKLOADS
@@ -38,21 +37,22 @@ def test_code_that_does_not_parse(backend: str, artifacts) -> None:
         precompile.load(b"x = 1", cache)
 
 
-def test_code_without_metadata_is_refused_before_anything_runs(tmp_path, backend: str,
+def test_code_with_a_malformed_spec_is_refused_before_anything_runs(tmp_path, backend: str,
                                                               artifacts) -> None:
     code, cache = artifacts.pair("mlp_infer", backend)
     marker = tmp_path / "ran"
-    hostile = f"open({str(marker)!r}, 'w').close()\n" + code.replace("OUT_SPEC = ", "OUT = ")
-    with pytest.raises(PrecompileError, match="lacks the metadata OUT_SPEC"):
+    hostile = f"open({str(marker)!r}, 'w').close()\n" + code.replace("'out_spec': ", "'out': ")
+    with pytest.raises(PrecompileError, match=r"ArtifactSpec record with missing or unknown "
+                       r"fields \['out', 'out_spec'\]"):
         precompile.load(hostile, cache)
     assert not marker.exists()
 
 
-def test_metadata_is_parsed_without_executing(tmp_path, backend: str, artifacts) -> None:
+def test_spec_is_parsed_without_executing(tmp_path, backend: str, artifacts) -> None:
     code, _ = artifacts.pair("mlp_infer", backend)
     marker = tmp_path / "ran"
-    meta = parse_metadata(f"open({str(marker)!r}, 'w').close()\n" + code)
-    assert meta["BACKEND"] == backend and meta["ARG_NAMES"] == ["m", "x"]
+    spec = precompile.inspect(f"open({str(marker)!r}, 'w').close()\n" + code)
+    assert spec.backend == backend and [a.name for a in spec.args] == ["m", "x"]
     assert not marker.exists()
 
 

@@ -167,12 +167,43 @@ def test_model_changes_between_calls_are_seen(backend: str, artifacts) -> None:
     model.fc2 = nn.Linear(8, 4)
     with pytest.raises(PrecompileError, match=r"'fc2.weight': expected shape \(3, 8\)"):
         run(model, x)
-    model.fc2 = nn.Linear(8, 3)
+    model.fc2 = nn.Linear(8, 3).eval()
     model.fc2.register_buffer("late", torch.zeros(1))
     with pytest.raises(PrecompileError, match="got buffer 'fc2.late'"):
         run(model, x)
     del model.fc2.late
     torch.testing.assert_close(run(model, x), model(x).detach())
+    model.extra = nn.Identity().eval()  # a module with no tensors still changes the structure
+    with pytest.raises(PrecompileError, match="submodules differ.*new: 'extra'"):
+        run(model, x)
+    del model.extra
+    torch.testing.assert_close(run(model, x), model(x).detach())
+    model.fc2.weight = model.fc1.weight  # re-tied: now one tensor under two names
+    with pytest.raises(PrecompileError, match="'fc2.weight' is tied to 'fc1.weight' at runtime"):
+        run(model, x)
+
+
+def test_module_mode_is_part_of_the_contract(backend: str, artifacts) -> None:
+    run = artifacts.load("mlp_infer", backend)  # captured in eval mode
+    model, x = WORKLOADS["mlp_infer"].args()
+    assert not model.training
+    torch.testing.assert_close(run(model, x), model(x).detach())
+    model.train()
+    with pytest.raises(PrecompileError, match="the model is in training mode, but was captured "
+                       r"in eval mode.*Call \.eval\(\)"):
+        run(model, x)
+    model.eval()
+    model.fc1.train()
+    with pytest.raises(PrecompileError, match="module 'fc1' is in training mode"):
+        run(model, x)
+    model.fc1.eval()
+    torch.testing.assert_close(run(model, x), model(x).detach())
+    train_run = artifacts.load("mlp_train", backend)  # captured in training mode
+    trained, tx, tt = WORKLOADS["mlp_train"].args()
+    trained.eval()
+    with pytest.raises(PrecompileError, match=r"in eval mode, but was captured in training "
+                       r"mode.*Call \.train\(\)"):
+        train_run(trained, tx, tt)
 
 
 def test_requires_grad_is_fixed_at_capture_for_a_training_step(backend: str, artifacts) -> None:

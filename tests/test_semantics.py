@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from torch_precompile import PrecompileError, precompile
-from torch_precompile.artifact.metadata import parse_metadata
 
 from conftest import assert_same, model_state, modules_in, run_eager_and_compiled
 from workloads import WORKLOADS, mse_step
@@ -55,27 +54,27 @@ def test_batchnorm_statistics_land_on_runtime_model(backend: str, artifacts) -> 
 
 def test_tied_weights_are_one_input_with_one_gradient(backend: str, artifacts) -> None:
     code, _ = artifacts.pair("tied", backend)
-    meta = parse_metadata(code)
-    assert meta["PARAM_NAMES"].count("embed.weight") == 1
-    assert "head.weight" not in meta["PARAM_NAMES"]
-    assert meta["TIED_NAMES"] == {"head.weight": "embed.weight"}
+    spec = precompile.inspect(code)
+    names = [t.name for t in spec.parameters]
+    assert names.count("embed.weight") == 1
+    assert "head.weight" not in names
+    assert {t.name: t.tied_to for t in spec.model if t.tied_to} == {"head.weight": "embed.weight"}
     model, ids = WORKLOADS["tied"].args()
     artifacts.load("tied", backend)(model, ids)
     assert model.head.weight.grad is model.embed.weight.grad
 
 
 def test_several_models_get_qualified_names(backend: str, artifacts) -> None:
-    meta = parse_metadata(artifacts.pair("two_models", backend)[0])
-    assert meta["MODULE_POSITIONS"] == [0, 2]
-    assert meta["PARAM_NAMES"] == ["m0.proj.weight", "m0.proj.bias", "m1.out.weight",
+    spec = precompile.inspect(artifacts.pair("two_models", backend)[0])
+    assert [i for i, a in enumerate(spec.args) if a.is_model] == [0, 2]
+    assert [t.name for t in spec.parameters] == ["m0.proj.weight", "m0.proj.bias", "m1.out.weight",
                                    "m1.out.bias"]
-    assert meta["BUFFER_NAMES"] == ["m1.scale"]
+    assert [t.name for t in spec.buffers] == ["m1.scale"]
 
 
 def test_frozen_and_unused_parameters_keep_no_grad(backend: str, artifacts) -> None:
-    meta = parse_metadata(artifacts.pair("frozen", backend)[0])
-    names = meta["PARAM_NAMES"]
-    assert [names[i] for i in meta["GRAD_PARAM_INDICES"]] == ["fc2.weight", "fc2.bias"]
+    spec = precompile.inspect(artifacts.pair("frozen", backend)[0])
+    assert [t.name for t in spec.model if t.gets_grad] == ["fc2.weight", "fc2.bias"]
     model, x, t = WORKLOADS["frozen"].args()
     artifacts.load("frozen", backend)(model, x, t)
     assert model.fc1.weight.grad is None and model.unused.grad is None

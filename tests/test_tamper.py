@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 
 import pytest
 import torch
 
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.artifact import envelope
+from torch_precompile.spec import SCHEMA_VERSION
 
 from conftest import assert_same
 from workloads import WORKLOADS
@@ -98,7 +100,7 @@ def test_damaged_sources(backend: str, artifacts) -> None:
     lines = code.splitlines(keepends=True)
     truncations = [code[: len(code) // k] for k in (2, 3, 5)]
     truncations += ["".join(lines[:n]) for n in (len(lines) // 2, len(lines) - 3)]
-    for damaged in [*truncations, "", "\n\n", code.replace("ARTIFACT_FORMAT", "FORMAT", 1)]:
+    for damaged in [*truncations, "", "\n\n", code.replace("ARTIFACT_SPEC", "SPEC")]:
         with pytest.raises(PrecompileError):
             precompile.load(damaged, cache)  # the cache no longer matches
         # Alone, a cut source is refused; or, cut only after the driver, still runs right.
@@ -108,8 +110,30 @@ def test_damaged_sources(backend: str, artifacts) -> None:
             precompile.load(_flip(code.encode(), position).decode(errors="replace"), cache)
 
 
-def test_source_of_another_version_is_refused(backend: str, artifacts) -> None:
+def test_unknown_schema_version_is_refused_before_anything_runs(tmp_path, backend: str,
+                                                               artifacts) -> None:
     code, _ = artifacts.pair(NAME, backend)
-    future = code.replace("'torch-precompile artifact 1'", "'torch-precompile artifact 9'")
-    with pytest.raises(PrecompileError, match="made by another version of torch-precompile"):
+    marker = tmp_path / "ran"
+    future = f"open({str(marker)!r}, 'w').close()\n" + code.replace(
+        f"{{'schema_version': {SCHEMA_VERSION},", "{'schema_version': 99,", 1)
+    with pytest.raises(PrecompileError, match=f"schema version 99; this torch-precompile reads "
+                       f"schema version {SCHEMA_VERSION}. Upgrade"):
         precompile.load(future, None)
+    with pytest.raises(PrecompileError, match="schema version 99"):
+        precompile.inspect(future)
+    assert not marker.exists()
+
+
+def test_artifact_of_another_torch_is_refused_before_anything_runs(tmp_path, backend: str,
+                                                                   artifacts) -> None:
+    code, _ = artifacts.pair(NAME, backend)
+    marker = tmp_path / "ran"
+    here = f"'version': {str(torch.__version__)!r}"
+    assert here in code
+    other = f"open({str(marker)!r}, 'w').close()\n" + code.replace(here, "'version': '2.99.0'", 1)
+    assert precompile.inspect(other).torch.version == "2.99.0"  # readable, not runnable
+    with pytest.raises(PrecompileError, match=r"built with torch 2\.99\.0 \(git .*\); this "
+                       rf"process runs torch {re.escape(str(torch.__version__))} .*precompile fn "
+                       "again under this torch"):
+        precompile.load(other, None)
+    assert not marker.exists()

@@ -216,13 +216,22 @@ def check_dynamic_sizes(plan: Plan, leaves: Sequence[Any]) -> None:
                 )
         sizes.append(size)
     for expr, readable in plan.relations:
-        if not evaluate(expr, sizes):
-            values = ", ".join(f"{where(places[0])} = {size}"
-                               for (_, places), size in zip(plan.dynamic_dims, sizes, strict=True))
+        if evaluate(expr, sizes):
+            continue
+        if expr[0] == "==" and all(isinstance(side, tuple) and side[0] == "d"
+                                   for side in expr[1:]):
+            (_, a), (_, b) = expr[1:]
             raise PrecompileError(
-                f"the input sizes must satisfy {readable}, which the computation was captured "
-                f"with; this call has {values}."
+                f"{where(plan.dynamic_dims[a][1][0])} (={sizes[a]}) must equal "
+                f"{where(plan.dynamic_dims[b][1][0])} (={sizes[b]}): the computation was captured "
+                "for equal sizes."
             )
+        values = ", ".join(f"{where(places[0])} = {size}"
+                           for (_, places), size in zip(plan.dynamic_dims, sizes, strict=True))
+        raise PrecompileError(
+            f"the input sizes must satisfy {readable}, which the computation was captured with; "
+            f"this call has {values}."
+        )
 
 
 _OPERATIONS: dict[str, Callable[[list[Any]], Any]] = {

@@ -102,7 +102,7 @@ def _describe_cache(code: str, spec: ArtifactSpec, cache_file: Path, cache: byte
                 and outer.get("backend") == spec.backend)
     artifact = outer.get("artifact")
     if spec.backend == "inductor" and isinstance(artifact, bytes):
-        from torch_precompile.lower.kernels import fingerprint_mismatch
+        from torch_precompile.artifact.kernel_payload import fingerprint_mismatch
 
         try:
             payload = _load_plain(artifact)
@@ -213,7 +213,7 @@ def verify(path: Path, key: bytes | None) -> tuple[list[str], list[str]]:
             return problems, notes
         if len(problems) == problems_before:
             notes.append(f"{len(payload['kernels'])} kernels intact")
-        from torch_precompile.lower.kernels import fingerprint_mismatch
+        from torch_precompile.artifact.kernel_payload import fingerprint_mismatch
 
         reason = fingerprint_mismatch(payload["fingerprint"])
         notes.append("kernels built for this machine" if reason is None else

@@ -64,7 +64,7 @@ def load(
     )
     namespace: dict[str, Any] = {"__name__": "torch_precompile_artifact"}
     if acceleration is not None and backend == "inductor":
-        from torch_precompile.lower.kernels import load_built_kernels
+        from torch_precompile.artifact.kernel_payload import load_built_kernels
 
         namespace["PRECOMPILED_KERNELS"] = load_built_kernels(acceleration)
     filename = f"<precompiled artifact {envelope.code_hash(python_code)[:12]}>"

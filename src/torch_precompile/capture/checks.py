@@ -10,6 +10,7 @@ import torch
 import torch.fx
 
 from torch_precompile.errors import PrecompileError
+from torch_precompile.internals.tracing import effect_of
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh_copy.default
 # Literals are written into the artifact as source; past this size they belong in a buffer.
@@ -38,11 +39,8 @@ def reject_control_flow(gm: torch.fx.GraphModule) -> None:
 
 
 def reject_effects(gm: torch.fx.GraphModule) -> None:
-    from torch._higher_order_ops.effects import _get_effect
-
     for node in gm.graph.nodes:
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload) and _get_effect(target):
+        if effect_of(node.target):
             raise PrecompileError(
                 f"fn calls the effectful operator {node.target} (it has an ordering side "
                 "effect such as printing or recording), which a precompiled graph cannot "

@@ -1,9 +1,7 @@
 """Dynamic dims: inputs marked with ``torch._dynamo.decorators.mark_unbacked`` are traced with
 unbacked symbols, so one artifact serves every size of those dims.
 
-``mark_unbacked`` leaves private attributes on the tensor (``_dynamo_unbacked_indices``,
-``_dynamo_strict_unbacked_indices``, ``_dynamo_shape_ids``, ``_dynamo_unbacked_bounds``,
-``_dynamo_hint_overrides``, ``_specialize_on``); this module is the one place that reads them.
+The marks are read through ``internals.tracing.tensor_marks``.
 An unbacked symbol cannot be guarded on, so a computation that would branch on or specialize
 a marked dim fails at capture. What the trace needed to assume about the sizes (``Eq(u0, u1)``
 when two marked dims meet in one operation) is recorded as deferred runtime asserts; those
@@ -17,9 +15,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torch_precompile.errors import PrecompileError
+from torch_precompile.internals.tracing import (
+    FakeTensorMode,
+    ShapeEnv,
+    check,
+    deferred_asserts,
+    forget_pending_unbacked,
+    is_traceable_wrapper_subclass,
+    set_size_hint,
+    size_function_types,
+    symbol_pinning,
+    tensor_marks,
+)
 from torch_precompile.spec import SizeRelation
 
 MEMORY_FORMATS = {
@@ -56,30 +65,27 @@ def read_marks(leaves: Sequence[Any], names: Sequence[str]) -> list[dict[int, Ma
         if not isinstance(leaf, torch.Tensor):
             marks.append({})
             continue
-        if getattr(leaf, "_dynamo_dynamic_indices", None):
+        found = tensor_marks(leaf)
+        if found.backed_dims:
             raise PrecompileError(
                 f"input {name} has a dim marked with mark_dynamic (a backed dynamic dim), which "
                 "precompile cannot honour: one artifact cannot re-specialize per size. Mark it "
                 "with torch._dynamo.decorators.mark_unbacked instead, or leave it static."
             )
-        specialize_on = getattr(leaf, "_specialize_on", None) or {}
-        if any(specialize_on.values()):
+        if any(found.specialize_on.values()):
             raise PrecompileError(
                 f"input {name} is marked with mark_unbacked(..., specialize_on=...), which asks "
                 "for per-value specializations; a precompiled artifact is one graph. Remove "
                 "specialize_on."
             )
-        dims = set(getattr(leaf, "_dynamo_unbacked_indices", None) or ())
-        dims |= set(getattr(leaf, "_dynamo_strict_unbacked_indices", None) or ())
+        dims = found.unbacked_dims
         if dims and is_traceable_wrapper_subclass(leaf):
             raise PrecompileError(
                 f"input {name} is a tensor subclass ({type(leaf).__name__}) with a "
                 "mark_unbacked dim; dynamic capture handles plain tensors only. Mark a plain "
                 "tensor, or leave the dim static."
             )
-        shape_ids = getattr(leaf, "_dynamo_shape_ids", None) or {}
-        bounds = getattr(leaf, "_dynamo_unbacked_bounds", None) or {}
-        hints = getattr(leaf, "_dynamo_hint_overrides", None) or {}
+        shape_ids, bounds, hints = found.shape_ids, found.bounds, found.hints
         for dim in dims:
             if not -leaf.dim() <= dim < leaf.dim():
                 raise PrecompileError(
@@ -112,9 +118,6 @@ def fake_inputs(
     marks: Sequence[dict[int, Mark]],
 ) -> DynamicInputs:
     """Fake tensors for the flat inputs: static model state, unbacked symbols for marked dims."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
     shape_env = ShapeEnv()
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     by_label: dict[Any, int] = {}
@@ -142,9 +145,9 @@ def fake_inputs(
                 slot = by_label.get(mark.shape_id) if mark.shape_id is not None else None
                 if slot is None:
                     symbol = shape_env.create_unbacked_symint()
-                    torch._check(symbol >= 0)
+                    check(symbol >= 0)
                     if mark.hint is not None:
-                        shape_env.var_to_hint_override[symbol.node.expr] = mark.hint
+                        set_size_hint(shape_env, symbol, mark.hint)
                     slot = len(symbols)
                     symbols.append(symbol)
                     labels.append("" if mark.shape_id is None else str(mark.shape_id))
@@ -153,17 +156,16 @@ def fake_inputs(
                         by_label[mark.shape_id] = slot
                 symbol = symbols[slot]
                 if mark.low is not None:
-                    torch._check(symbol >= mark.low)
+                    check(symbol >= mark.low)
                 if mark.high is not None:
-                    torch._check(symbol <= mark.high)
+                    check(symbol <= mark.high)
                 occurrences[slot].append((index, dim))
                 sizes.append(symbol)
             memory_formats[index] = memory_format_name(leaf, name)
             fake = torch.empty(sizes, dtype=leaf.dtype, device=leaf.device,
                                memory_format=MEMORY_FORMATS[memory_formats[index]])
             fakes.append(fake.requires_grad_(leaf.requires_grad))
-        # The symbols are bound by the inputs themselves, not by an operation of the trace.
-        shape_env.pending_fresh_unbacked_symbols.clear()
+        forget_pending_unbacked(shape_env)
     return DynamicInputs(fakes, fake_mode, [s.node.expr for s in symbols], labels, occurrences,
                          memory_formats)
 
@@ -172,12 +174,9 @@ def check_not_specialized(dynamic: DynamicInputs, names: Sequence[str]) -> None:
     """A trace may narrow a marked dim's range, but must not pin it to one value."""
     shape_env = dynamic.fake_mode.shape_env
     for symbol, places in zip(dynamic.symbols, dynamic.occurrences, strict=True):
-        value_range = shape_env.var_to_range.get(symbol)
-        replaced = shape_env.replacements.get(symbol)
-        pinned = replaced is not None and getattr(replaced, "is_number", False)
-        if pinned or (value_range is not None and value_range.lower == value_range.upper):
+        value = symbol_pinning(shape_env, symbol)
+        if value is not None:
             leaf, dim = places[0]
-            value = replaced if pinned else value_range.lower
             raise PrecompileError(
                 f"fn fixes the dynamic dim {dim} of input {names[leaf]} to {value} (for example "
                 "with a view or reshape to a constant size), so the artifact could only serve "
@@ -196,22 +195,20 @@ def shape_relations(dynamic: DynamicInputs, names: Sequence[str]) -> tuple[SizeR
     readable = [f"input {names[places[0][0]]} dim {places[0][1]}"
                 for places in dynamic.occurrences]
     relations: list[SizeRelation] = []
-    for asserts in shape_env.deferred_runtime_asserts.values():
-        for runtime_assert in asserts:
-            expr = runtime_assert.expr
-            if not expr.free_symbols or _is_plain_bound(expr, slot_of):
-                continue
-            unknown = [s for s in expr.free_symbols if s not in slot_of]
-            if unknown:
-                raise PrecompileError(
-                    f"the trace needs {expr} to hold at run time, which involves values "
-                    "computed inside fn; precompile can only check relations between input "
-                    "sizes. Leave those dims static."
-                )
-            relation = SizeRelation(_tree(expr, expr, slot_of), "")
-            relation = SizeRelation(relation.expr, _text(relation.expr, readable))
-            if relation not in relations:
-                relations.append(relation)
+    for expr in deferred_asserts(shape_env):
+        if not expr.free_symbols or _is_plain_bound(expr, slot_of):
+            continue
+        unknown = [s for s in expr.free_symbols if s not in slot_of]
+        if unknown:
+            raise PrecompileError(
+                f"the trace needs {expr} to hold at run time, which involves values computed "
+                "inside fn; precompile can only check relations between input sizes. Leave "
+                "those dims static."
+            )
+        tree = _tree(expr, expr, slot_of)
+        relation = SizeRelation(tree, _text(tree, readable))
+        if relation not in relations:
+            relations.append(relation)
     return tuple(relations)
 
 
@@ -248,8 +245,6 @@ def _tree(e: Any, whole: Any, slot_of: dict[Any, int]) -> Any:
 
 def _operator(e: Any) -> str | None:
     import sympy
-
-    from torch_precompile.internals import size_function_types
 
     floor_div, mods = size_function_types()
     kinds: list[tuple[Any, str]] = [

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_precompile.errors import PrecompileError
+from torch_precompile.internals.tracing import TorchDispatchMode
 
 aten = torch.ops.aten
 _SKIPPED_ROOTS = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))

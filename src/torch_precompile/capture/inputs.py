@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from torch_precompile.errors import PrecompileError
+from torch_precompile.internals import pytree
 from torch_precompile.spec import EncodedValue
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

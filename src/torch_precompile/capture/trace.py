@@ -12,9 +12,6 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.nn.utils.stateless import _reparametrize_module
 
 from torch_precompile.capture import checks, dynamic
 from torch_precompile.capture.guards import GuardRecorder
@@ -26,7 +23,12 @@ from torch_precompile.capture.state import (
     submodule_records,
 )
 from torch_precompile.errors import PrecompileError
-from torch_precompile.internals import storage_id, torch_build
+from torch_precompile.internals import pytree, storage_id, torch_build
+from torch_precompile.internals.tracing import (
+    GuardOnDataDependentSymNode,
+    make_fx,
+    reparametrize_module,
+)
 from torch_precompile.spec import (
     SCHEMA_VERSION,
     Argument,
@@ -94,7 +96,7 @@ def capture(
         with contextlib.ExitStack() as stack:
             for module, binding in zip(modules, state.bindings, strict=True):
                 reparam = {name: flat[index] for name, index in binding.items()}
-                stack.enter_context(_reparametrize_module(module, reparam, tie_weights=True))
+                stack.enter_context(reparametrize_module(module, reparam, tie_weights=True))
             with recorder if dynamic_inputs is None else contextlib.nullcontext():
                 result = fn(*call_args)
         _reject_stray_gradients(state, flat, num_params)
@@ -206,8 +208,6 @@ def _trace_symbolic(
     dynamic_inputs: dynamic.DynamicInputs,
     decompositions: Mapping[Any, Callable[..., Any]] | None,
 ) -> torch.fx.GraphModule:
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
     try:
         with torch.enable_grad(), dynamic_inputs.fake_mode:
             return make_fx(flat_fn, decomposition_table=decompositions,

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from torch.fx.graph import _custom_builtins
-
 from torch_precompile.capture import Capture
 from torch_precompile.capture.checks import literal_source
+from torch_precompile.internals.tracing import fx_builtin_imports
 from torch_precompile.lower import LoweredGraph
 
 
@@ -17,7 +16,7 @@ def lower_eager(capture: Capture) -> LoweredGraph:
     graph_code = graph_code.replace("def forward(self)", "def captured_graph()", 1)
     lines = [
         "# The fx names the graph code refers to.",
-        *(builtin.import_str for builtin in _custom_builtins.values()),
+        *fx_builtin_imports(),
         "",
         *_literal_lines(capture),
         graph_code.strip("\n"),

@@ -16,10 +16,19 @@ from typing import Any
 import torch
 import torch.fx
 
+from torch_precompile import kernel_loader
 from torch_precompile.capture import Capture
 from torch_precompile.capture.checks import literal_source
 from torch_precompile.errors import PrecompileError
-from torch_precompile.lower import LoweredGraph, kernel_loader
+from torch_precompile.internals.inductor import (
+    SIZE_ASSERT,
+    compile_to_wrapper,
+    data_dependent_condition,
+    retrace_for_inductor,
+    wrapper_with_stand_ins,
+)
+from torch_precompile.internals.tracing import DynamicOutputShapeException
+from torch_precompile.lower import LoweredGraph
 from torch_precompile.lower.kernels import collect_built_kernels
 
 aten = torch.ops.aten
@@ -28,19 +37,6 @@ _BAKED_READS = (aten._local_scalar_dense.default, aten.item.default, aten.equal.
                 aten.is_nonzero.default)
 # Convolution operators and the positions of their activation arguments.
 _CONVOLUTIONS = {aten.convolution.default: (0,), aten.convolution_backward.default: (0, 1)}
-_INDUCTOR_IMPORT = re.compile(r"^from (torch\._inductor[\w.]*) import (\w+)(?: as (\w+))?$",
-                              re.MULTILINE)
-_SIZE_ASSERT = re.compile(r"assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)")
-# Inductor settings the artifact depends on: stride asserts on (the layout contract), the
-# Python wrapper (section 2 is Python source), no benchmark harness in the source.
-INDUCTOR_OPTIONS: dict[str, Any] = {
-    "size_asserts": True,
-    "cpp_wrapper": False,
-    "benchmark_harness": False,
-    "freezing": False,
-}
-
-
 def lower_inductor(capture: Capture) -> LoweredGraph:
     inputs = [t.detach() for t in (*capture.example_inputs, *capture.literals)]
     outputs = list(capture.graph.graph.output_node().args[0])
@@ -59,7 +55,7 @@ def lower_inductor(capture: Capture) -> LoweredGraph:
         "# Stand-ins for the Inductor imports of the generated module below: prebuilt kernels",
         "# come from load(); anything else imports torch._inductor when first used.",
         inspect.getsource(kernel_loader),
-        _rewrite_imports(wrapper),
+        wrapper_with_stand_ins(wrapper),
         *_literal_lines(capture),
         _call_source(capture, tensor_outputs, constants, len(outputs)),
     ])
@@ -85,10 +81,6 @@ def _functional_graph(
     A dynamic capture is retraced inside its own fake mode, so the unbacked symbols of its
     inputs (and what the ShapeEnv learned about them) carry over to the lowering.
     """
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     gm = torch.fx.GraphModule(captured, captured.graph)  # a copy: the capture stays as it was
     gm.graph = _prepared_graph(captured.graph, dynamic=fake_mode is not None)
     gm.recompile()
@@ -99,12 +91,7 @@ def _functional_graph(
 
     functional = torch.func.functionalize(tensors_only, remove="mutations")
     try:
-        if fake_mode is None:
-            return make_fx(functional, decomposition_table=select_decomp_table(),
-                           tracing_mode="fake")(*inputs)
-        with fake_mode:
-            fakes = [t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t) for t in inputs]
-            return make_fx(functional, decomposition_table=select_decomp_table())(*fakes)
+        return retrace_for_inductor(functional, inputs, fake_mode)
     except DynamicOutputShapeException as e:
         raise PrecompileError(
             f"the inductor backend cannot compile {e.func}, whose output size depends on tensor "
@@ -138,29 +125,16 @@ def _prepared_graph(graph: torch.fx.Graph, dynamic: bool) -> torch.fx.Graph:
 
 
 def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str, str]) -> str:
-    import torch._inductor.config as inductor_config
-    from torch._guards import TracingContext, tracing
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    placeholders = list(graph.graph.find_nodes(op="placeholder"))
-    fake_inputs = [p.meta["val"] for p in placeholders]
-    if fake_mode is None:
-        fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
-    if fake_mode is None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        fake_mode = FakeTensorMode()
-    options = dict(INDUCTOR_OPTIONS)
-    if fake_mode.shape_env is not None:
+    options: dict[str, Any] = {}
+    if fake_mode is not None and fake_mode.shape_env is not None:
         options["scalar_asserts"] = True  # keep Inductor's own checks of size assumptions
         # Channels-last conversions for convolutions rely on layout predictions that do not
         # hold for unbacked sizes (see _prepared_graph).
         options["layout_optimization"] = False
     try:
-        with tracing(TracingContext(fake_mode)), inductor_config.patch(options):
-            compiled = compile_fx_inner(graph, fake_inputs, is_inference=True)
+        return compile_to_wrapper(graph, fake_mode, options)
     except Exception as e:
-        guard = _data_dependent_guard(e)
+        guard = data_dependent_condition(e)
         if guard is None:
             raise
         condition = re.sub(r"\bu\d+\b", lambda m: symbol_names.get(m[0], m[0]), guard)
@@ -171,27 +145,6 @@ def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str
             "example mark_unbacked(x, dim, min=2) when a size of 1 is what Inductor asks "
             "about), or leave that dim static."
         ) from e
-    source = getattr(compiled, "source_code", None)
-    if not source or "runner.call" not in source:
-        raise PrecompileError(
-            "Inductor produced no Python wrapper for this graph; use backend='eager'."
-        )
-    return source
-
-
-def _data_dependent_guard(error: BaseException) -> str | None:
-    """The condition of a data-dependent guard anywhere in ``error``'s chain, if any."""
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, GuardOnDataDependentSymNode) or "GuardOnDataDependentSymNode" in str(
-            seen
-        ):
-            found = re.search(r"data-dependent expression (.+?) \(unhinted", str(seen))
-            return found[1] if found else "a size condition"
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def _asserted_strides(
@@ -202,33 +155,13 @@ def _asserted_strides(
     index = {name: i for i, name in enumerate(input_names)}
     num_inputs = len(capture.example_inputs)
     strides: list[tuple[int, ...] | str | None] = [None] * num_inputs
-    for name, _, _ in _SIZE_ASSERT.findall(wrapper):
+    for name, _, _ in SIZE_ASSERT.findall(wrapper):
         i = index.get(name)
         if i is not None and i < num_inputs:
             strides[i] = capture.memory_formats.get(i) or tuple(
                 int(s) for s in capture.example_inputs[i].stride()
             )
     return strides
-
-
-def _rewrite_imports(wrapper: str) -> str:
-    def stand_in(match: re.Match[str]) -> str:
-        module, name, alias = match.groups()
-        if name == "AsyncCompile":
-            return "# (AsyncCompile: replaced by KernelLoader)"
-        if name == "extern_kernels":
-            return "extern_kernels = ExternKernels()"
-        return f"{alias or name} = LazyImport({module!r}, {name!r})"
-
-    source = _INDUCTOR_IMPORT.sub(stand_in, wrapper)
-    source = source.replace(
-        "async_compile = AsyncCompile()",
-        "async_compile = KernelLoader(globals().get('PRECOMPILED_KERNELS', {}))",
-    )
-    source = source.replace("\ncall = runner.call\n", "\ninductor_call = runner.call\n")
-    if "async_compile = KernelLoader(" not in source or "inductor_call = " not in source:
-        raise PrecompileError("internal: the Inductor wrapper has an unexpected shape")
-    return source
 
 
 def _literal_lines(capture: Capture) -> list[str]:

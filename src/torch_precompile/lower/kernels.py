@@ -1,71 +1,17 @@
-"""The cache's acceleration bytes for the inductor backend: every built C++ kernel.
-
-At build time each kernel of the generated wrapper is looked up in Inductor's code cache (it was
-just built) and its shared object is stored under ``kernel_key``; a fingerprint records what
-the objects were built for. At load time matching objects are loaded straight into the process
-as extension modules -- no compiler, no Inductor import -- and handed to the artifact.
-"""
+"""Build time: collect every C++ kernel Inductor built for a wrapper into the cache payload."""
 
 from __future__ import annotations
 
 import ast
 import hashlib
 import io
-import logging
-import os
-import platform
-import sys
-import tempfile
-from collections.abc import Callable
-from functools import cache
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from torch_precompile.lower.kernel_loader import kernel_key
-
-log = logging.getLogger("torch_precompile")
-PAYLOAD_VERSION = 1
-_open_objects: list[int] = []
-
-
-@cache
-def machine_fingerprint() -> dict[str, Any]:
-    """What a built kernel object depends on: torch build, Python, CPU architecture and ISA."""
-    return {
-        "torch": str(torch.__version__),
-        "torch_git": torch.version.git_version,
-        "python": list(sys.version_info[:2]),
-        "machine": platform.machine(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_flags": sorted(_cpu_flags()),
-    }
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
-
-
-def fingerprint_mismatch(built_for: dict[str, Any]) -> str | None:
-    """Why objects built for ``built_for`` cannot run here, or None when they can."""
-    here = machine_fingerprint()
-    for field in ("torch", "torch_git", "python", "machine"):
-        if built_for.get(field) != here[field]:
-            return f"{field} is {here[field]!r} here, {built_for.get(field)!r} at build"
-    missing = set(built_for.get("cpu_flags", [])) - set(here["cpu_flags"])
-    if missing:
-        return f"this CPU lacks {', '.join(sorted(missing)[:8])}"
-    return None
+from torch_precompile.artifact.kernel_payload import PAYLOAD_VERSION, machine_fingerprint
+from torch_precompile.internals.inductor import built_kernel_object
+from torch_precompile.kernel_loader import kernel_key
 
 
 def cpp_kernel_calls(wrapper_source: str) -> list[tuple[list[str], str, dict[str, Any]]]:
@@ -87,15 +33,12 @@ def cpp_kernel_calls(wrapper_source: str) -> list[tuple[list[str], str, dict[str
 
 def collect_built_kernels(wrapper_source: str) -> bytes:
     """Package the shared objects of every C++ kernel in ``wrapper_source``."""
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
     kernels: dict[str, dict[str, Any]] = {}
     for argtypes, source, options in cpp_kernel_calls(wrapper_source):
-        function = CppPythonBindingsCodeCache.load_pybinding(argtypes, source, **options)
-        path = Path(function.__self__.__file__)
+        module, path = built_kernel_object(argtypes, source, options)
         data = path.read_bytes()
         kernels[kernel_key(argtypes, source, options)] = {
-            "module": function.__self__.__name__.rpartition(".")[2],
+            "module": module,
             "object": data,
             "sha256": hashlib.sha256(data).hexdigest(),
         }
@@ -104,73 +47,3 @@ def collect_built_kernels(wrapper_source: str) -> bytes:
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     return buffer.getvalue()
-
-
-def load_built_kernels(acceleration: bytes) -> dict[str, Callable[..., Any]]:
-    """Load the cache's kernel objects into this process; skip (with a warning) what cannot be."""
-    try:
-        payload = torch.load(io.BytesIO(acceleration), weights_only=True)
-        kernels = payload["kernels"]
-        built_for = payload["fingerprint"]
-        if payload.get("version") != PAYLOAD_VERSION:
-            raise ValueError(f"kernel payload version {payload.get('version')!r}")
-    except Exception as e:
-        log.warning("precompile cache: kernel payload unreadable (%s); kernels will be built "
-                    "from python_code on first use.", e)
-        return {}
-    reason = fingerprint_mismatch(built_for)
-    if reason is not None:
-        log.warning("precompile cache: its kernels were built for another machine or torch "
-                    "(%s); they will be built from python_code on first use.", reason)
-        return {}
-    os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
-        torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr
-    )
-    loaded: dict[str, Callable[..., Any]] = {}
-    for key, entry in kernels.items():
-        try:
-            loaded[key] = _load_object(key, entry)
-        except Exception as e:
-            log.warning("precompile cache: kernel %s… is unusable (%s); it will be built from "
-                        "python_code on first use.", key[:12], e)
-    return loaded
-
-
-def _load_object(key: str, entry: dict[str, Any]) -> Callable[..., Any]:
-    data = entry["object"]
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise ValueError("its bytes do not match their checksum")
-    # The entry point is PyInit_<last component>, so the name must end with the built one.
-    name = f"torch_precompile_kernel_{key[:24]}.{entry['module']}"
-    module = sys.modules.get(name)
-    if module is None:
-        module = sys.modules[name] = _import_extension(name, data)
-    return module.kernel
-
-
-def _import_extension(name: str, data: bytes) -> ModuleType:
-    import importlib.machinery
-    import importlib.util
-
-    in_memory = hasattr(os, "memfd_create")
-    if in_memory:
-        # An anonymous in-memory file: nothing touches the disk (or a noexec temp dir). It stays
-        # open for the life of the process, because the dynamic loader recognizes objects by
-        # path and a reused descriptor number would hand back an earlier kernel.
-        fd = os.memfd_create("torch-precompile-kernel")
-        _open_objects.append(fd)
-        path = f"/proc/self/fd/{fd}"
-    else:
-        fd, path = tempfile.mkstemp(suffix=".so")
-    try:
-        os.write(fd, data)
-        loader = importlib.machinery.ExtensionFileLoader(name, path)
-        spec = importlib.util.spec_from_file_location(name, path, loader=loader)
-        assert spec is not None
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
-        return module
-    finally:
-        if not in_memory:
-            os.close(fd)
-            os.unlink(path)

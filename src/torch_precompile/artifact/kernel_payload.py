@@ -1,0 +1,135 @@
+"""The cache's acceleration bytes for the inductor backend, as ``load`` reads them.
+
+The payload holds each built C++ kernel's shared object under its ``kernel_key`` and a
+fingerprint of what the objects were built for (``lower.kernels`` collects them at build
+time). At load time matching objects are loaded straight into the process as extension
+modules -- no compiler, no Inductor import -- and handed to the artifact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import platform
+import sys
+import tempfile
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from torch_precompile.internals import enable_prebuilt_kernel_imports, torch_build
+
+log = logging.getLogger("torch_precompile")
+PAYLOAD_VERSION = 1
+_open_objects: list[int] = []
+
+
+@cache
+def machine_fingerprint() -> dict[str, Any]:
+    """What a built kernel object depends on: torch build, Python, CPU architecture and ISA."""
+    return {
+        "torch": torch_build().version,
+        "torch_git": torch_build().git,
+        "python": list(sys.version_info[:2]),
+        "machine": platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": sorted(_cpu_flags()),
+    }
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def fingerprint_mismatch(built_for: dict[str, Any]) -> str | None:
+    """Why objects built for ``built_for`` cannot run here, or None when they can."""
+    here = machine_fingerprint()
+    for field in ("torch", "torch_git", "python", "machine"):
+        if built_for.get(field) != here[field]:
+            return f"{field} is {here[field]!r} here, {built_for.get(field)!r} at build"
+    missing = set(built_for.get("cpu_flags", [])) - set(here["cpu_flags"])
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing)[:8])}"
+    return None
+
+
+def load_built_kernels(acceleration: bytes) -> dict[str, Callable[..., Any]]:
+    """Load the cache's kernel objects into this process; skip (with a warning) what cannot be."""
+    try:
+        payload = torch.load(io.BytesIO(acceleration), weights_only=True)
+        kernels = payload["kernels"]
+        built_for = payload["fingerprint"]
+        if payload.get("version") != PAYLOAD_VERSION:
+            raise ValueError(f"kernel payload version {payload.get('version')!r}")
+    except Exception as e:
+        log.warning("precompile cache: kernel payload unreadable (%s); kernels will be built "
+                    "from python_code on first use.", e)
+        return {}
+    reason = fingerprint_mismatch(built_for)
+    if reason is not None:
+        log.warning("precompile cache: its kernels were built for another machine or torch "
+                    "(%s); they will be built from python_code on first use.", reason)
+        return {}
+    enable_prebuilt_kernel_imports()
+    loaded: dict[str, Callable[..., Any]] = {}
+    for key, entry in kernels.items():
+        try:
+            loaded[key] = _load_object(key, entry)
+        except Exception as e:
+            log.warning("precompile cache: kernel %s… is unusable (%s); it will be built from "
+                        "python_code on first use.", key[:12], e)
+    return loaded
+
+
+def _load_object(key: str, entry: dict[str, Any]) -> Callable[..., Any]:
+    data = entry["object"]
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise ValueError("its bytes do not match their checksum")
+    # The entry point is PyInit_<last component>, so the name must end with the built one.
+    name = f"torch_precompile_kernel_{key[:24]}.{entry['module']}"
+    module = sys.modules.get(name)
+    if module is None:
+        module = sys.modules[name] = _import_extension(name, data)
+    return module.kernel
+
+
+def _import_extension(name: str, data: bytes) -> ModuleType:
+    import importlib.machinery
+    import importlib.util
+
+    in_memory = hasattr(os, "memfd_create")
+    if in_memory:
+        # An anonymous in-memory file: nothing touches the disk (or a noexec temp dir). It stays
+        # open for the life of the process, because the dynamic loader recognizes objects by
+        # path and a reused descriptor number would hand back an earlier kernel.
+        fd = os.memfd_create("torch-precompile-kernel")
+        _open_objects.append(fd)
+        path = f"/proc/self/fd/{fd}"
+    else:
+        fd, path = tempfile.mkstemp(suffix=".so")
+    try:
+        os.write(fd, data)
+        loader = importlib.machinery.ExtensionFileLoader(name, path)
+        spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+    finally:
+        if not in_memory:
+            os.close(fd)
+            os.unlink(path)

@@ -1,0 +1,129 @@
+"""Torch internals that the inductor lowering uses, and every rewrite of Inductor's output.
+
+Inductor's entry points (decompositions, ``compile_fx_inner``, its config and code cache) and
+the shape of the wrapper module it generates change between torch releases; this module is
+where those differences live. Each rewrite of generated code asserts that it matched exactly
+where expected, so a torch change fails at build time, never silently at load time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torch_precompile.errors import PrecompileError
+from torch_precompile.internals.tracing import FakeTensor, FakeTensorMode, make_fx
+
+# Inductor settings the artifact depends on: stride asserts on (the layout contract), the
+# Python wrapper (section 2 is Python source), no benchmark harness in the source.
+INDUCTOR_OPTIONS: dict[str, Any] = {
+    "size_asserts": True,
+    "cpp_wrapper": False,
+    "benchmark_harness": False,
+    "freezing": False,
+}
+_INDUCTOR_IMPORT = re.compile(r"^from (torch\._inductor[\w.]*) import (\w+)(?: as (\w+))?$",
+                              re.MULTILINE)
+SIZE_ASSERT = re.compile(r"assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)")
+
+
+def retrace_for_inductor(fn: Callable[..., Any], inputs: list[torch.Tensor],
+                         fake_mode: FakeTensorMode | None) -> torch.fx.GraphModule:
+    """Trace ``fn`` on fake tensors with Inductor's decompositions (inside ``fake_mode``
+    when given, so a dynamic capture's unbacked symbols carry over)."""
+    # Inductor's decompositions refer to its lowering module without importing it.
+    import torch._inductor.lowering  # noqa: F401
+    from torch._inductor.decomposition import select_decomp_table
+
+    if fake_mode is None:
+        return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(
+            *inputs)
+    with fake_mode:
+        fakes = [t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t) for t in inputs]
+        return make_fx(fn, decomposition_table=select_decomp_table())(*fakes)
+
+
+def compile_to_wrapper(graph: torch.fx.GraphModule, fake_mode: FakeTensorMode | None,
+                       options: dict[str, Any]) -> str:
+    """Compile ``graph`` with Inductor; return the generated wrapper module's source."""
+    import torch._inductor.config as inductor_config
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    fake_inputs = [p.meta["val"] for p in graph.graph.find_nodes(op="placeholder")]
+    if fake_mode is None:
+        fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
+    # Without a tracing context Inductor bypasses its FX graph cache.
+    with tracing(TracingContext(fake_mode or FakeTensorMode())), inductor_config.patch(
+            {**INDUCTOR_OPTIONS, **options}):
+        compiled = compile_fx_inner(graph, fake_inputs, is_inference=True)
+    source = getattr(compiled, "source_code", None)
+    if not source or "runner.call" not in source:
+        raise PrecompileError(
+            "Inductor produced no Python wrapper for this graph; use backend='eager'."
+        )
+    return source
+
+
+def data_dependent_condition(error: BaseException) -> str | None:
+    """The condition of a data-dependent guard anywhere in ``error``'s chain, if any."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, GuardOnDataDependentSymNode) or "GuardOnDataDependentSymNode" in str(
+            seen
+        ):
+            found = re.search(r"data-dependent expression (.+?) \(unhinted", str(seen))
+            return found[1] if found else "a size condition"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _replace_once(source: str, old: str, new: str) -> str:
+    count = source.count(old)
+    if count != 1:
+        raise PrecompileError(
+            f"internal: Inductor's generated wrapper has {count} occurrences of {old.strip()!r} "
+            f"where exactly one was expected (torch {torch.__version__}); this torch release "
+            "is not supported by this torch-precompile yet. Use backend='eager'."
+        )
+    return source.replace(old, new)
+
+
+def wrapper_with_stand_ins(wrapper: str) -> str:
+    """The wrapper with its Inductor imports replaced by the stand-ins of ``kernel_loader``
+    and its ``call`` renamed ``inductor_call``."""
+
+    def stand_in(match: re.Match[str]) -> str:
+        module, name, alias = match.groups()
+        if name == "AsyncCompile":
+            return "# (AsyncCompile: replaced by KernelLoader)"
+        if name == "extern_kernels":
+            return "extern_kernels = ExternKernels()"
+        return f"{alias or name} = LazyImport({module!r}, {name!r})"
+
+    source, count = _INDUCTOR_IMPORT.subn(stand_in, wrapper)
+    if not count or "AsyncCompile: replaced" not in source:
+        raise PrecompileError(
+            f"internal: Inductor's generated wrapper imports no AsyncCompile (torch "
+            f"{torch.__version__}); this torch release is not supported by this "
+            "torch-precompile yet. Use backend='eager'."
+        )
+    source = _replace_once(
+        source, "\nasync_compile = AsyncCompile()\n",
+        "\nasync_compile = KernelLoader(globals().get('PRECOMPILED_KERNELS', {}))\n")
+    return _replace_once(source, "\ncall = runner.call\n", "\ninductor_call = runner.call\n")
+
+
+def built_kernel_object(argtypes: list[str], source: str, options: dict[str, Any]
+                        ) -> tuple[str, Path]:
+    """The module name and shared-object path of a C++ kernel Inductor just built."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    function = CppPythonBindingsCodeCache.load_pybinding(argtypes, source, **options)
+    return function.__self__.__name__.rpartition(".")[2], Path(function.__self__.__file__)

@@ -1,0 +1,106 @@
+"""Torch internals that capture uses: make_fx, reparametrization, fake tensors and ShapeEnv,
+dispatch modes, operator effects, the marks ``mark_unbacked`` leaves on a tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch.fx.graph import _custom_builtins
+from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+__all__ = [
+    "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode", "GuardOnDataDependentSymNode",
+    "ShapeEnv", "TensorMarks", "TorchDispatchMode", "check", "deferred_asserts", "effect_of",
+    "forget_pending_unbacked", "fx_builtin_imports", "is_operator", "is_traceable_wrapper_subclass",
+    "make_fx", "reparametrize_module", "set_size_hint", "size_function_types", "symbol_pinning",
+    "tensor_marks",
+]
+
+check = torch._check
+
+
+@dataclass(frozen=True)
+class TensorMarks:
+    """What ``torch._dynamo.decorators.mark_*`` recorded on one tensor."""
+
+    backed_dims: set[int]
+    specialize_on: dict[int, Any]
+    unbacked_dims: set[int]
+    shape_ids: dict[int, Any]
+    bounds: dict[int, tuple[int | None, int | None]]
+    hints: dict[int, int]
+
+
+def tensor_marks(tensor: torch.Tensor) -> TensorMarks:
+    """The marks are private attributes the decorators set on the tensor object."""
+
+    def read(name: str) -> Any:
+        return getattr(tensor, name, None) or {}
+
+    return TensorMarks(
+        backed_dims=set(read("_dynamo_dynamic_indices")),
+        specialize_on=dict(read("_specialize_on")),
+        unbacked_dims=set(read("_dynamo_unbacked_indices"))
+        | set(read("_dynamo_strict_unbacked_indices")),
+        shape_ids=dict(read("_dynamo_shape_ids")),
+        bounds=dict(read("_dynamo_unbacked_bounds")),
+        hints=dict(read("_dynamo_hint_overrides")),
+    )
+
+
+def set_size_hint(shape_env: ShapeEnv, symbol: torch.SymInt, hint: int) -> None:
+    shape_env.var_to_hint_override[symbol.node.expr] = hint
+
+
+def forget_pending_unbacked(shape_env: ShapeEnv) -> None:
+    """Symbols bound by the inputs themselves, not by an operation of the trace."""
+    shape_env.pending_fresh_unbacked_symbols.clear()
+
+
+def symbol_pinning(shape_env: ShapeEnv, symbol: Any) -> Any:
+    """The single value the trace pinned ``symbol`` to, or None while it is free."""
+    replaced = shape_env.replacements.get(symbol)
+    if replaced is not None and getattr(replaced, "is_number", False):
+        return replaced
+    value_range = shape_env.var_to_range.get(symbol)
+    if value_range is not None and value_range.lower == value_range.upper:
+        return value_range.lower
+    return None
+
+
+def deferred_asserts(shape_env: ShapeEnv) -> list[Any]:
+    """The sympy conditions the trace deferred to run time."""
+    return [a.expr for asserts in shape_env.deferred_runtime_asserts.values() for a in asserts]
+
+
+def size_function_types() -> tuple[type, tuple[type, ...]]:
+    """torch's sympy functions for sizes: FloorDiv, and the modulo kinds."""
+    from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
+
+    return FloorDiv, (Mod, PythonMod)
+
+
+def is_operator(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def effect_of(target: Any) -> Any:
+    """The ordering side effect an operator declares (printing, recording), or None."""
+    from torch._higher_order_ops.effects import _get_effect
+
+    return _get_effect(target) if is_operator(target) else None
+
+
+def fx_builtin_imports() -> list[str]:
+    """The imports that code printed from an fx graph relies on."""
+    return [builtin.import_str for builtin in _custom_builtins.values()]
