@@ -13,7 +13,7 @@ import torch_precompile
 
 PACKAGE = Path(torch_precompile.__file__).parent
 SHIPPED = {"driver.py": {"torch._C._set_grad_enabled", "torch.utils._pytree"},
-           "kernel_loader.py": {"torch._inductor.async_compile"}}
+           "kernel_loader.py": {"torch._inductor.async_compile.AsyncCompile"}}
 
 
 def _private_torch_names(source: str) -> set[str]:
