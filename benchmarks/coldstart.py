@@ -42,10 +42,10 @@ _T_TORCH_IMPORTED = time.time()
 
 RESULT_MARKER = "COLDSTART_RESULT "
 CHILD_TIMEOUT_S = 900
-WORKLOADS = ("mlp", "block", "block_train", "block_dyn")
-INFERENCE_WORKLOADS = ("mlp", "block")  # AOTInductor is built for these (static shapes)
+WORKLOADS = ("mlp", "block", "block_train", "block_dyn", "deep")
+INFERENCE_WORKLOADS = ("mlp", "block", "deep")  # AOTInductor is built for these (static shapes)
 # Inference runs under torch.no_grad() in every mode, as a server would call it.
-NO_GRAD_WORKLOADS = ("mlp", "block", "block_dyn")
+NO_GRAD_WORKLOADS = ("mlp", "block", "block_dyn", "deep")
 # Dynamic batch and sequence length: (batch, seq) sizes measured in steady state.
 DYNAMIC_SIZES = {"block_dyn": [(1, 16), (4, 32), (16, 64)]}
 
@@ -110,6 +110,9 @@ def build_workload(name: str) -> tuple[Callable[..., Any], nn.Module, tuple[torc
         return train_step, model, (torch.randn(4, 32, 64), torch.randn(4, 32, 64))
     if name == "block_dyn":
         return infer, Block().eval(), (torch.randn(4, 32, 64),)
+    if name == "deep":  # 201 modules, tiny tensors: the per-call cost of the checks shows
+        layers = [m for _ in range(100) for m in (nn.Linear(8, 8), nn.ReLU())]
+        return infer, nn.Sequential(*layers).eval(), (torch.randn(1, 8),)
     raise ValueError(f"unknown workload {name!r}")
 
 
@@ -243,6 +246,19 @@ def _median_call_us(run: Callable[..., Any], model: nn.Module, inputs: tuple[tor
     return statistics.median(times) * 1e6
 
 
+def _median_graph_us(run: Any, model: nn.Module, inputs: tuple[torch.Tensor, ...], warmup: int,
+                     calls: int) -> float:
+    """Our artifact's compiled ``call`` alone, without the driver around it."""
+    namespace = run._forward.__globals__
+    plan = namespace["PLAN"]
+    state = namespace["model_tensors"](plan, [model])
+
+    def graph_only(_model: nn.Module, *args: torch.Tensor) -> Any:
+        return plan.call([*state, *args])
+
+    return _median_call_us(graph_only, model, inputs, warmup, calls)
+
+
 def run_child(mode: str, workload: str, workdir: Path, warmup: int, calls: int) -> None:
     """Entry point of a child process: do one measurement, print it as one marker line."""
     if mode == "import":
@@ -262,7 +278,9 @@ def run_child(mode: str, workload: str, workdir: Path, warmup: int, calls: int) 
             sized = (torch.randn(batch, seq, inputs[0].shape[-1]),)
             by_size[f"{batch}x{seq}"] = _median_call_us(run, model, sized, warmup, calls)
         us = _median_call_us(run, model, inputs, warmup, calls)
-        _emit({"us_per_call": us, "calls": calls, "by_size": by_size})
+        graph_us = _median_graph_us(run, model, inputs, warmup, calls) if mode == (
+            "steady-ours") else None
+        _emit({"us_per_call": us, "calls": calls, "by_size": by_size, "graph_us": graph_us})
         return
     start = time.perf_counter()
     result = run(model, *inputs)
@@ -614,6 +632,9 @@ def steady_table(res: WorkloadResults, inference: bool) -> list[list[str]]:
         each = ", ".join(f"{o.payload['us_per_call']:.0f}" for o in outs if o.payload)
         vs_comp = "" if math.isnan(comp_us) else f"{us / comp_us:.2f}x"
         vs_eager = "" if math.isnan(eager_us) else f"{us / eager_us:.2f}x"
+        graph = [o.payload["graph_us"] for o in outs if o.payload and o.payload.get("graph_us")]
+        if graph:  # how much of a call is the driver (checks, gradients, result) vs call()
+            label = f"{label} (driver {us - min(graph):.0f} us, call() {min(graph):.0f} us)"
         rows.append([label, f"{us:.1f}", each, vs_comp, vs_eager])
     return rows
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch_precompile
 
 PACKAGE = Path(torch_precompile.__file__).parent
-SHIPPED = {"driver.py": {"torch._C._set_grad_enabled", "torch.utils._pytree"},
+SHIPPED = {"driver.py": {"torch._C._set_grad_enabled", "torch.utils._pytree",
+                         "torch._C._dynamo.guards.TensorGuards"},
            "kernel_loader.py": {"torch._inductor.async_compile.AsyncCompile"}}
 
 

@@ -5,8 +5,10 @@ defines ``call``) and the spec literal ``ARTIFACT_SPEC``; the artifact ends with
 ``PLAN = Plan(ARTIFACT_SPEC, call)``. So it imports only torch and the standard library and never
 grows a ``from __future__`` import. Its touches of torch beyond tensors are few:
 ``torch.utils._pytree`` (input and result structure), ``torch._C._set_grad_enabled`` (cheaper
-than the context manager) and the public module-registration hooks of
-``torch.nn.modules.module`` (to notice a replaced parameter, buffer or submodule cheaply).
+than the context manager), ``torch._C._dynamo.guards.TensorGuards`` (torch.compile's C++
+tensor check, used when present to re-check remembered model tensors quickly) and the public
+module-registration hooks of ``torch.nn.modules.module`` (to notice a replaced parameter,
+buffer or submodule cheaply).
 
 A call runs, in order: ``check_arguments``, ``input_leaves``, ``checked_inputs``,
 ``model_tensors``, ``call``, ``check_value_guards``, ``accumulate_grads``, and the result is
@@ -320,21 +322,42 @@ def model_tensors(plan: Plan, models: Sequence[Any]) -> list[torch.Tensor]:
     key = tuple([id(m) for m in models])
     entry = model.memo.get(key)
     if entry is not None:
-        refs, registrations, sizes, dicts, submodules, tensors = entry
+        refs, registrations, sizes, dicts, submodules, tensors, guard = entry
         if (registrations == _REGISTRATIONS[0]
                 and all([r() is m for r, m in zip(refs, models, strict=True)])
                 and sum(map(len, dicts)) == sizes
                 and list(map(_TRAINING, submodules)) == model.modes
-                and list(map(model.read, tensors)) == model.expected
-                and all([_layout_holds(tensors[i], s) for i, s, _ in model.layouts])):
+                and (guard.check(*tensors) if guard is not None else _tensors_unchanged(
+                    model, tensors))):
             return list(tensors)
     tensors, submodules, dicts = walk_models(model, models)
     with model.lock:
         if len(model.memo) >= 8:
             model.memo.pop(next(iter(model.memo), None), None)
         model.memo[key] = ([weakref.ref(m) for m in models], _REGISTRATIONS[0],
-                           sum(map(len, dicts)), dicts, submodules, tensors)
+                           sum(map(len, dicts)), dicts, submodules, tensors,
+                           _tensor_guard(tensors))
     return list(tensors)
+
+
+def _tensors_unchanged(model: ModelPlan, tensors: Sequence[torch.Tensor]) -> bool:
+    return list(map(model.read, tensors)) == model.expected and all(
+        [_layout_holds(tensors[i], s) for i, s, _ in model.layouts])
+
+
+def _tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
+    """A check, in C++, that tensors still have the dtype, device, sizes, strides and
+    requires_grad they have now (torch.compile's own tensor guard); None where this torch has
+    none, and the checks then run in Python. It is stricter than the capture's contract
+    (exact strides everywhere): a call it refuses takes the full walk, which decides."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+                            tensor_check_names=[f"t{i}" for i in range(len(tensors))])
+    except Exception:
+        return None
 
 
 _TRAINING = operator.attrgetter("training")
