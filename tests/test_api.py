@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -28,8 +31,20 @@ def test_object_identity_and_introspection() -> None:
     assert copy.deepcopy(precompile) is precompile and copy.copy(precompile) is precompile
     assert repr(precompile) == "torch_precompile.precompile"
     assert precompile.__name__ == "precompile"
-    assert "precompile.load" in precompile.__doc__
-    assert "Load an artifact pair" in precompile.load.__doc__
+    assert precompile.PrecompileError is PrecompileError
+    assert PrecompileError.__module__ == "torch_precompile"
+    parameters = inspect.signature(precompile).parameters
+    assert {name: p.default for name, p in parameters.items() if p.default is not p.empty} == {
+        "backend": "inductor", "tracer": "make_fx", "decompositions": None, "sign_key": None,
+        "progress": None}
+    for method in (precompile.load, precompile.save, precompile.load_file, precompile.inspect):
+        assert method.__doc__ and len(method.__doc__.split()) > 8, method
+    # Pickled in one process, it is the same object in another.
+    proc = subprocess.run(
+        [sys.executable, "-c", "import pickle, sys, torch_precompile; "
+         "print(pickle.loads(sys.stdin.buffer.read()) is torch_precompile.precompile)"],
+        input=pickle.dumps(precompile), capture_output=True, timeout=120)
+    assert proc.stdout.strip() == b"True", proc.stderr
 
 
 def test_unknown_backend_and_tracer() -> None:

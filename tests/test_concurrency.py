@@ -44,6 +44,22 @@ def test_threads_share_one_inference_artifact(backend: str, artifacts) -> None:
     assert _in_threads(work, 8) == []
 
 
+def test_more_model_sets_in_flight_than_the_driver_remembers(backend: str, artifacts) -> None:
+    """Sixteen threads, each with its own model, evict one another from the driver's memo."""
+    run = artifacts.load("mlp_infer", backend)
+    base, _ = WORKLOADS["mlp_infer"].args()
+    models = [copy.deepcopy(base) for _ in range(16)]
+
+    def work(i: int) -> None:
+        generator = torch.Generator().manual_seed(i)
+        for _ in range(30):
+            model = models[(i + int(torch.randint(0, 16, (), generator=generator))) % 16]
+            x = torch.randn(5, 4, generator=generator)
+            torch.testing.assert_close(run(model, x), model(x).detach())
+
+    assert _in_threads(work, 16) == []
+
+
 def test_threads_train_their_own_models_with_one_artifact(backend: str, artifacts) -> None:
     """Each thread's results equal, bit for bit, the same calls made one thread at a time."""
     run = artifacts.load("mlp_train", backend)

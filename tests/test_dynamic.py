@@ -170,10 +170,14 @@ def test_bounds_of_every_occurrence_are_enforced() -> None:
 
 
 def test_hint_override_reaches_the_shape_env() -> None:
-    x = torch.randn(4, 3)
+    x, y = torch.randn(4, 3), torch.randn(5, 3)
     mark_unbacked(x, 0, hint_override=4096)
-    captured = capture(lambda x: x * 2, (x,), "inductor")
-    assert list(captured.fake_mode.shape_env.var_to_hint_override.values()) == [4096]
+    mark_unbacked(y, 0)
+    captured = capture(lambda x, y: (x * 2, y * 3), (x, y), "inductor")
+    size_x, size_y = (t.shape[0].node.expr for t in captured.example_inputs)
+    # The hint belongs to x's dim 0 alone; y's marked dim has none.
+    assert size_x != size_y
+    assert captured.fake_mode.shape_env.var_to_hint_override == {size_x: 4096}
     run = precompile.load(*precompile(lambda x: x * 2, x))
     assert_same(run(torch.ones(7, 3)), torch.full((7, 3), 2.0))
 

@@ -30,7 +30,11 @@ FRESH_LOAD = """
     result = run(*args)
     expected = torch.load({expected!r})
     torch.testing.assert_close(result, expected)
-    print(json.dumps({{"inductor_imported": "torch._inductor" in sys.modules}}))
+    build_time = [name for name in sys.modules if name.startswith((
+        "torch_precompile.capture", "torch_precompile.lower", "torch_precompile.internals.tracing",
+        "torch_precompile.internals.inductor", "torch.fx.experimental.proxy_tensor"))]
+    print(json.dumps({{"inductor_imported": "torch._inductor" in sys.modules,
+                      "build_time_modules": build_time}}))
 """
 
 
@@ -73,7 +77,7 @@ def test_cached_load_runs_no_compiler_and_imports_no_inductor(artifacts, tmp_pat
     env, marker = _poisoned_toolchain(tmp_path)
     proc = run_python(FRESH_LOAD.format(name="mlp_train", **paths), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert '"inductor_imported": false' in proc.stdout
+    assert '"inductor_imported": false, "build_time_modules": []' in proc.stdout
     assert not marker.exists(), marker.read_text()
     assert not any(Path(env["TMPDIR"]).iterdir()), "a cached load wrote to the temp dir"
     assert not any(Path(env["TORCHINDUCTOR_CACHE_DIR"]).iterdir())

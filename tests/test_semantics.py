@@ -45,11 +45,18 @@ def test_training_loop_with_optimizer(backend: str, artifacts) -> None:
 
 def test_batchnorm_statistics_land_on_runtime_model(backend: str, artifacts) -> None:
     run = artifacts.load("mlp_train", backend)
-    model, x, t = WORKLOADS["mlp_train"].args()
+    workload = WORKLOADS["mlp_train"]
+    model, x, t = workload.args()
+    reference = copy.deepcopy(model)
     before = model.bn.running_mean.clone()
-    run(model, x, t)
-    assert model.bn.num_batches_tracked.item() == 1
+    for _ in range(2):
+        run(model, x, t)
+        workload.fn(reference, x, t)
     assert not torch.equal(model.bn.running_mean, before)
+    for name, buffer in reference.named_buffers():  # the same update eager makes, twice
+        torch.testing.assert_close(dict(model.named_buffers())[name], buffer, rtol=1e-5,
+                                   atol=1e-6)
+    assert model.bn.num_batches_tracked.item() == 2
 
 
 def test_tied_weights_are_one_input_with_one_gradient(backend: str, artifacts) -> None:

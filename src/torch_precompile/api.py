@@ -51,6 +51,8 @@ class Precompile:
         decompositions: optional ``{OpOverload: fn}`` table applied while tracing.
         sign_key: optional bytes; the returned cache then carries an HMAC over the pair, which
             ``load(..., verify_key=...)`` checks before anything is executed.
+        progress: optional callable, told the name of each stage as it starts: ``"capture"``,
+            ``"lower"`` (kernel builds happen here), ``"render"``.
     """
 
     PrecompileError = PrecompileError
@@ -64,9 +66,10 @@ class Precompile:
         tracer: str = "make_fx",
         decompositions: Mapping[Any, Callable[..., Any]] | None = None,
         sign_key: bytes | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> tuple[str, bytes]:
         return build(fn, example_inputs, backend=backend, tracer=tracer,
-                     decompositions=decompositions, sign_key=sign_key)
+                     decompositions=decompositions, sign_key=sign_key, progress=progress)
 
     def load(
         self, python_code: str, cache: bytes | None, *, verify_key: bytes | None = None

@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _compile(args: argparse.Namespace) -> int:
-    from torch_precompile import api, storage
+    from torch_precompile import precompile, storage
 
     module_name, _, factory_name = args.target.partition(":")
     if not module_name or not factory_name:
@@ -104,8 +104,8 @@ def _compile(args: argparse.Namespace) -> int:
         stages = {"capture": "capturing fn (one traced run)",
                   "lower": f"lowering ({args.backend}; builds kernels)",
                   "render": "writing the artifact source"}
-        code, cache = api.build(fn, tuple(inputs), backend=args.backend,
-                                progress=lambda s: progress.stage(stages[s]))
+        code, cache = precompile(fn, *inputs, backend=args.backend,
+                                 progress=lambda s: progress.stage(stages[s]))
         progress.stage(f"saving {args.output}")
         storage.save(code, cache, args.output, sign_key=sign_key)
     print(f"{args.output} ({len(code) / 1024:.1f} KiB) and "
