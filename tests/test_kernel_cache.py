@@ -13,6 +13,7 @@ import torch
 from torch_precompile import precompile
 from torch_precompile.artifact import envelope
 from torch_precompile.artifact import kernel_payload as kernels
+from torch_precompile.internals.inductor import cpp_kernel_calls
 
 from conftest import assert_same, run_python
 from workloads import WORKLOADS
@@ -153,6 +154,6 @@ def test_fingerprint_rules() -> None:
 def test_cache_holds_every_kernel_of_the_artifact(artifacts) -> None:
     code, cache = artifacts.pair("mlp_train", "inductor")
     payload = torch.load(io.BytesIO(envelope.unpack(cache, "inductor", code)), weights_only=True)
-    calls = kernels.cpp_kernel_calls(code)
+    calls = cpp_kernel_calls(code)
     assert calls and len(payload["kernels"]) == len(calls)
     assert payload["fingerprint"] == kernels.machine_fingerprint()

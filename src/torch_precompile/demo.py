@@ -91,7 +91,7 @@ print(json.dumps(report))
 
 
 def _kernel_note(code: str, report: dict[str, Any]) -> str:
-    from torch_precompile.lower.kernels import cpp_kernel_calls
+    from torch_precompile.internals.inductor import cpp_kernel_calls
 
     count = len(cpp_kernel_calls(code))
     cached = "loaded from the cache, no compiler run"

@@ -8,6 +8,7 @@ where expected, so a torch change fails at build time, never silently at load ti
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -127,3 +128,27 @@ def built_kernel_object(argtypes: list[str], source: str, options: dict[str, Any
 
     function = CppPythonBindingsCodeCache.load_pybinding(argtypes, source, **options)
     return function.__self__.__name__.rpartition(".")[2], Path(function.__self__.__file__)
+
+
+def cpp_kernel_calls(wrapper_source: str) -> list[tuple[list[str], str, dict[str, Any]]]:
+    """The ``async_compile.cpp_pybinding(...)`` calls of a wrapper: (argtypes, source, options)."""
+    calls = []
+    for node in ast.walk(ast.parse(wrapper_source)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "cpp_pybinding"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "async_compile"
+        ):
+            args = [ast.literal_eval(a) for a in node.args]
+            options = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}
+            calls.append((args[0], args[1], options))
+    if wrapper_source.count(".cpp_pybinding(") != len(calls):
+        raise PrecompileError(
+            "internal: some C++ kernels of Inductor's generated wrapper are not in the "
+            f"expected form async_compile.cpp_pybinding(argtypes, source) (torch "
+            f"{torch.__version__}); this torch release is not supported yet. Use "
+            "backend='eager'."
+        )
+    return calls

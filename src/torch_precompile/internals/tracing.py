@@ -3,6 +3,7 @@ dispatch modes, operator effects, the marks ``mark_unbacked`` leaves on a tensor
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +19,14 @@ from torch.fx.graph import _custom_builtins
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from torch_precompile.errors import PrecompileError
+
 __all__ = [
     "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode", "GuardOnDataDependentSymNode",
     "ShapeEnv", "TensorMarks", "TorchDispatchMode", "check", "deferred_asserts", "effect_of",
-    "forget_pending_unbacked", "fx_builtin_imports", "is_operator", "is_traceable_wrapper_subclass",
-    "make_fx", "reparametrize_module", "set_size_hint", "size_function_types", "symbol_pinning",
-    "tensor_marks",
+    "forget_pending_unbacked", "fx_builtin_imports", "graph_function_source", "is_operator",
+    "is_traceable_wrapper_subclass", "make_fx", "reparametrize_module", "set_size_hint",
+    "size_function_types", "symbol_pinning", "tensor_marks",
 ]
 
 check = torch._check
@@ -99,6 +102,19 @@ def effect_of(target: Any) -> Any:
     from torch._higher_order_ops.effects import _get_effect
 
     return _get_effect(target) if is_operator(target) else None
+
+
+def graph_function_source(gm: torch.fx.GraphModule, name: str) -> str:
+    """The graph's code as a plain function ``name(*inputs)``, each value annotated."""
+    code = gm.graph.python_code(root_module="self", verbose=True).src
+    code = code.replace("    # No stacktrace found for following nodes\n", "")
+    header = re.search(r"^def forward\(self(, )?", code, re.MULTILINE)
+    if header is None or code.count("\ndef forward(self") != 1:
+        raise PrecompileError(
+            f"internal: the fx graph's code has no single 'def forward(self' (torch "
+            f"{torch.__version__}); this torch release is not supported yet."
+        )
+    return code[:header.start()] + f"def {name}(" + code[header.end():]
 
 
 def fx_builtin_imports() -> list[str]:

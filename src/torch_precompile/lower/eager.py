@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from torch_precompile.capture import Capture
 from torch_precompile.capture.checks import literal_source
-from torch_precompile.internals.tracing import fx_builtin_imports
+from torch_precompile.internals.tracing import fx_builtin_imports, graph_function_source
 from torch_precompile.lower import LoweredGraph
 
 
 def lower_eager(capture: Capture) -> LoweredGraph:
     gm = capture.graph
-    graph_code = gm.graph.python_code(root_module="self", verbose=True).src
-    graph_code = graph_code.replace("    # No stacktrace found for following nodes\n", "")
-    graph_code = graph_code.replace("def forward(self, ", "def captured_graph(", 1)
-    graph_code = graph_code.replace("def forward(self)", "def captured_graph()", 1)
+    graph_code = graph_function_source(gm, "captured_graph")
     lines = [
         "# The fx names the graph code refers to.",
         *fx_builtin_imports(),
