@@ -196,6 +196,9 @@ def _prepare(mode: str, workload: str, workdir: Path) -> Callable[..., Any]:
         return lambda _model, *inputs: runner(*inputs)
     if mode in ("ours-cache", "steady-ours"):
         return _load_ours(workdir, with_cache=True)
+    if mode in ("builtin-cache", "steady-builtin"):
+        code = (workdir / "builtin.py").read_text()
+        return torch.compiler.precompile.load(code, (workdir / "builtin.cache").read_bytes())
     if mode == "ours-nocache":
         return _load_ours(workdir, with_cache=False)
     raise ValueError(f"unknown mode {mode!r}")
@@ -221,6 +224,14 @@ def _build(mode: str, workload: str, workdir: Path) -> dict[str, Any]:
         path = workdir / "model.pt2"
         torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
         return {"seconds": time.perf_counter() - start, "bytes": path.stat().st_size}
+    if mode == "build-builtin":
+        start = time.perf_counter()
+        mark_dynamic_dims(workload, inputs)
+        code, cache = torch.compiler.precompile(fn, model, *inputs)
+        seconds = time.perf_counter() - start
+        (workdir / "builtin.py").write_text(code)
+        (workdir / "builtin.cache").write_bytes(cache)
+        return {"seconds": seconds, "bytes": len(code.encode()) + len(cache)}
     if mode == "build-ours":
         from torch_precompile import precompile
 
@@ -307,6 +318,7 @@ COLD_MODES: dict[str, str] = {
     "compile-cold": "torch.compile cold",
     "compile-warm": "torch.compile warm (mega-cache)",
     "aoti": "AOTInductor package",
+    "builtin-cache": "torch.compiler.precompile, with cache",
     "ours-cache": "ours, with cache",
     "ours-nocache": "ours, without cache",
 }
@@ -314,17 +326,22 @@ STEADY_MODES: dict[str, str] = {
     "steady-eager": "eager",
     "steady-compile": "torch.compile",
     "steady-aoti": "AOTInductor",
+    "steady-builtin": "torch.compiler.precompile",
     "steady-ours": "ours (with cache)",
 }
 BUILD_MODES: dict[str, str] = {
     "build-compile": "torch.compile (save_cache_artifacts)",
     "build-aoti": "AOTInductor (export + aoti_compile_and_package)",
+    "build-builtin": "torch.compiler.precompile",
     "build-ours": "ours (precompile)",
 }
 PEER_MODES = {
     "compile-cold", "compile-warm", "aoti", "steady-compile", "steady-aoti",
-    "build-compile", "build-aoti",
+    "build-compile", "build-aoti", "builtin-cache", "steady-builtin", "build-builtin",
 }  # fmt: skip
+# torch's own precompile (torch 2.14 and later), run as a black box through its public API.
+BUILTIN_MODES = {"builtin-cache", "steady-builtin", "build-builtin"}
+HAS_BUILTIN = callable(getattr(torch.compiler, "precompile", None))
 AOTI_MODES = {"aoti", "steady-aoti", "build-aoti"}
 NEEDS_BUILD = {
     "compile-warm": "build-compile",
@@ -333,6 +350,8 @@ NEEDS_BUILD = {
     "ours-cache": "build-ours",
     "ours-nocache": "build-ours",
     "steady-ours": "build-ours",
+    "builtin-cache": "build-builtin",
+    "steady-builtin": "build-builtin",
 }
 
 
@@ -495,6 +514,8 @@ def measure_workload(
     res = WorkloadResults()
 
     def wanted(mode: str) -> bool:
+        if mode in BUILTIN_MODES and not HAS_BUILTIN:
+            return False
         return not (skip_peers and mode in PEER_MODES) and (inference or mode not in AOTI_MODES)
 
     for mode in BUILD_MODES:
