@@ -1,5 +1,7 @@
-# Both entry points create the virtual environment on first use.
-PYTHON ?= python3
+# Both entry points create the virtual environment on first use. It gets torch 2.13.0
+# first (a file on local disk), which the project's torch range then keeps.
+PYTHON ?= python3.11
+TORCH ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
@@ -8,6 +10,7 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q 'torch==$(TORCH)'
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
