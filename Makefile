@@ -5,7 +5,7 @@ TORCH ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench test-matrix
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,3 +22,7 @@ lint: $(BIN)/.installed
 
 test: lint
 	$(BIN)/python -m pytest
+
+# The suite on the newer torch and Python releases, one venv per pair (see .ci/matrix).
+test-matrix:
+	bash .ci/matrix
