@@ -129,7 +129,8 @@ def test_kill_at_any_moment_leaves_a_whole_pair(artifacts, tmp_path) -> None:
     base, _ = artifacts.pair("mlp_infer", "eager")
     target = tmp_path / "model.py"
     rng = random.Random(1234)
-    kills = generations_seen = 0
+    precompile.save(*_generation(base, -1), target)  # a whole pair is on disk from the start
+    kills = replaced = 0
     for trial in range(80):
         pid = os.fork()
         if pid == 0:  # the writer: never returns
@@ -141,11 +142,10 @@ def test_kill_at_any_moment_leaves_a_whole_pair(artifacts, tmp_path) -> None:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         kills += 1
-        if not target.exists():
-            continue  # killed before the first pair appeared
         code = target.read_text()
         generation = int(code.rsplit("# generation ", 1)[1])
         assert cache_path(target, code).read_bytes() == _generation(base, generation)[1]
-        generations_seen += 1
+        replaced += generation >= trial * 100_000  # this trial's writer got a pair out
         precompile.load_file(target)  # a mismatched pair would raise here
-    assert kills >= 50 and generations_seen >= 40
+    # Kills must land among the writes, not all before the first one (even on a busy machine).
+    assert kills == 80 and replaced >= 20

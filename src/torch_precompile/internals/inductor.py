@@ -29,7 +29,6 @@ INDUCTOR_OPTIONS: dict[str, Any] = {
 }
 _INDUCTOR_IMPORT = re.compile(r"^from (torch\._inductor[\w.]*) import (\w+)(?: as (\w+))?$",
                               re.MULTILINE)
-SIZE_ASSERT = re.compile(r"assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)")
 
 
 def retrace_for_inductor(fn: Callable[..., Any], inputs: list[torch.Tensor],
@@ -83,6 +82,30 @@ def data_dependent_condition(error: BaseException) -> str | None:
             return found[1] if found else "a size condition"
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def asserted_inputs(wrapper: str) -> list[str]:
+    """The wrapper's inputs whose sizes and strides it asserts.
+
+    torch 2.13 writes ``assert_size_stride(name, sizes, strides)`` per input; from 2.14 inputs
+    checked at one spot share ``assert_size_stride_grouped((a, b), sizes, strides, 'input')``.
+    """
+    names: list[str] = []
+    for node in ast.walk(ast.parse(wrapper)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+            continue
+        first = node.args[0]
+        if node.func.id == "assert_size_stride" and isinstance(first, ast.Name):
+            names.append(first.id)
+        elif node.func.id == "assert_size_stride_grouped" and isinstance(first, ast.Tuple):
+            names.extend(e.id for e in first.elts if isinstance(e, ast.Name))
+    if not names and re.search(r"\bassert_size_stride(_grouped)?\(", wrapper):
+        raise PrecompileError(
+            "internal: Inductor's generated wrapper asserts layouts in a form this "
+            f"torch-precompile does not read (torch {torch.__version__}); this torch release is "
+            "not supported yet. Use backend='eager'."
+        )
+    return names
 
 
 def _replace_once(source: str, old: str, new: str) -> str:

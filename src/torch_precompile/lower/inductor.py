@@ -21,7 +21,7 @@ from torch_precompile.capture import Capture
 from torch_precompile.capture.checks import literal_source
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.inductor import (
-    SIZE_ASSERT,
+    asserted_inputs,
     compile_to_wrapper,
     data_dependent_condition,
     retrace_for_inductor,
@@ -155,7 +155,7 @@ def _asserted_strides(
     index = {name: i for i, name in enumerate(input_names)}
     num_inputs = len(capture.example_inputs)
     strides: list[tuple[int, ...] | str | None] = [None] * num_inputs
-    for name, _, _ in SIZE_ASSERT.findall(wrapper):
+    for name in asserted_inputs(wrapper):
         i = index.get(name)
         if i is not None and i < num_inputs:
             strides[i] = capture.memory_formats.get(i) or tuple(
