@@ -89,6 +89,7 @@ def _functional_graph(
     from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    _import_decomposition_dependencies()
     gm = torch.fx.GraphModule(captured, captured.graph)  # a copy: the capture stays as it was
     gm.graph = _prepared_graph(captured.graph, dynamic=fake_mode is not None)
     gm.recompile()
@@ -111,6 +112,16 @@ def _functional_graph(
             "values (boolean-mask indexing, nonzero, masked_select). Use fixed-size operations "
             "(torch.where, masked arithmetic), or backend='eager'."
         ) from e
+
+
+def _import_decomposition_dependencies() -> None:
+    """Import the Inductor modules its decompositions reach through ``torch._inductor.<name>``.
+
+    The max-pooling decompositions ask ``torch._inductor.lowering`` whether to fall back, an
+    attribute that exists only once that module was imported (``compile_fx`` imports it, but
+    the retrace runs before).
+    """
+    import torch._inductor.lowering  # noqa: F401
 
 
 def _prepared_graph(graph: torch.fx.Graph, dynamic: bool) -> torch.fx.Graph:
