@@ -100,3 +100,91 @@ def test_max_pooling_training_step_inductor(pairs: PairCache) -> None:
     model = conv_pool().train()
     check_training(pairs, "pool_train", "inductor", mean_square_step, model,
                    torch.randn(2, 2, 10))
+
+
+# Strides the lowering's retrace cannot reproduce: Inductor's cat decomposition drops an empty
+# input (Hugging Face caches start as torch.tensor([])) and keeps the other input's strides,
+# where eager cat returns a contiguous tensor; later views were recorded on eager's layout.
+
+
+class CachedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(2, 4, 3, 2, 4).unbind(2))
+        k = torch.cat([torch.tensor([]), k], dim=-2)  # an empty cache, then the new keys
+        v = torch.cat([torch.tensor([]), v], dim=-2)
+        return (q @ k.transpose(-2, -1)).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("disabled", ["_decomposition_table", "_reshape_unwritten_views"])
+def test_cat_of_empty_cache_then_view_inductor(disabled: str, monkeypatch) -> None:
+    """Either half of the fix (eager's layout for cat, reshape for views nobody writes
+    through) suffices on its own."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    import torch_precompile.lower.inductor as lowering
+
+    stand_in = {"_decomposition_table": lambda: dict(select_decomp_table()),
+                "_reshape_unwritten_views": lambda graph: None}[disabled]
+    monkeypatch.setattr(lowering, disabled, stand_in)
+    torch.manual_seed(0)
+    model, x = CachedAttention(), torch.randn(2, 4, 8)
+    run = precompile.load(*precompile(infer, model, x))
+    assert_same(run(model, x), model(x))
+
+
+def test_views_written_through_stay_views() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch_precompile.lower.inductor import _reshape_unwritten_views
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x.view(6).add_(1)  # written through: must stay a view
+        x.view(3, 2)  # another view of written memory
+        return y.view(3, 2) * 2  # never written: may become a reshape
+
+    graph = make_fx(fn)(torch.zeros(2, 3), torch.zeros(2, 3)).graph
+    _reshape_unwritten_views(graph)
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.aten.view.default) == 2
+    assert targets.count(torch.ops.aten.reshape.default) == 1
+
+
+def t5() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=64,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def t5_logits(m: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return m(input_ids=ids, labels=labels).logits
+
+
+def t5_step(m: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    out = m(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return out.loss.detach()
+
+
+def t5_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randint(0, 64, (2, 8), generator=generator),
+            torch.randint(0, 64, (2, 4), generator=generator))
+
+
+def test_t5_inference_inductor(pairs: PairCache) -> None:
+    check_inference(pairs, "t5_infer", "inductor", t5_logits, t5().eval(), *t5_batch(),
+                    rtol=1e-4, atol=1e-4)
+
+
+def test_t5_training_step_inductor(pairs: PairCache) -> None:
+    check_training(pairs, "t5_train", "inductor", t5_step, t5().train(), *t5_batch(),
+                   rtol=1e-4, atol=1e-4)
+

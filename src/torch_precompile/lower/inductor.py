@@ -9,6 +9,7 @@ puts back the constant outputs and re-creates outputs that alias inputs.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from typing import Any
@@ -85,7 +86,6 @@ def _functional_graph(
     A dynamic capture is retraced inside its own fake mode, so the unbacked symbols of its
     inputs (and what the ShapeEnv learned about them) carry over to the lowering.
     """
-    from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -99,19 +99,55 @@ def _functional_graph(
         return [results[i] for i in tensor_outputs]
 
     functional = torch.func.functionalize(tensors_only, remove="mutations")
+    decompositions = _decomposition_table()
     try:
         if fake_mode is None:
-            return make_fx(functional, decomposition_table=select_decomp_table(),
+            return make_fx(functional, decomposition_table=decompositions,
                            tracing_mode="fake")(*inputs)
         with fake_mode:
             fakes = [t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t) for t in inputs]
-            return make_fx(functional, decomposition_table=select_decomp_table())(*fakes)
+            return make_fx(functional, decomposition_table=decompositions)(*fakes)
     except DynamicOutputShapeException as e:
         raise PrecompileError(
             f"the inductor backend cannot compile {e.func}, whose output size depends on tensor "
             "values (boolean-mask indexing, nonzero, masked_select). Use fixed-size operations "
             "(torch.where, masked arithmetic), or backend='eager'."
         ) from e
+
+
+def _decomposition_table() -> dict[Any, Any]:
+    """Inductor's decompositions, with ``cat`` giving the layout eager ``cat`` gives."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    table = dict(select_decomp_table())
+    inductor_cat = table.get(aten.cat.default)
+    if inductor_cat is not None:
+        table[aten.cat.default] = functools.partial(_eager_layout_cat, inductor_cat)
+    return table
+
+
+def _eager_layout_cat(inductor_cat: Any, tensors: list[torch.Tensor], dim: int = 0) -> Any:
+    """Inductor's ``cat`` decomposition, its result laid out as eager lays it out.
+
+    Inductor drops empty inputs (``torch.cat([torch.tensor([]), t])``, as Hugging Face caches
+    start) and returns a clone of what is left, keeping that input's strides; eager picks the
+    output memory format from all inputs, empty ones included (contiguous for a transposed
+    ``t``). The captured graph's later views were recorded on eager's layout and cannot be
+    applied to another one, so the clone is made in eager's format.
+    """
+    from torch._prims_common import (
+        is_contiguous_for_memory_format_or_false,
+        suggest_memory_format,
+    )
+
+    result = inductor_cat(tensors, dim)
+    if result is NotImplemented or not isinstance(result, torch.Tensor):
+        return result
+    formats = {suggest_memory_format(t) for t in tensors}
+    memory_format = formats.pop() if len(formats) == 1 else torch.contiguous_format
+    if is_contiguous_for_memory_format_or_false(result, memory_format=memory_format):
+        return result
+    return result.clone(memory_format=memory_format)
 
 
 def _import_decomposition_dependencies() -> None:
@@ -134,6 +170,7 @@ def _prepared_graph(graph: torch.fx.Graph, dynamic: bool) -> torch.fx.Graph:
     import copy
 
     copied = copy.deepcopy(graph)
+    _reshape_unwritten_views(copied)
     for node in reversed(list(copied.nodes)):
         if node.op == "call_function" and node.target in _BAKED_READS and not node.users:
             copied.erase_node(node)
@@ -146,6 +183,45 @@ def _prepared_graph(graph: torch.fx.Graph, dynamic: bool) -> torch.fx.Graph:
                     )
                 node.update_arg(position, contiguous)
     return copied
+
+
+def _reshape_unwritten_views(graph: torch.fx.Graph) -> None:
+    """Turn ``view`` into ``reshape`` where no in-place op writes the viewed memory.
+
+    The trace recorded each ``view`` on the strides eager produced. The retrace runs Inductor's
+    decompositions, which need not reproduce every intermediate's strides, and ``view`` fails
+    on strides it cannot reinterpret. ``reshape`` is the same view wherever the strides allow
+    one, and a copy elsewhere; a copy is equal in value as long as nothing writes through the
+    view or its base, which is checked: views of memory written in place stay views.
+    """
+    import operator
+
+    roots: dict[torch.fx.Node, torch.fx.Node] = {}
+    written: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        roots[node] = node
+        if node.op != "call_function":
+            continue
+        source = node.args[0] if node.args else None
+        if node.target is operator.getitem and isinstance(source, torch.fx.Node):
+            roots[node] = roots[source]
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            continue
+        bound = dict(zip((a.name for a in schema.arguments), node.args, strict=False))
+        bound.update(node.kwargs)
+        for argument in schema.arguments:
+            value = bound.get(argument.name)
+            if argument.alias_info is None or not isinstance(value, torch.fx.Node):
+                continue
+            if argument.alias_info.is_write:
+                written.add(roots[value])
+            if schema.returns and schema.returns[0].alias_info is not None:
+                roots[node] = roots[value]  # a view (or list of views) of this argument
+    for node in graph.nodes:
+        if node.target is aten.view.default and roots[node] not in written:
+            node.target = aten.reshape.default
 
 
 def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str, str]) -> str:
