@@ -188,3 +188,51 @@ def test_t5_training_step_inductor(pairs: PairCache) -> None:
     check_training(pairs, "t5_train", "inductor", t5_step, t5().train(), *t5_batch(),
                    rtol=1e-4, atol=1e-4)
 
+
+# Recurrent layers: with oneDNN on, the trace recorded oneDNN's LSTM layer and its backward,
+# which cannot be replayed from a graph.
+
+
+class Recurrent(nn.Module):
+    """LSTM and GRU, two layers, each one-way and bidirectional, batch-first and
+    sequence-first; the GRU starts from a given hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, num_layers=2, batch_first=True)
+        self.lstm_bi = nn.LSTM(3, 4, num_layers=2, bidirectional=True)
+        self.gru = nn.GRU(3, 4, num_layers=2)
+        self.gru_bi = nn.GRU(3, 4, num_layers=2, batch_first=True, bidirectional=True)
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        seq_first = x.transpose(0, 1)
+        a, (ha, ca) = self.lstm(x)
+        b, (hb, cb) = self.lstm_bi(seq_first)
+        c, hc = self.gru(seq_first, h0)
+        d, hd = self.gru_bi(x)
+        return a, ha, ca, b, hb, cb, c, hc, d, hd
+
+
+def recurrent_inputs() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return Recurrent(), torch.randn(2, 2, 3), torch.randn(2, 2, 4)
+
+
+def test_recurrent_training_steps(pairs: PairCache, backend: str) -> None:
+    model, x, h0 = recurrent_inputs()
+    check_training(pairs, "rnn_train", backend, mean_square_step, model.train(), x, h0)
+
+
+def test_recurrent_inference(pairs: PairCache, backend: str) -> None:
+    model, x, h0 = recurrent_inputs()
+    check_inference(pairs, "rnn_infer", backend, infer, model.eval(), x, h0)
+
+
+def test_recurrent_capture_keeps_onednn_setting() -> None:
+    from torch_precompile.capture import capture
+
+    model, x, h0 = recurrent_inputs()
+    assert torch.backends.mkldnn.enabled
+    captured = capture(mean_square_step, (model, x, h0), "eager")
+    assert torch.backends.mkldnn.enabled
+    assert not any("mkldnn" in str(n.target) for n in captured.graph.graph.nodes)

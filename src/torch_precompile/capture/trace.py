@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import keyword
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +113,7 @@ def capture(
                 *(_copy(t) for t in state.tensors[num_params:]),
                 *(_copy(inputs.leaves[i]) for i in tensor_positions),
             ]
-            with torch.enable_grad(), _fork_rng(examples):
+            with torch.enable_grad(), _fork_rng(examples), _differentiable_rnns():
                 gm = make_fx(
                     flat_fn, decomposition_table=decompositions,
                     _error_on_data_dependent_ops=False,
@@ -205,7 +205,7 @@ def _trace_symbolic(
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     try:
-        with torch.enable_grad(), dynamic_inputs.fake_mode:
+        with torch.enable_grad(), dynamic_inputs.fake_mode, _differentiable_rnns():
             return make_fx(flat_fn, decomposition_table=decompositions,
                            tracing_mode="symbolic")(*fakes)
     except GuardOnDataDependentSymNode as e:
@@ -261,6 +261,27 @@ def _fork_rng(tensors: list[torch.Tensor]) -> Any:
     cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=cuda):
         yield
+
+
+@contextlib.contextmanager
+def _differentiable_rnns() -> Iterator[None]:
+    """Trace LSTMs through their decomposition into cells rather than oneDNN's RNN layer.
+
+    With oneDNN enabled, ``nn.LSTM`` on CPU records ``mkldnn_rnn_layer`` when its input needs
+    no gradient, and a backward then records ``mkldnn_rnn_layer_backward``, which reads the
+    forward's workspace. The forward produces that workspace only with grad mode on, and an
+    artifact runs its graph with grad mode off: the eager backend then fails on a missing
+    workspace, and Inductor cannot lower the pair. The decomposition is plain differentiable
+    ATen ops. Other operators are recorded the same way either way: oneDNN is otherwise
+    chosen inside the kernels.
+    """
+    # Only this flag: torch.backends.mkldnn.flags() would reset TF32 and determinism too.
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 def _reject_stray_gradients(state: ModelState, flat: tuple[torch.Tensor, ...], num_params: int
