@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_precompile import precompile
+from torch_precompile import PrecompileError, precompile
 
 from conftest import assert_same, model_state
 
@@ -236,3 +236,37 @@ def test_recurrent_capture_keeps_onednn_setting() -> None:
     captured = capture(mean_square_step, (model, x, h0), "eager")
     assert torch.backends.mkldnn.enabled
     assert not any("mkldnn" in str(n.target) for n in captured.graph.graph.nodes)
+
+
+# Errors from Inductor reach the user as PrecompileError, naming the operator.
+
+
+def sine(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(m(x))
+
+
+def _raise_unsupported(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("unsupported here")
+
+
+def test_inductor_lowering_failure_is_precompile_error(monkeypatch) -> None:
+    from torch._inductor import lowering
+
+    monkeypatch.setitem(lowering.lowerings, torch.ops.aten.sin.default, _raise_unsupported)
+    with pytest.raises(PrecompileError, match=r"compiling the graph at operator aten\.sin\.default"
+                       r": .*unsupported here.*backend='eager'") as caught:
+        precompile(sine, nn.Linear(3, 2), torch.randn(4, 3))
+    assert caught.value.__cause__ is not None
+    assert "unsupported here" in str(caught.value.__cause__)
+
+
+def test_inductor_decomposition_failure_is_precompile_error(monkeypatch) -> None:
+    import torch_precompile.lower.inductor as lowering
+
+    table = lowering._decomposition_table()
+    table[torch.ops.aten.sin.default] = _raise_unsupported
+    monkeypatch.setattr(lowering, "_decomposition_table", lambda: table)
+    with pytest.raises(PrecompileError, match=r"retracing .* at operator aten\.sin\.default: "
+                       r"RuntimeError: unsupported here.*backend='eager'") as caught:
+        precompile(sine, nn.Linear(3, 2), torch.randn(4, 3))
+    assert isinstance(caught.value.__cause__, RuntimeError)

@@ -94,8 +94,10 @@ def _functional_graph(
     gm.graph = _prepared_graph(captured.graph, dynamic=fake_mode is not None)
     gm.recompile()
 
+    running = _NodeRecorder(gm)
+
     def tensors_only(*args: torch.Tensor) -> list[torch.Tensor]:
-        results = gm(*args)
+        results = running.run(*args)
         return [results[i] for i in tensor_outputs]
 
     functional = torch.func.functionalize(tensors_only, remove="mutations")
@@ -112,6 +114,12 @@ def _functional_graph(
             f"the inductor backend cannot compile {e.func}, whose output size depends on tensor "
             "values (boolean-mask indexing, nonzero, masked_select). Use fixed-size operations "
             "(torch.where, masked arithmetic), or backend='eager'."
+        ) from e
+    except PrecompileError:
+        raise
+    except Exception as e:
+        raise _inductor_failure(
+            "retracing the captured graph with its decompositions", e, running.node
         ) from e
 
 
@@ -249,7 +257,7 @@ def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str
     except Exception as e:
         guard = _data_dependent_guard(e)
         if guard is None:
-            raise
+            raise _inductor_failure("compiling the graph", e) from e
         condition = re.sub(r"\bu\d+\b", lambda m: symbol_names.get(m[0], m[0]), guard)
         condition = re.sub(r"^Eq\((.+), (.+)\)$", r"\1 == \2", condition)
         raise PrecompileError(
@@ -264,6 +272,38 @@ def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str
             "Inductor produced no Python wrapper for this graph; use backend='eager'."
         )
     return source
+
+
+class _NodeRecorder(torch.fx.Interpreter):
+    """Runs a graph node by node, keeping the node that runs (to name it when it fails)."""
+
+    node: torch.fx.Node | None = None
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.node = n
+        return super().run_node(n)
+
+
+def _inductor_failure(
+    step: str, error: BaseException, node: torch.fx.Node | None = None
+) -> PrecompileError:
+    """A PrecompileError for an error Inductor raised while ``step``: it names the operator
+    (the node that ran, or the one Inductor's lowering reports) and suggests the eager backend.
+    """
+    cause = getattr(error, "inner_exception", None) or error  # InductorError wraps the cause
+    operator = str(node.target) if node is not None and node.op == "call_function" else None
+    seen: BaseException | None = cause
+    while operator is None and seen is not None:
+        reported = re.search(r"^\s*target: (\S+)", str(seen), re.MULTILINE)
+        operator = reported[1] if reported else None
+        seen = getattr(seen, "inner_exception", None) or seen.__cause__ or seen.__context__
+    lines = str(cause).strip().splitlines()
+    summary = f"{type(cause).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    where = f" at operator {operator}" if operator else ""
+    return PrecompileError(
+        f"Inductor failed while {step}{where}: {summary}. The inductor backend cannot compile "
+        "this computation; backend='eager' runs the captured graph without Inductor."
+    )
 
 
 def _data_dependent_guard(error: BaseException) -> str | None:
