@@ -86,20 +86,32 @@ def mean_square_step(m: nn.Module, *args: Any) -> torch.Tensor:
 # Max pooling: Inductor's max_pool decomposition refers to torch._inductor.lowering.
 
 
-def conv_pool() -> nn.Module:
+class PoolNet(nn.Module):
+    """Conv1d + BatchNorm1d + MaxPool1d, and a ResNet stem (padded, strided MaxPool2d)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = nn.Sequential(nn.Conv1d(2, 4, 3), nn.BatchNorm1d(4), nn.MaxPool1d(2))
+        self.stem = nn.Sequential(nn.Conv2d(2, 4, 3, stride=2, padding=1, bias=False),
+                                  nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1))
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.seq(x1), self.stem(x2)
+
+
+def pool_inputs() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv1d(2, 4, 3), nn.BatchNorm1d(4), nn.ReLU(), nn.MaxPool1d(2))
+    return PoolNet(), torch.randn(2, 2, 10), torch.randn(2, 2, 8, 8)
 
 
 def test_max_pooling_inference_inductor(pairs: PairCache) -> None:
-    model = conv_pool().eval()
-    check_inference(pairs, "pool_infer", "inductor", infer, model, torch.randn(2, 2, 10))
+    model, x1, x2 = pool_inputs()
+    check_inference(pairs, "pool_infer", "inductor", infer, model.eval(), x1, x2)
 
 
 def test_max_pooling_training_step_inductor(pairs: PairCache) -> None:
-    model = conv_pool().train()
-    check_training(pairs, "pool_train", "inductor", mean_square_step, model,
-                   torch.randn(2, 2, 10))
+    model, x1, x2 = pool_inputs()
+    check_training(pairs, "pool_train", "inductor", mean_square_step, model.train(), x1, x2)
 
 
 # Strides the lowering's retrace cannot reproduce: Inductor's cat decomposition drops an empty
