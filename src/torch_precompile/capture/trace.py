@@ -26,6 +26,7 @@ from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree, storage_id, torch_build
 from torch_precompile.internals.tracing import (
     GuardOnDataDependentSymNode,
+    differentiable_rnns,
     make_fx,
     reparametrize_module,
 )
@@ -125,7 +126,7 @@ def capture(
                 *(_copy(t) for t in state.tensors[num_params:]),
                 *(_copy(inputs.leaves[i]) for i in tensor_positions),
             ]
-            with torch.enable_grad(), _fork_rng(examples):
+            with torch.enable_grad(), _fork_rng(examples), differentiable_rnns():
                 gm = make_fx(
                     flat_fn, decomposition_table=decompositions,
                     _error_on_data_dependent_ops=False,
@@ -209,7 +210,7 @@ def _trace_symbolic(
     decompositions: Mapping[Any, Callable[..., Any]] | None,
 ) -> torch.fx.GraphModule:
     try:
-        with torch.enable_grad(), dynamic_inputs.fake_mode:
+        with torch.enable_grad(), dynamic_inputs.fake_mode, differentiable_rnns():
             return make_fx(flat_fn, decomposition_table=decompositions,
                            tracing_mode="symbolic")(*fakes)
     except GuardOnDataDependentSymNode as e:

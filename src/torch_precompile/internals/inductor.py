@@ -9,6 +9,7 @@ where expected, so a torch change fails at build time, never silently at load ti
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -35,16 +36,51 @@ def retrace_for_inductor(fn: Callable[..., Any], inputs: list[torch.Tensor],
                          fake_mode: FakeTensorMode | None) -> torch.fx.GraphModule:
     """Trace ``fn`` on fake tensors with Inductor's decompositions (inside ``fake_mode``
     when given, so a dynamic capture's unbacked symbols carry over)."""
-    # Inductor's decompositions refer to its lowering module without importing it.
+    # The max-pooling decompositions ask torch._inductor.lowering whether to fall back, an
+    # attribute that exists only once that module was imported (compile_fx imports it later).
     import torch._inductor.lowering  # noqa: F401
-    from torch._inductor.decomposition import select_decomp_table
 
+    decompositions = _decomposition_table()
     if fake_mode is None:
-        return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(
-            *inputs)
+        return make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*inputs)
     with fake_mode:
         fakes = [t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t) for t in inputs]
-        return make_fx(fn, decomposition_table=select_decomp_table())(*fakes)
+        return make_fx(fn, decomposition_table=decompositions)(*fakes)
+
+
+def _decomposition_table() -> dict[Any, Any]:
+    """Inductor's decompositions, with ``cat`` giving the layout eager ``cat`` gives."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    table = dict(select_decomp_table())
+    inductor_cat = table.get(torch.ops.aten.cat.default)
+    if inductor_cat is not None:
+        table[torch.ops.aten.cat.default] = functools.partial(_eager_layout_cat, inductor_cat)
+    return table
+
+
+def _eager_layout_cat(inductor_cat: Any, tensors: list[torch.Tensor], dim: int = 0) -> Any:
+    """Inductor's ``cat`` decomposition, its result laid out as eager lays it out.
+
+    Inductor drops empty inputs (``torch.cat([torch.tensor([]), t])``, as Hugging Face caches
+    start) and returns a clone of what is left, keeping that input's strides; eager picks the
+    output memory format from all inputs, empty ones included (contiguous for a transposed
+    ``t``). The captured graph's later views were recorded on eager's layout and cannot be
+    applied to another one, so the clone is made in eager's format.
+    """
+    from torch._prims_common import (
+        is_contiguous_for_memory_format_or_false,
+        suggest_memory_format,
+    )
+
+    result = inductor_cat(tensors, dim)
+    if result is NotImplemented or not isinstance(result, torch.Tensor):
+        return result
+    formats = {suggest_memory_format(t) for t in tensors}
+    memory_format = formats.pop() if len(formats) == 1 else torch.contiguous_format
+    if is_contiguous_for_memory_format_or_false(result, memory_format=memory_format):
+        return result
+    return result.clone(memory_format=memory_format)
 
 
 def compile_to_wrapper(graph: torch.fx.GraphModule, fake_mode: FakeTensorMode | None,

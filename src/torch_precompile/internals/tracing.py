@@ -3,7 +3,9 @@ dispatch modes, operator effects, the marks ``mark_unbacked`` leaves on a tensor
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch_precompile.errors import PrecompileError
 
 __all__ = [
-    "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode", "GuardOnDataDependentSymNode",
-    "ShapeEnv", "TensorMarks", "TorchDispatchMode", "check", "deferred_asserts", "effect_of",
-    "forget_pending_unbacked", "fx_builtin_imports", "graph_function_source", "is_operator",
+    "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode",
+    "GuardOnDataDependentSymNode", "ShapeEnv", "TensorMarks", "TorchDispatchMode", "check",
+    "deferred_asserts", "differentiable_rnns", "effect_of", "forget_pending_unbacked",
+    "fx_builtin_imports", "graph_function_source", "is_operator",
     "is_traceable_wrapper_subclass", "make_fx", "reparametrize_module", "set_size_hint",
     "size_function_types", "symbol_pinning", "tensor_marks",
 ]
@@ -120,3 +123,24 @@ def graph_function_source(gm: torch.fx.GraphModule, name: str) -> str:
 def fx_builtin_imports() -> list[str]:
     """The imports that code printed from an fx graph relies on."""
     return [builtin.import_str for builtin in _custom_builtins.values()]
+
+
+@contextlib.contextmanager
+def differentiable_rnns() -> Iterator[None]:
+    """Trace LSTMs through their decomposition into cells rather than oneDNN's RNN layer.
+
+    With oneDNN enabled, ``nn.LSTM`` on CPU records ``mkldnn_rnn_layer`` when its input needs
+    no gradient, and a backward then records ``mkldnn_rnn_layer_backward``, which reads the
+    forward's workspace. The forward produces that workspace only with grad mode on, and an
+    artifact runs its graph with grad mode off: the eager backend then fails on a missing
+    workspace, and Inductor cannot lower the pair. The decomposition is plain differentiable
+    ATen ops. Other operators are recorded the same way either way: oneDNN is otherwise
+    chosen inside the kernels.
+    """
+    # Only this flag: torch.backends.mkldnn.flags() would reset TF32 and determinism too.
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)

@@ -85,8 +85,10 @@ def _functional_graph(
     gm.graph = _prepared_graph(captured.graph, dynamic=fake_mode is not None)
     gm.recompile()
 
+    running = _NodeRecorder(gm)
+
     def tensors_only(*args: torch.Tensor) -> list[torch.Tensor]:
-        results = gm(*args)
+        results = running.run(*args)
         return [results[i] for i in tensor_outputs]
 
     functional = torch.func.functionalize(tensors_only, remove="mutations")
@@ -97,6 +99,12 @@ def _functional_graph(
             f"the inductor backend cannot compile {e.func}, whose output size depends on tensor "
             "values (boolean-mask indexing, nonzero, masked_select). Use fixed-size operations "
             "(torch.where, masked arithmetic), or backend='eager'."
+        ) from e
+    except PrecompileError:
+        raise
+    except Exception as e:
+        raise _inductor_failure(
+            "retracing the captured graph with its decompositions", e, running.node
         ) from e
 
 
@@ -110,6 +118,7 @@ def _prepared_graph(graph: torch.fx.Graph, dynamic: bool) -> torch.fx.Graph:
     import copy
 
     copied = copy.deepcopy(graph)
+    _reshape_unwritten_views(copied)
     for node in reversed(list(copied.nodes)):
         if node.op == "call_function" and node.target in _BAKED_READS and not node.users:
             copied.erase_node(node)
@@ -124,6 +133,45 @@ def _prepared_graph(graph: torch.fx.Graph, dynamic: bool) -> torch.fx.Graph:
     return copied
 
 
+def _reshape_unwritten_views(graph: torch.fx.Graph) -> None:
+    """Turn ``view`` into ``reshape`` where no in-place op writes the viewed memory.
+
+    The trace recorded each ``view`` on the strides eager produced. The retrace runs Inductor's
+    decompositions, which need not reproduce every intermediate's strides, and ``view`` fails
+    on strides it cannot reinterpret. ``reshape`` is the same view wherever the strides allow
+    one, and a copy elsewhere; a copy is equal in value as long as nothing writes through the
+    view or its base, which is checked: views of memory written in place stay views.
+    """
+    import operator
+
+    roots: dict[torch.fx.Node, torch.fx.Node] = {}
+    written: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        roots[node] = node
+        if node.op != "call_function":
+            continue
+        source = node.args[0] if node.args else None
+        if node.target is operator.getitem and isinstance(source, torch.fx.Node):
+            roots[node] = roots[source]
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            continue
+        bound = dict(zip((a.name for a in schema.arguments), node.args, strict=False))
+        bound.update(node.kwargs)
+        for argument in schema.arguments:
+            value = bound.get(argument.name)
+            if argument.alias_info is None or not isinstance(value, torch.fx.Node):
+                continue
+            if argument.alias_info.is_write:
+                written.add(roots[value])
+            if schema.returns and schema.returns[0].alias_info is not None:
+                roots[node] = roots[value]  # a view (or list of views) of this argument
+    for node in graph.nodes:
+        if node.target is aten.view.default and roots[node] not in written:
+            node.target = aten.reshape.default
+
+
 def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str, str]) -> str:
     options: dict[str, Any] = {}
     if fake_mode is not None and fake_mode.shape_env is not None:
@@ -136,7 +184,7 @@ def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str
     except Exception as e:
         guard = data_dependent_condition(e)
         if guard is None:
-            raise
+            raise _inductor_failure("compiling the graph", e) from e
         condition = re.sub(r"\bu\d+\b", lambda m: symbol_names.get(m[0], m[0]), guard)
         condition = re.sub(r"^Eq\((.+), (.+)\)$", r"\1 == \2", condition)
         raise PrecompileError(
@@ -145,6 +193,40 @@ def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str
             "example mark_unbacked(x, dim, min=2) when a size of 1 is what Inductor asks "
             "about), or leave that dim static."
         ) from e
+
+
+class _NodeRecorder(torch.fx.Interpreter):
+    """Runs a graph node by node, keeping the node that runs (to name it when it fails)."""
+
+    node: torch.fx.Node | None = None
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.node = n
+        return super().run_node(n)
+
+
+def _inductor_failure(
+    step: str, error: BaseException, node: torch.fx.Node | None = None
+) -> PrecompileError:
+    """A PrecompileError for an error Inductor raised while ``step``: it names the operator
+    (the node that ran, or the one Inductor's lowering reports) and suggests the eager backend.
+    """
+    cause = getattr(error, "inner_exception", None) or error  # InductorError wraps the cause
+    operator = str(node.target) if node is not None and node.op == "call_function" else None
+    seen: BaseException | None = cause
+    while operator is None and seen is not None:
+        reported = re.search(r"^\s*target: (\S+)", str(seen), re.MULTILINE)
+        operator = reported[1] if reported else None
+        seen = getattr(seen, "inner_exception", None) or seen.__cause__ or seen.__context__
+    lines = str(cause).strip().splitlines()
+    summary = f"{type(cause).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    where = f" at operator {operator}" if operator else ""
+    return PrecompileError(
+        f"Inductor failed while {step}{where}: {summary}. The inductor backend cannot compile "
+        "this computation; backend='eager' runs the captured graph without Inductor."
+    )
+
+
 
 
 def _asserted_strides(
