@@ -137,11 +137,13 @@ def test_cat_of_empty_cache_then_view_inductor(disabled: str, monkeypatch) -> No
     through) suffices on its own."""
     from torch._inductor.decomposition import select_decomp_table
 
+    import torch_precompile.internals.inductor as layer
     import torch_precompile.lower.inductor as lowering
 
+    module = layer if disabled == "_decomposition_table" else lowering
     stand_in = {"_decomposition_table": lambda: dict(select_decomp_table()),
                 "_reshape_unwritten_views": lambda graph: None}[disabled]
-    monkeypatch.setattr(lowering, disabled, stand_in)
+    monkeypatch.setattr(module, disabled, stand_in)
     torch.manual_seed(0)
     model, x = CachedAttention(), torch.randn(2, 4, 8)
     run = precompile.load(*precompile(infer, model, x))
@@ -273,11 +275,11 @@ def test_inductor_lowering_failure_is_precompile_error(monkeypatch) -> None:
 
 
 def test_inductor_decomposition_failure_is_precompile_error(monkeypatch) -> None:
-    import torch_precompile.lower.inductor as lowering
+    import torch_precompile.internals.inductor as layer
 
-    table = lowering._decomposition_table()
+    table = layer._decomposition_table()
     table[torch.ops.aten.sin.default] = _raise_unsupported
-    monkeypatch.setattr(lowering, "_decomposition_table", lambda: table)
+    monkeypatch.setattr(layer, "_decomposition_table", lambda: table)
     with pytest.raises(PrecompileError, match=r"retracing .* at operator aten\.sin\.default: "
                        r"RuntimeError: unsupported here.*backend='eager'") as caught:
         precompile(sine, nn.Linear(3, 2), torch.randn(4, 3))
