@@ -78,9 +78,11 @@ def load(
             "what this process lacks (with no usable cache, a C++ compiler to build kernels)."
         ) from e
     forward = namespace.get("forward")
-    if not callable(forward):
+    # The plan is built on the artifact's last line: without it the file was cut short.
+    if not callable(forward) or namespace.get("PLAN") is None:
         raise PrecompileError(
-            "python_code ran but defines no forward(): it is truncated or not an artifact."
+            "python_code ran but did not reach its end (no forward() and PLAN): it is truncated "
+            "or not an artifact."
         )
     # The driver raises the PrecompileError it finds in its globals at raise time; point it at
     # the package's class so callers can catch one type.

@@ -203,7 +203,7 @@ def cpp_kernel_calls(wrapper_source: str) -> list[tuple[list[str], str, dict[str
             args = [ast.literal_eval(a) for a in node.args]
             options = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}
             calls.append((args[0], args[1], options))
-    if wrapper_source.count(".cpp_pybinding(") != len(calls):
+    if wrapper_source.count("async_compile.cpp_pybinding(") != len(calls):
         raise PrecompileError(
             "internal: some C++ kernels of Inductor's generated wrapper are not in the "
             f"expected form async_compile.cpp_pybinding(argtypes, source) (torch "
