@@ -37,6 +37,7 @@ import concurrent.futures
 import copy
 import datetime
 import json
+import logging
 import os
 import platform
 import shlex
@@ -826,10 +827,28 @@ def capture(result: dict[str, Any], fn: Callable[..., Any], model: nn.Module,
 
 
 def load_timed(result: dict[str, Any], path: Path, precompile: Any) -> Callable[..., Any]:
+    for handler in logging.getLogger("torch_precompile").handlers:
+        if isinstance(handler, LoadWarnings):
+            handler.active = True
     start = time.perf_counter()
     run = precompile.load_file(path)
     result["load_s"] = time.perf_counter() - start
     return run
+
+
+class LoadWarnings(logging.Handler):
+    """Keeps the package's warnings after capture (a cache it could not use, kernels built from
+    source at load), less the one every load gives (that it executes the source)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self.active = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if self.active and "is executing python_code" not in message:
+            self.messages.append(" ".join(message.split()))
 
 
 def first_line(exc: BaseException) -> str:
@@ -843,6 +862,9 @@ def child(name: str, mode: str, backend: str, workdir: Path, result_path: Path) 
     c = CASES[name]
     result: dict[str, Any] = {"status": None, "phase": "build model"}
     found: list[tuple[str, float, str]] = []
+    warned = LoadWarnings()
+    logging.getLogger("torch_precompile").addHandler(warned)
+    result["warnings"] = warned.messages
     try:
         path = workdir / f"{name}_{mode}_{backend}.py"
         (run_infer if mode == "infer" else run_train)(c, backend, path, result, found)
@@ -868,6 +890,8 @@ def child(name: str, mode: str, backend: str, workdir: Path, result_path: Path) 
             result["differences"] = [list(f) for f in found]
         else:
             result["status"] = "ok"
+            if warned.messages:
+                result["message"] = "ok, but warned: " + "; ".join(dict.fromkeys(warned.messages))
     result_path.write_text(json.dumps(result))
 
 
@@ -1049,6 +1073,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(DEFAULT_OUT),
                         help="the Markdown table to write ('-' for none)")
     parser.add_argument("--jobs", type=int, default=1, help="children at once")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS of each child (default: CPUs / jobs when jobs > 1, "
+                        "else torch's default)")
     parser.add_argument("--timeout", type=float, default=CHILD_TIMEOUT_S,
                         help="seconds per child before it counts as a crash")
     parser.add_argument("--keep", default=None,
@@ -1068,7 +1095,9 @@ def main(argv: list[str] | None = None) -> int:
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
     jobs = max(1, args.jobs)
-    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
+    threads = args.threads
+    if threads is None and jobs > 1:
+        threads = max(1, (os.cpu_count() or 1) // jobs)
     command = shlex.join(["python", "benchmarks/zoo.py", *argv])
     started = datetime.datetime.now(datetime.UTC)
     start = time.perf_counter()
