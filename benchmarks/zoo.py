@@ -585,8 +585,7 @@ def transformer_forward(m: nn.Module, src: Any, tgt: Any, pad: Any) -> torch.Ten
 # Both outputs are layer-normed, so their mean square is about 1 whatever the weights: the
 # training loss is the mean square of a few features instead.
 @case("nn_transformer_encoder", "torch.nn",
-      "TransformerEncoder, 2 post-norm layers, src_key_padding_mask (eval: the fast-path check "
-      "runs)",
+      "TransformerEncoder, 2 post-norm layers, src_key_padding_mask",
       inputs=lambda g: (torch.randn(BATCH, SEQ, 32, generator=g), key_padding(g)),
       forward=encoder_forward,
       loss=lambda m, *inputs: encoder_forward(m, *inputs)[..., :4].pow(2).mean())
@@ -1207,7 +1206,9 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads
     if threads is None and jobs > 1:
         threads = max(1, (os.cpu_count() or 1) // jobs)
-    command = shlex.join(["python", "benchmarks/zoo.py", *argv])
+    python = os.path.relpath(sys.executable)
+    command = shlex.join([python if not python.startswith("..") else "python",
+                          "benchmarks/zoo.py", *argv])
     started = datetime.datetime.now(datetime.UTC)
     start = time.perf_counter()
     print(f"zoo: {len(runs)} runs, {jobs} at a time; {versions()}", flush=True)
