@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import copy
 import datetime
 import json
@@ -123,8 +124,10 @@ def float_leaves(out: Any) -> list[torch.Tensor]:
 
 
 def mean_square(out: Any) -> torch.Tensor:
-    """The default training loss: the mean square of every floating output, added up."""
-    return sum(t.float().pow(2).mean() for t in float_leaves(out))
+    """The default training loss: the mean square of every floating output, added up (in
+    float32 at least)."""
+    return sum((t if t.dtype == torch.float64 else t.float()).pow(2).mean()
+               for t in float_leaves(out))
 
 
 @dataclass(frozen=True)
@@ -1019,6 +1022,9 @@ class Run:
     wall_s: float = 0.0
 
 
+LIVE: set[subprocess.Popen] = set()  # children running now, ended if the parent is interrupted
+
+
 def run_child(run: Run, timeout: float, threads: int | None, keep: Path | None) -> Run:
     workdir = Path(tempfile.mkdtemp(prefix=f"zoo-{run.case}-{run.mode}-{run.backend}-"))
     env = dict(os.environ)
@@ -1034,6 +1040,7 @@ def run_child(run: Run, timeout: float, threads: int | None, keep: Path | None) 
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, errors="replace", start_new_session=True)
+    LIVE.add(proc)
     try:
         output, _ = proc.communicate(timeout=timeout)
         rc = proc.returncode
@@ -1041,6 +1048,8 @@ def run_child(run: Run, timeout: float, threads: int | None, keep: Path | None) 
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         rc = None
+    finally:
+        LIVE.discard(proc)
     run.wall_s = time.perf_counter() - start
     if result_path.exists():
         result = json.loads(result_path.read_text())
@@ -1221,10 +1230,18 @@ def main(argv: list[str] | None = None) -> int:
             done += 1
             print(summary_line(run, done, len(runs)), flush=True)
 
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        futures = [pool.submit(run_child, run, args.timeout, threads, keep) for run in runs]
+    pool = concurrent.futures.ThreadPoolExecutor(jobs)
+    futures = [pool.submit(run_child, run, args.timeout, threads, keep) for run in runs]
+    try:
         for future in concurrent.futures.as_completed(futures):
             finished(future.result())
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(LIVE):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    pool.shutdown()
     elapsed = time.perf_counter() - start
     counts = {s: sum(r.status == s for r in runs) for s in STATUSES}
     print("zoo: " + ", ".join(f"{n} {s}" for s, n in counts.items()) +
