@@ -5,7 +5,7 @@ TORCH ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench test-matrix
+.PHONY: demo test lint bench test-matrix zoo
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,3 +26,24 @@ test: lint
 # The suite on the newer torch and Python releases, one venv per pair (see .ci/matrix).
 test-matrix:
 	bash .ci/matrix
+
+# The model zoo (benchmarks/zoo.py): real architectures from transformers, timm, torchvision
+# and torch.nn, random init, each built and reloaded in a fresh process and compared with eager.
+# Its own venv, on torch 2.14.1 (torchvision for 2.13 does not import here). Extra arguments in
+# ZOO_ARGS, e.g. make zoo ZOO_ARGS='--backends eager --cases gpt2,bert'.
+ZOO_TORCH ?= 2.14.1
+ZOO_TORCHVISION ?= 0.29.1
+ZOO_VENV := .venv-zoo
+ZOO_BIN := $(ZOO_VENV)/bin
+ZOO_ARGS ?=
+
+$(ZOO_BIN)/.installed: pyproject.toml
+	test -x $(ZOO_BIN)/python || $(PYTHON) -m venv $(ZOO_VENV)
+	$(ZOO_BIN)/python -m pip install -q --upgrade pip
+	$(ZOO_BIN)/python -m pip install -q 'torch==$(ZOO_TORCH)' 'torchvision==$(ZOO_TORCHVISION)' \
+		timm transformers numpy
+	$(ZOO_BIN)/python -m pip install -q -e .
+	touch $@
+
+zoo: $(ZOO_BIN)/.installed
+	$(ZOO_BIN)/python benchmarks/zoo.py $(ZOO_ARGS)
