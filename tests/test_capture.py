@@ -79,6 +79,18 @@ def test_unregistered_module_attribute_is_rejected(backend: str) -> None:
         precompile(lambda m, x: m(x) + m.fc2.offset, model, x, backend=backend)
 
 
+def test_a_tensor_read_forward_and_backward_is_named_once(backend: str) -> None:
+    model, x, _ = WORKLOADS["mlp_train"].args()
+    model.fc2.scale = torch.full((3,), 2.0)  # read by the forward and by the backward
+
+    def step(m, x):
+        m(x).mul(m.fc2.scale).pow(2).mean().backward()
+
+    with pytest.raises(PrecompileError) as caught:
+        precompile(step, model, x, backend=backend)
+    assert str(caught.value).count("unregistered module attribute m.fc2.scale") == 1
+
+
 def test_tensor_literals_are_embedded(backend: str, artifacts) -> None:
     code, _ = artifacts.pair("literals", backend)
     assert "torch.tensor([1.0, -2.0, inf]" in code

@@ -77,14 +77,15 @@ def lift_literals(
             literals.append(value.detach().clone())
         else:
             origin = describe_origin(value)
+            # A training step reads the same tensor forward and backward: name it once.
             baked.append(
-                f"{origin or 'unknown origin'} (graph constant {node.target}, shape "
-                f"{tuple(value.shape)}, dtype {value.dtype})"
+                f"{origin or 'unknown origin'} (shape {tuple(value.shape)}, dtype {value.dtype})"
             )
     if baked:
         raise PrecompileError(
             "fn reads tensors that are neither inputs nor computed inside fn, so the trace "
-            "would bake their current values into the artifact: " + "; ".join(baked) + ". "
+            "would bake their current values into the artifact: "
+            + "; ".join(dict.fromkeys(baked)) + ". "
             "Register module state with register_buffer / register_parameter, or pass the "
             "tensor as an argument of fn."
         )
