@@ -104,14 +104,14 @@ def pool_inputs() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return PoolNet(), torch.randn(2, 2, 10), torch.randn(2, 2, 8, 8)
 
 
-def test_max_pooling_inference_inductor(pairs: PairCache) -> None:
+def test_max_pooling_inference(pairs: PairCache, backend: str) -> None:
     model, x1, x2 = pool_inputs()
-    check_inference(pairs, "pool_infer", "inductor", infer, model.eval(), x1, x2)
+    check_inference(pairs, "pool_infer", backend, infer, model.eval(), x1, x2)
 
 
-def test_max_pooling_training_step_inductor(pairs: PairCache) -> None:
+def test_max_pooling_training_step(pairs: PairCache, backend: str) -> None:
     model, x1, x2 = pool_inputs()
-    check_training(pairs, "pool_train", "inductor", mean_square_step, model.train(), x1, x2)
+    check_training(pairs, "pool_train", backend, mean_square_step, model.train(), x1, x2)
 
 
 # Strides the lowering's retrace cannot reproduce: Inductor's cat decomposition drops an empty
@@ -193,13 +193,13 @@ def t5_batch() -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, 64, (2, 4), generator=generator))
 
 
-def test_t5_inference_inductor(pairs: PairCache) -> None:
-    check_inference(pairs, "t5_infer", "inductor", t5_logits, t5().eval(), *t5_batch(),
+def test_t5_inference(pairs: PairCache, backend: str) -> None:
+    check_inference(pairs, "t5_infer", backend, t5_logits, t5().eval(), *t5_batch(),
                     rtol=1e-4, atol=1e-4)
 
 
-def test_t5_training_step_inductor(pairs: PairCache) -> None:
-    check_training(pairs, "t5_train", "inductor", t5_step, t5().train(), *t5_batch(),
+def test_t5_training_step(pairs: PairCache, backend: str) -> None:
+    check_training(pairs, "t5_train", backend, t5_step, t5().train(), *t5_batch(),
                    rtol=1e-4, atol=1e-4)
 
 
