@@ -732,6 +732,8 @@ WORKLOAD_TITLES = {
     "block_train": "`block_train`: the same block's training step (forward, MSE, backward), train",
     "block_dyn": "`block_dyn`: the block's forward with dynamic batch and sequence length (ours: "
                  "mark_unbacked, seq min 2; torch.compile(dynamic=True)), eval",
+    "deep": "`deep`: nn.Sequential of 100 x (Linear(8, 8), ReLU), 201 modules, batch 1, eval: "
+            "the per-call cost of checking a call shows",
 }
 
 EXPLANATION = """\
