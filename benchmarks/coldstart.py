@@ -339,7 +339,9 @@ PEER_MODES = {
     "compile-cold", "compile-warm", "aoti", "steady-compile", "steady-aoti",
     "build-compile", "build-aoti", "builtin-cache", "steady-builtin", "build-builtin",
 }  # fmt: skip
-# torch's own precompile (torch 2.14 and later), run as a black box through its public API.
+# torch's own precompile, run as a black box through its public API: torch 2.14 has
+# precompile(fn, *inputs) -> (code, cache) and precompile.load(code, cache), the API ours
+# mirrors. In torch 2.15 it became a module with another API, which this script does not drive.
 BUILTIN_MODES = {"builtin-cache", "steady-builtin", "build-builtin"}
 HAS_BUILTIN = callable(getattr(torch.compiler, "precompile", None))
 AOTI_MODES = {"aoti", "steady-aoti", "build-aoti"}
