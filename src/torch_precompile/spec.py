@@ -215,6 +215,11 @@ class ArtifactSpec:
         fields = _record_fields(cls, literal)
         for name, record in cls.RECORDS.items():
             value = fields[name]
+            if name != "torch" and not isinstance(value, list | tuple):
+                raise PrecompileError(
+                    f"python_code's {SPEC_NAME} holds {type(value).__name__} for {name!r} where "
+                    f"a list of {record.__name__} records belongs; {_NOT_AN_ARTIFACT}."
+                )
             fields[name] = (_record(record, value) if name == "torch"
                             else tuple(_record(record, item) for item in value))
         return cls(**fields)
