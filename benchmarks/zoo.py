@@ -46,6 +46,7 @@ import copy
 import datetime
 import json
 import logging
+import math
 import os
 import platform
 import shlex
@@ -1073,12 +1074,30 @@ def run_child(run: Run, timeout: float, threads: int | None, keep: Path | None) 
         shutil.copytree(workdir, dest, ignore=shutil.ignore_patterns(
             "tmpdir", "torchinductor_cache_dir", "triton_cache_dir"))
         (dest / "output.txt").write_text(output)
+        (dest / "wall_s.txt").write_text(f"{run.wall_s:.3f}\n")
     shutil.rmtree(workdir, ignore_errors=True)
     return run
 
 
+def kept_runs(folders: list[Path]) -> list[Run]:
+    """Runs read back from ``--keep`` folders (their result.json and wall_s.txt), in case order."""
+    found: dict[tuple[str, str, str], Run] = {}
+    for folder in folders:
+        for result_path in sorted(folder.glob("*/result.json")):
+            case, mode, backend = result_path.parent.name.rsplit("_", 2)
+            result = json.loads(result_path.read_text())
+            run = Run(case, mode, backend, result["status"], result.get("message", ""))
+            for key in ("build_s", "load_s", "source_kib", "cache_kib"):
+                setattr(run, key, result.get(key))
+            wall = result_path.parent / "wall_s.txt"
+            run.wall_s = float(wall.read_text()) if wall.exists() else math.nan
+            found[(case, mode, backend)] = run
+    return [found[key] for key in ((c, m, b) for c in CASES for m in MODES for b in BACKENDS)
+            if key in found]
+
+
 def fmt(value: float | None, digits: int = 1) -> str:
-    return "" if value is None else f"{value:.{digits}f}"
+    return "" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
 
 def summary_line(run: Run, done: int, total: int) -> str:
@@ -1198,10 +1217,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", default=None,
                         help="copy each child's artifact pair and output into this folder")
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument("--from-kept", default=None, metavar="DIRS",
+                        help="write the table from comma-separated --keep folders of earlier "
+                        "runs (merging backends run separately) and run nothing")
     args = parser.parse_args(argv)
     if args.list:
         for c in CASES.values():
             print(f"{c.name:24} {c.library:12} {'/'.join(c.modes):11} {c.what}")
+        return 0
+    if args.from_kept:
+        kept = kept_runs([Path(d) for d in args.from_kept.split(",")])
+        stamp = min(Path(d).stat().st_mtime for d in args.from_kept.split(","))
+        write_table(Path(args.out), kept, shlex.join(["benchmarks/zoo.py", *argv]),
+                    datetime.datetime.fromtimestamp(stamp, datetime.UTC),
+                    sum(r.wall_s for r in kept if not math.isnan(r.wall_s)))
+        print(f"zoo: wrote {args.out} from {len(kept)} kept runs")
         return 0
     names = split(args.cases, list(CASES), "case")
     backends = split(args.backends, BACKENDS, "backend")

@@ -13,7 +13,7 @@ import torch
 
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.artifact import envelope
-from torch_precompile.spec import SCHEMA_VERSION
+from torch_precompile.spec import OLDEST_READABLE_SCHEMA, SCHEMA_VERSION
 
 from conftest import assert_same
 from workloads import WORKLOADS
@@ -110,6 +110,16 @@ def test_damaged_sources(backend: str, artifacts) -> None:
             precompile.load(_flip(code.encode(), position).decode(errors="replace"), cache)
 
 
+def test_a_version_1_spec_reads_with_no_meshes(backend: str, artifacts) -> None:
+    from torch_precompile.spec import ArtifactSpec
+
+    literal = precompile.inspect(artifacts.pair(NAME, backend)[0]).to_literal()
+    del literal["meshes"], literal["distributed"]
+    literal["schema_version"] = 1
+    spec = ArtifactSpec.from_literal(literal)
+    assert spec.meshes == () and spec.distributed == () and spec.schema_version == 1
+
+
 def test_unknown_schema_version_is_refused_before_anything_runs(tmp_path, backend: str,
                                                                artifacts) -> None:
     code, _ = artifacts.pair(NAME, backend)
@@ -117,7 +127,7 @@ def test_unknown_schema_version_is_refused_before_anything_runs(tmp_path, backen
     future = f"open({str(marker)!r}, 'w').close()\n" + code.replace(
         f"{{'schema_version': {SCHEMA_VERSION},", "{'schema_version': 99,", 1)
     with pytest.raises(PrecompileError, match=f"schema version 99; this torch-precompile reads "
-                       f"schema version {SCHEMA_VERSION}. Upgrade"):
+                       f"schema version {OLDEST_READABLE_SCHEMA} to {SCHEMA_VERSION}. Upgrade"):
         precompile.load(future, None)
     with pytest.raises(PrecompileError, match="schema version 99"):
         precompile.inspect(future)

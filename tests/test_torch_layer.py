@@ -13,7 +13,7 @@ import torch_precompile
 
 PACKAGE = Path(torch_precompile.__file__).parent
 SHIPPED = {"driver.py": {"torch._C._set_grad_enabled", "torch.utils._pytree",
-                         "torch._C._dynamo.guards.TensorGuards"},
+                         "torch._C._dynamo.guards.TensorGuards", "torch._C._distributed_c10d"},
            "kernel_loader.py": {"torch._inductor.async_compile.AsyncCompile"}}
 
 

@@ -53,6 +53,10 @@ class Precompile:
             ``load(..., verify_key=...)`` checks before anything is executed.
         progress: optional callable, told the name of each stage as it starts: ``"capture"``,
             ``"lower"`` (kernel builds happen here), ``"render"``.
+        compile_on_one_rank: call it on every rank of an initialized default process group:
+            rank 0 traces (on fake tensors, so no collective waits) and lowers, and every rank
+            returns rank 0's pair. A rank the artifact cannot serve (another shard shape, a
+            graph that depends on the rank) gets a ``PrecompileError`` at its first call.
     """
 
     PrecompileError = PrecompileError
@@ -67,9 +71,11 @@ class Precompile:
         decompositions: Mapping[Any, Callable[..., Any]] | None = None,
         sign_key: bytes | None = None,
         progress: Callable[[str], None] | None = None,
+        compile_on_one_rank: bool = False,
     ) -> tuple[str, bytes]:
         return build(fn, example_inputs, backend=backend, tracer=tracer,
-                     decompositions=decompositions, sign_key=sign_key, progress=progress)
+                     decompositions=decompositions, sign_key=sign_key, progress=progress,
+                     compile_on_one_rank=compile_on_one_rank)
 
     def load(
         self, python_code: str, cache: bytes | None, *, verify_key: bytes | None = None
@@ -133,9 +139,9 @@ def build(
     decompositions: Mapping[Any, Callable[..., Any]] | None = None,
     sign_key: bytes | None = None,
     progress: Callable[[str], None] | None = None,
+    compile_on_one_rank: bool = False,
 ) -> tuple[str, bytes]:
     """The pipeline behind ``precompile()``; ``progress`` hears about each stage."""
-    report = progress or (lambda stage: None)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
     if tracer not in TRACERS:
@@ -151,13 +157,31 @@ def build(
             "decompositions must be a mapping {OpOverload: function} or None, got "
             f"{type(decompositions).__name__}."
         )
+    if not compile_on_one_rank:
+        return _build(fn, example_inputs, backend, decompositions, sign_key, progress)
+    from torch_precompile.one_rank import build_on_rank_zero
+
+    return build_on_rank_zero(lambda: _build(fn, example_inputs, backend, decompositions,
+                                             sign_key, progress, on_fakes=True))
+
+
+def _build(
+    fn: Callable[..., Any],
+    example_inputs: tuple[Any, ...],
+    backend: str,
+    decompositions: Mapping[Any, Callable[..., Any]] | None,
+    sign_key: bytes | None,
+    progress: Callable[[str], None] | None,
+    on_fakes: bool = False,
+) -> tuple[str, bytes]:
+    report = progress or (lambda stage: None)
     # The build pipeline is imported here, not at module level: load() never needs it.
     from torch_precompile.artifact.render import render
     from torch_precompile.capture import capture
 
     with _lock:
         report("capture")
-        captured = capture(fn, example_inputs, backend, decompositions)
+        captured = capture(fn, example_inputs, backend, decompositions, on_fakes=on_fakes)
         report("lower")
         lowered = _lower(captured, backend)
         spec = captured.spec.with_strides(lowered.input_strides)

@@ -6,16 +6,19 @@ defines ``call``) and the spec literal ``ARTIFACT_SPEC``; the artifact ends with
 grows a ``from __future__`` import. Its touches of torch beyond tensors are few:
 ``torch.utils._pytree`` (input and result structure), ``torch._C._set_grad_enabled`` (cheaper
 than the context manager), ``torch._C._dynamo.guards.TensorGuards`` (torch.compile's C++
-tensor check, used when present to re-check remembered model tensors quickly) and the public
+tensor check, used when present to re-check remembered model tensors quickly), the public
 module-registration hooks of ``torch.nn.modules.module`` (to notice a replaced parameter,
-buffer or submodule cheaply).
+buffer or submodule cheaply) and, for artifacts with DTensors only, DTensor's public API and
+``torch._C._distributed_c10d``'s process-group registry (to bind the graph's group names).
 
 A call runs, in order: ``check_arguments``, ``input_leaves``, ``checked_inputs``,
-``model_tensors``, ``call``, ``check_value_guards``, ``accumulate_grads``, and the result is
-rebuilt. Every broken rule raises ``PrecompileError`` naming the argument, what was expected
-and what was given.
+``model_tensors``, ``call`` (for DTensors: ``call_distributed``, which unwraps them to local
+tensors and rewraps gradients and results), ``check_value_guards``, ``accumulate_grads``, and
+the result is rebuilt. Every broken rule raises ``PrecompileError`` naming the argument, what
+was expected and what was given.
 """
 
+import contextlib
 import math
 import operator
 import threading
@@ -43,7 +46,10 @@ def forward(*args: Any, **kwargs: Any) -> Any:
     grad_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
-        outputs = PLAN.call([*state, *inputs])
+        if PLAN.distributed is None:
+            outputs = PLAN.call([*state, *inputs])
+        else:
+            outputs = call_distributed(PLAN, state, inputs)
         check_value_guards(PLAN, outputs[PLAN.guards_start:])
         accumulate_grads(state, PLAN.grad_indices, outputs[PLAN.num_results:PLAN.guards_start])
     finally:
@@ -80,6 +86,7 @@ class Plan:
         self.value_guards = [(g["description"], g["expected"]) for g in spec["value_guards"]]
         self.num_results = self.out_spec.num_leaves
         self.guards_start = self.num_results + len(self.grad_indices)
+        self.distributed = DistributedPlan(spec) if spec.get("meshes") else None
 
     def model_names(self) -> list[str]:
         return [self.arg_names[i] for i in self.model_positions]
@@ -580,3 +587,204 @@ def _sketch(tree: Any) -> str:
 
     text = repr(pytree.tree_map(Shown, tree))
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+# Distributed artifacts: DTensors at the call, local tensors in the graph.
+
+
+class DistributedPlan:
+    """How a call's DTensors map onto the graph's local tensors, and the meshes they need.
+
+    Built only for an artifact with meshes; DTensor is imported then and not before.
+    """
+
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.dtensor = DTensor
+        self.meshes = spec["meshes"]
+        self.agreed = False  # whether a first call passed on every rank (see first_call)
+        self.inputs = [(d, _placements(d)) for d in spec["distributed"] if d["role"] == "input"]
+        self.by_input = {d["index"]: (d, placements) for d, placements in self.inputs}
+        self.results = [(d, _placements(d)) for d in spec["distributed"] if d["role"] == "result"]
+
+
+def call_distributed(plan: Plan, state: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
+    """``call`` on the local tensors of the call's DTensors; gradients and results rewrapped."""
+    flat = [*state, *inputs]
+    if plan.distributed.agreed:
+        meshes = unwrap_dtensors(plan.distributed, flat)
+    else:
+        meshes = first_call(plan.distributed, flat)
+    outputs = plan.call(flat)
+    grads = outputs[plan.num_results:plan.guards_start]
+    results = outputs[:plan.num_results]
+    rewrap_dtensors(plan.distributed, meshes, plan.grad_indices, grads, results)
+    return [*results, *grads, *outputs[plan.guards_start:]]
+
+
+def first_call(plan: DistributedPlan, flat: list[Any]) -> list[Any]:
+    """``unwrap_dtensors``, then every rank of the mesh learns whether all ranks passed.
+
+    A rank the artifact cannot serve raises ``PrecompileError``; the others would then wait
+    for it in the graph's first collective. So on the first call the ranks agree first, and
+    all of them raise.
+    """
+    mesh = next((t.device_mesh for t in flat if isinstance(t, plan.dtensor)), None)
+    error: PrecompileError | None = None
+    meshes: list[Any] = []
+    try:
+        meshes = unwrap_dtensors(plan, flat)
+    except PrecompileError as e:
+        error = e
+    if mesh is None:  # no DTensor given at all: nothing to agree over
+        raise error  # type: ignore[misc]
+    failed = torch.tensor([0 if error is None else 1], device=mesh.device_type)
+    for dim in range(mesh.ndim):
+        torch.distributed.all_reduce(failed, torch.distributed.ReduceOp.MAX,
+                                     group=mesh.get_group(dim))
+    if error is not None:
+        raise error
+    if failed.item():
+        raise PrecompileError(
+            "another rank of the device mesh refused this artifact at its first call (its own "
+            "error says why), so no rank runs it: the graph's collectives would wait for that "
+            "rank forever."
+        )
+    plan.agreed = True
+    return meshes
+
+
+def unwrap_dtensors(plan: DistributedPlan, flat: list[Any]) -> list[Any]:
+    """Swap each DTensor in ``flat`` for its local tensor after checking its layout; returns the
+    runtime mesh bound to each mesh record."""
+    meshes: list[Any] = [None] * len(plan.meshes)
+    for record, _ in plan.inputs:
+        tensor, what = flat[record["index"]], record["name"]
+        expected = (f"a DTensor of shape {tuple(record['shape'])} with placements "
+                    f"{_listed(record['placements'])} on {_mesh_text(plan.meshes[record['mesh']])}")
+        if not isinstance(tensor, plan.dtensor):
+            raise PrecompileError(
+                f"{what}: expected {expected}, got a plain tensor. Shard the model and inputs "
+                "as at capture (parallelize_module, distribute_tensor)."
+            )
+        given = tuple(placement_text(p) for p in tensor.placements)
+        if given != record["placements"] or tensor.shape != torch.Size(record["shape"]):
+            raise PrecompileError(
+                f"{what}: expected {expected}; got shape {tuple(tensor.shape)} with placements "
+                f"{_listed(given)}. Shard it as at capture, or precompile again."
+            )
+        check_mesh(plan.meshes[record["mesh"]], tensor.device_mesh, what)
+        local = tensor.to_local()
+        if local.shape != torch.Size(record["local_shape"]):
+            raise PrecompileError(
+                f"{what}: this rank's shard has shape {tuple(local.shape)}; the artifact was "
+                f"built for a shard of shape {tuple(record['local_shape'])} (uneven sharding "
+                "gives ranks different shards). Precompile on every rank "
+                "(compile_on_one_rank=False), or pick sizes that divide evenly."
+            )
+        if meshes[record["mesh"]] is None:
+            meshes[record["mesh"]] = bind_mesh(plan, record["mesh"], tensor.device_mesh)
+        if record["local_strides"] is not None:
+            check_layout(local, record["local_strides"], f"{what} (its local shard)")
+        flat[record["index"]] = local
+    return meshes
+
+
+def bind_mesh(plan: DistributedPlan, index: int, mesh: Any) -> Any:
+    """Check this rank's place in a runtime mesh and bind the graph's group names to its
+    groups (once per mesh, unless another mesh took the names meanwhile)."""
+    record = plan.meshes[index]
+    coordinate = tuple(mesh.get_coordinate() or ())
+    if record["coordinate"] is not None and coordinate != tuple(record["coordinate"]):
+        raise PrecompileError(
+            f"this rank sits at coordinate {coordinate} of {_mesh_text(record)}, but the "
+            f"artifact was built at coordinate {tuple(record['coordinate'])} and its graph "
+            "depends on the rank (it takes this rank's slice of a replicated tensor). Load the "
+            "artifact built on this rank, or precompile on every rank."
+        )
+    if _BOUND_MESHES.get(record["groups"]) is not mesh:
+        bind_groups(mesh, record["groups"])
+    return mesh
+
+
+def check_mesh(record: Mapping[str, Any], mesh: Any, what: str) -> None:
+    """A runtime mesh must have the recorded device type, shape and dim names.
+
+    Its ranks may differ: the sub-mesh ``mesh["tp"]`` of another data-parallel replica serves.
+    """
+    if (mesh.device_type, tuple(mesh.shape), mesh.mesh_dim_names) != (
+            record["device_type"], tuple(record["shape"]), record["dim_names"]):
+        given = {"device_type": mesh.device_type, "shape": tuple(mesh.shape),
+                 "dim_names": mesh.mesh_dim_names, "ranks": mesh.mesh.flatten().tolist()}
+        raise PrecompileError(
+            f"{what} lives on {_mesh_text(given)}; the artifact was captured on "
+            f"{_mesh_text(record)}. Initialize that mesh (torch.distributed.init_process_group, "
+            f"then init_device_mesh({record['device_type']!r}, {tuple(record['shape'])}"
+            + (f", mesh_dim_names={tuple(record['dim_names'])}" if record["dim_names"] else "")
+            + ")), or precompile again for this one."
+        )
+
+
+# Group names -> the mesh whose groups they resolve to in this process now.
+_BOUND_MESHES: dict[tuple[str, ...], Any] = {}
+
+
+def bind_groups(mesh: Any, names: Sequence[str]) -> None:
+    """Make ``names[d]`` resolve to ``mesh``'s process group for dim ``d`` in this process."""
+    registry = torch._C._distributed_c10d
+    for dim, name in enumerate(names):
+        group = mesh.get_group(dim)
+        with contextlib.suppress(Exception):  # not bound yet in this process
+            registry._unregister_process_group(name)
+        registry._register_process_group(name, group)
+    _BOUND_MESHES[tuple(names)] = mesh
+
+
+def rewrap_dtensors(plan: DistributedPlan, meshes: Sequence[Any], grad_indices: Sequence[int],
+                    grads: list[Any], results: list[Any]) -> None:
+    """Turn local gradients and result leaves back into DTensors, in place."""
+    for position, index in enumerate(grad_indices):
+        entry = plan.by_input.get(index)
+        if entry is not None:
+            grads[position] = _dtensor(plan, meshes, entry, grads[position])
+    for entry in plan.results:
+        results[entry[0]["index"]] = _dtensor(plan, meshes, entry, results[entry[0]["index"]])
+
+
+def _dtensor(plan: DistributedPlan, meshes: Sequence[Any], entry: Any, local: Any) -> Any:
+    record, placements = entry
+    return plan.dtensor.from_local(local, meshes[record["mesh"]], placements, run_check=False,
+                                   shape=torch.Size(record["shape"]), stride=record["strides"])
+
+
+def placement_text(placement: Any) -> str:
+    """A DTensor placement as the spec writes it: ``Shard(0)``, ``Replicate()``,
+    ``Partial(sum)``."""
+    kind = type(placement).__name__
+    if kind == "Shard":
+        return f"Shard({placement.dim})"
+    if kind == "Partial":
+        return f"Partial({placement.reduce_op})"
+    return f"{kind}()" if kind == "Replicate" else repr(placement)
+
+
+def _placements(record: Mapping[str, Any]) -> tuple[Any, ...]:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    made = []
+    for text in record["placements"]:
+        kind, argument = text[:-1].split("(")
+        made.append(Shard(int(argument)) if kind == "Shard"
+                    else Partial(argument) if kind == "Partial" else Replicate())
+    return tuple(made)
+
+
+def _mesh_text(mesh: Mapping[str, Any]) -> str:
+    names = f" named {tuple(mesh['dim_names'])}" if mesh["dim_names"] else ""
+    return (f"a {mesh['device_type']} device mesh of shape {tuple(mesh['shape'])}{names} over "
+            f"ranks {list(mesh['ranks'])}")
+
+
+def _listed(placements: Sequence[str]) -> str:
+    return "(" + ", ".join(placements) + ")"

@@ -62,6 +62,18 @@ def describe(path: Path) -> dict[str, Any]:
         ],
         "size_rules": [relation.readable for relation in spec.size_relations],
         "value_guards": [guard.description for guard in spec.value_guards],
+        "meshes": [
+            {"device_type": m.device_type, "shape": list(m.shape),
+             "dim_names": list(m.dim_names) if m.dim_names else None,
+             "serves": "every rank" if m.coordinate is None
+             else f"coordinate {list(m.coordinate)} only"}
+            for m in spec.meshes
+        ],
+        "dtensors": [
+            {"name": d.name, "mesh": d.mesh, "placements": list(d.placements),
+             "shape": list(d.shape), "local_shape": list(d.local_shape)}
+            for d in spec.distributed
+        ],
         "cache": _describe_cache(code, spec, cache_file, cache),
     }
     return report
@@ -149,6 +161,13 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  {label}: {', '.join(dim['dims'])}")
     lines.extend(f"  size rule : {rule}" for rule in report["size_rules"])
     lines.extend(f"  guard     : {guard}" for guard in report["value_guards"])
+    for index, mesh in enumerate(report["meshes"]):
+        names = f" {tuple(mesh['dim_names'])}" if mesh["dim_names"] else ""
+        lines.append(f"  mesh {index}    : {mesh['device_type']} {tuple(mesh['shape'])}{names}, "
+                     f"serves {mesh['serves']}")
+    for d in report["dtensors"]:
+        lines.append(f"    {d['name']:<40} ({', '.join(d['placements'])}) on mesh {d['mesh']}, "
+                     f"global {tuple(d['shape'])}, local {tuple(d['local_shape'])}")
     cache = report["cache"]
     if not cache["present"]:
         lines.append(f"  cache     : missing ({Path(cache['path']).name}); loads build kernels")

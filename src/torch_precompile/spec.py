@@ -8,7 +8,9 @@ policy are in ``docs/SPEC_VERSIONS.md``.
 
 Flat graph inputs are the model tensors that are not tied to an earlier one (in ``model``
 order), then the tensor leaves of ``inputs``. Graph outputs are ``fn``'s result leaves, then
-one gradient per parameter with ``gets_grad``, then one tensor per value guard.
+one gradient per parameter with ``gets_grad``, then one tensor per value guard. A flat input or
+result leaf that is a DTensor at the call is a plain local tensor in the graph; its
+``DistributedTensor`` record says how to unwrap and rewrap it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, ClassVar
 
 from torch_precompile.errors import PrecompileError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The spec layout this version writes."""
 OLDEST_READABLE_SCHEMA = 1
 """The oldest spec layout this version still reads (the window is inclusive)."""
@@ -142,6 +144,45 @@ class OutputAlias:
 
 
 @dataclass(frozen=True)
+class Mesh:
+    """A DeviceMesh the artifact's DTensors live on, and the graph's names for its groups.
+
+    ``ranks`` is the capturing mesh's global ranks, flattened row-major (shown in messages; a
+    sub-mesh of other ranks with the same shape and dim names serves). ``groups[d]`` is the
+    name the compiled graph's collectives use for mesh dim ``d``; the driver binds it to the runtime
+    mesh's group for that dim. ``coordinate`` is the capturing rank's place in the mesh when
+    the graph depends on it (None: the graph serves every rank).
+    """
+
+    device_type: str
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...] | None
+    ranks: tuple[int, ...]
+    groups: tuple[str, ...]
+    coordinate: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class DistributedTensor:
+    """A DTensor at flat input ``index`` (``role`` "input") or result leaf ``index`` ("result").
+
+    The graph sees its local tensor, of ``local_shape``; ``local_strides`` is the layout the
+    kernels assume for an input (None: any). ``placements`` are written as ``Shard(0)``,
+    ``Replicate()``, ``Partial(sum)``; ``shape`` and ``strides`` are global.
+    """
+
+    role: str
+    index: int
+    name: str
+    mesh: int
+    placements: tuple[str, ...]
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    local_strides: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class ArtifactSpec:
     """Everything the driver needs to check a call and map it onto ``call(flat_inputs)``."""
 
@@ -158,11 +199,14 @@ class ArtifactSpec:
     dynamic_dims: tuple[DynamicDim, ...] = ()
     size_relations: tuple[SizeRelation, ...] = ()
     output_aliases: tuple[OutputAlias, ...] = ()
+    meshes: tuple[Mesh, ...] = ()
+    distributed: tuple[DistributedTensor, ...] = ()
 
     RECORDS: ClassVar[dict[str, type]] = {
         "torch": TorchBuild, "args": Argument, "model": ModelTensor, "submodules": Submodule,
         "inputs": InputLeaf, "value_guards": ValueGuard, "dynamic_dims": DynamicDim,
-        "size_relations": SizeRelation, "output_aliases": OutputAlias,
+        "size_relations": SizeRelation, "output_aliases": OutputAlias, "meshes": Mesh,
+        "distributed": DistributedTensor,
     }
 
     @property
@@ -190,12 +234,18 @@ class ArtifactSpec:
         """The spec with the layout a lowering assumes for each flat input (None: any)."""
         if strides is None:
             return self
-        flat = iter(strides)
+        # A DTensor's layout is its local tensor's: the driver checks it after unwrapping.
+        local = {d.index: d for d in self.distributed if d.role == "input"}
+        distributed = [dataclasses.replace(local[i], local_strides=s)
+                       for i, s in enumerate(strides) if i in local]
+        flat = iter(None if i in local else s for i, s in enumerate(strides))
         model = tuple(dataclasses.replace(t, strides=next(flat)) if t.tied_to is None else t
                       for t in self.model)
         inputs = tuple(dataclasses.replace(leaf, strides=next(flat)) if leaf.kind == "tensor"
                        else leaf for leaf in self.inputs)
-        return dataclasses.replace(self, model=model, inputs=inputs)
+        results = tuple(d for d in self.distributed if d.role != "input")
+        return dataclasses.replace(self, model=model, inputs=inputs,
+                                   distributed=(*distributed, *results))
 
     def to_literal(self) -> dict[str, Any]:
         """The spec as plain dicts, tuples and scalars (what ``ARTIFACT_SPEC`` holds)."""
@@ -214,6 +264,8 @@ class ArtifactSpec:
         check_schema_version(literal.get("schema_version"))
         fields = _record_fields(cls, literal)
         for name, record in cls.RECORDS.items():
+            if name not in fields:  # an optional list an older schema lacks
+                continue
             value = fields[name]
             if name != "torch" and not isinstance(value, list | tuple):
                 raise PrecompileError(

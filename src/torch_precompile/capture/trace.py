@@ -14,6 +14,7 @@ import torch
 import torch.fx
 
 from torch_precompile.capture import checks, dynamic
+from torch_precompile.capture.distributed import Distribution, check_graph, find_dtensors
 from torch_precompile.capture.guards import GuardRecorder
 from torch_precompile.capture.inputs import arg_names_of, encode_value, flatten_user_inputs
 from torch_precompile.capture.state import (
@@ -24,7 +25,9 @@ from torch_precompile.capture.state import (
 )
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree, storage_id, torch_build
+from torch_precompile.internals.distributed import pretend_coordinate, sharding_wrapper
 from torch_precompile.internals.tracing import (
+    FakeTensorMode,
     GuardOnDataDependentSymNode,
     differentiable_rnns,
     make_fx,
@@ -66,11 +69,17 @@ def capture(
     args: tuple[Any, ...],
     backend: str,
     decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+    on_fakes: bool = False,
 ) -> Capture:
-    """Trace ``fn(*args)`` once; lift module state; harvest gradients; enforce invariants."""
+    """Trace ``fn(*args)`` once; lift module state; harvest gradients; enforce invariants.
+
+    ``on_fakes`` traces on fake tensors, so that nothing runs and no collective communicates
+    (one rank capturing for all), and checks whether the graph depends on the rank.
+    """
     arg_names = arg_names_of(fn, len(args))
     module_positions = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
     modules: list[torch.nn.Module] = [args[i] for i in module_positions]
+    _refuse_sharding_wrappers(modules, [arg_names[i] for i in module_positions])
     state = intern_model_state(modules)
     input_positions = [i for i in range(len(args)) if i not in module_positions]
     inputs = flatten_user_inputs(
@@ -78,7 +87,17 @@ def capture(
     )
     tensor_positions = inputs.tensor_positions
     num_state, num_params = len(state.tensors), state.num_params
+    sharding = find_dtensors(
+        [*state.tensors, *(inputs.leaves[i] for i in tensor_positions)],
+        [*(f"model parameter {n!r}" for n in state.param_names),
+         *(f"model buffer {n!r}" for n in state.buffer_names),
+         *(f"input {inputs.names[i]}" for i in tensor_positions)])
     marks = dynamic.read_marks(inputs.leaves, inputs.names)
+    if any(marks) and (sharding is not None or on_fakes):
+        raise PrecompileError(
+            "dims marked with mark_unbacked (dynamic shapes) are not supported together with "
+            "DTensors or compile_on_one_rank yet; leave the dims static."
+        )
     if any(marks) and backend != "inductor":
         raise NotImplementedError(
             "dims marked with mark_unbacked (dynamic shapes) need backend='inductor'; the eager "
@@ -87,8 +106,10 @@ def capture(
     outputs: dict[str, Any] = {}
     recorder = GuardRecorder()
     dynamic_inputs: dynamic.DynamicInputs | None = None  # set below, read by flat_fn
+    coordinate_dependent = False
 
-    def flat_fn(*flat: torch.Tensor) -> list[Any]:
+    def flat_fn(*locals_: torch.Tensor) -> list[Any]:
+        flat = locals_ if sharding is None else sharding.rebuild(locals_)
         leaves = list(inputs.leaves)
         for position, tensor in zip(tensor_positions, flat[num_state:], strict=True):
             leaves[position] = tensor
@@ -104,8 +125,11 @@ def capture(
         result_leaves, out_spec = pytree.tree_flatten(result)
         checks.check_result_leaves(result_leaves)
         grads = [(i, p.grad) for i, p in enumerate(flat[:num_params]) if p.grad is not None]
+        if sharding is not None:
+            result_leaves = sharding.local_results(result_leaves)
+            grads = [(i, sharding.local_grad(i, g)) for i, g in grads]
         outputs.update(spec=out_spec, grad_indices=[i for i, _ in grads],
-                       aliases=_output_aliases(result_leaves, flat))
+                       aliases=_output_aliases(result_leaves, locals_))
         return [*result_leaves, *(g for _, g in grads), *(g.tensor for g in recorder.guards)]
 
     saved_grads = [p.grad for p in state.tensors[:num_params]]
@@ -126,17 +150,21 @@ def capture(
                 *(_copy(t) for t in state.tensors[num_params:]),
                 *(_copy(inputs.leaves[i]) for i in tensor_positions),
             ]
-            with torch.enable_grad(), _fork_rng(examples), differentiable_rnns():
-                gm = make_fx(
-                    flat_fn, decomposition_table=decompositions,
-                    _error_on_data_dependent_ops=False,
-                )(*examples)
+            if sharding is not None:
+                examples = sharding.locals(examples)
+            trace = _Trace(flat_fn, decompositions, examples, on_fakes)
+            gm = trace.run()
+            coordinate_dependent = sharding is not None and (
+                not on_fakes or trace.depends_on_coordinate(sharding, gm.code, recorder))
     finally:
         for p, grad in zip(state.tensors[:num_params], saved_grads, strict=True):
             p.grad = grad
 
+    check_graph(gm)
     checks.reject_control_flow(gm)
     checks.reject_effects(gm)
+    if sharding is not None:
+        sharding.name_collectives(gm)
     literals = checks.lift_literals(
         gm, checks.origin_finder(fn, [(arg_names[i], args[i]) for i in module_positions])
     )
@@ -183,6 +211,7 @@ def capture(
         dynamic_dims=dynamic_dims,
         size_relations=relations,
         output_aliases=outputs["aliases"],
+        **_distribution_records(sharding, examples, coordinate_dependent),
     )
     if dynamic_inputs is None:
         return Capture(gm, literals, spec, examples)
@@ -194,6 +223,78 @@ def capture(
                                   strict=True)
     }
     return Capture(gm, literals, spec, examples, dynamic_inputs.fake_mode, formats, symbol_names)
+
+
+class _Trace:
+    """One make_fx trace of the flat function, on the examples or on fakes of them."""
+
+    def __init__(self, flat_fn: Callable[..., Any],
+                 decompositions: Mapping[Any, Callable[..., Any]] | None,
+                 examples: list[torch.Tensor], on_fakes: bool) -> None:
+        self.flat_fn, self.decompositions, self.examples = flat_fn, decompositions, examples
+        self.on_fakes = on_fakes
+
+    def run(self) -> torch.fx.GraphModule:
+        with torch.enable_grad(), _fork_rng(self.examples), differentiable_rnns():
+            if not self.on_fakes:
+                return make_fx(self.flat_fn, decomposition_table=self.decompositions,
+                               _error_on_data_dependent_ops=False)(*self.examples)
+            fake_mode = FakeTensorMode()
+            with fake_mode:
+                fakes = [fake_mode.from_tensor(e) for e in self.examples]
+                try:
+                    return make_fx(self.flat_fn, decomposition_table=self.decompositions)(*fakes)
+                except PrecompileError:
+                    raise
+                except Exception as e:
+                    first_line = (str(e).splitlines() or [""])[0]
+                    raise PrecompileError(
+                        "compile_on_one_rank traces fn on fake tensors (so that no collective "
+                        "waits for ranks that are not tracing), and fn failed there: "
+                        f"{type(e).__name__}: {first_line}. Reading tensor "
+                        "values (.item(), data-dependent Python branches) needs real tensors: "
+                        "precompile on every rank instead (compile_on_one_rank=False)."
+                    ) from e
+
+    def depends_on_coordinate(self, sharding: Distribution, code: str,
+                              recorder: GuardRecorder) -> bool:
+        """Whether the graph changes when this rank pretends to sit elsewhere in its meshes."""
+        guards = list(recorder.guards)
+        others = [[(c + 1) % size for c, size in zip(mesh.get_coordinate(), mesh.shape,
+                                                     strict=True)]
+                  for mesh in sharding.meshes]
+        try:
+            with pretend_coordinate(sharding.meshes, others):
+                return self.run().code != code
+        except PrecompileError:
+            return True  # e.g. shards of other shapes there: the graph is this rank's alone
+        finally:
+            recorder.guards[:] = guards
+
+
+def _distribution_records(sharding: Distribution | None, examples: list[torch.Tensor],
+                          coordinate_dependent: bool) -> dict[str, Any]:
+    if sharding is None:
+        return {}
+    return {"meshes": sharding.mesh_records(coordinate_dependent),
+            "distributed": (*(s.record(examples[i]) for i, s in sharding.inputs.items()),
+                            *sharding.results)}
+
+
+def _refuse_sharding_wrappers(modules: list[torch.nn.Module], names: list[str]) -> None:
+    for name, module in zip(names, modules, strict=True):
+        wrapper = sharding_wrapper(module)
+        if wrapper is None:
+            continue
+        raise PrecompileError(
+            f"model argument {name} is wrapped in {wrapper}, whose communication runs in "
+            "autograd and module hooks around the computation, which a precompiled graph does "
+            "not replay. Precompile the unwrapped module ("
+            + ("ddp.module" if wrapper == "DistributedDataParallel"
+               else f"the model built without {wrapper}")
+            + ") and all_reduce each parameter's .grad after every call (data parallelism), "
+            "or shard parameters with DTensor (parallelize_module)."
+        )
 
 
 def _input_record(leaf: Any, name: str, value: Any, shape: Any, bounds: Any) -> InputLeaf:

@@ -1,0 +1,76 @@
+"""Torch internals for distributed captures: DTensor, device meshes, collectives' group names."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = [
+    "collective_group_names", "is_dtensor", "non_functional_collectives", "pretend_coordinate",
+    "sharding_wrapper",
+]
+
+_FUNCTIONAL_NAMESPACE = "_c10d_functional"
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (without importing DTensor where nobody did)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def collective_group_names(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, int, str]]:
+    """Every functional collective's process-group argument: (node, position, group name)."""
+    found = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or getattr(target, "namespace", None) != (
+                _FUNCTIONAL_NAMESPACE):
+            continue
+        for position, argument in enumerate(target._schema.arguments):
+            if argument.name == "group_name" and position < len(node.args):
+                found.append((node, position, str(node.args[position])))
+    return found
+
+
+def non_functional_collectives(gm: torch.fx.GraphModule) -> list[str]:
+    """Collectives of the in-place ``c10d`` namespace (``dist.all_reduce`` and friends)."""
+    return sorted({str(node.target) for node in gm.graph.nodes
+                   if node.op == "call_function"
+                   and getattr(node.target, "namespace", None) == "c10d"})
+
+
+@contextlib.contextmanager
+def pretend_coordinate(meshes: list[Any], coordinates: list[list[int]]) -> Iterator[None]:
+    """Let each mesh report another coordinate for this rank while tracing.
+
+    DTensor reads the rank's coordinate when it slices a replicated tensor into shards; a
+    trace under another coordinate shows whether the graph depends on it.
+    """
+    saved = [mesh._coordinate_on_dim for mesh in meshes]
+    try:
+        for mesh, coordinate, kept in zip(meshes, coordinates, saved, strict=True):
+            mesh._coordinate_on_dim = type(kept)(coordinate)  # a list or a tuple by release
+        yield
+    finally:
+        for mesh, coordinate in zip(meshes, saved, strict=True):
+            mesh._coordinate_on_dim = coordinate
+
+
+def sharding_wrapper(module: torch.nn.Module) -> str | None:
+    """The data-parallel wrapper that ``module`` or a submodule is, if any, by its API name."""
+    if "torch.nn.parallel" in sys.modules and isinstance(
+            module, torch.nn.parallel.DistributedDataParallel):
+        return "DistributedDataParallel"
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    for sub in module.modules():
+        if fsdp is not None and isinstance(sub, getattr(fsdp, "FSDPModule", ())):
+            return "fully_shard"
+        if fsdp is not None and isinstance(sub, getattr(fsdp, "FullyShardedDataParallel", ())):
+            return "FullyShardedDataParallel"
+    return None

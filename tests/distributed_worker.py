@@ -1,0 +1,503 @@
+"""One rank of a distributed test run: ``python distributed_worker.py RANK WORLD PORT OUT CASES``.
+
+Every rank joins a gloo process group on 127.0.0.1, runs the named cases in order and writes
+``OUT/rank{RANK}.json``: per case, either the compared numbers or the error it raised. Each
+training case compares against single-process eager on the unsharded model (built locally
+with the same seed) over three SGD steps: losses, full gradients, full parameters.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from torch_precompile import precompile
+
+STEPS = 3
+LR = 0.1
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, dim: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(dim, hidden)
+        self.down = torch.nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block: attention (q, k, v, o) and an MLP."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(dim)
+        self.q = torch.nn.Linear(dim, dim)
+        self.k = torch.nn.Linear(dim, dim)
+        self.v = torch.nn.Linear(dim, dim)
+        self.o = torch.nn.Linear(dim, dim)
+        self.norm2 = torch.nn.LayerNorm(dim)
+        self.mlp = MLP(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        b, s, width = q.shape  # under sequence parallelism, the gathered sequence
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, self.heads_here(t), -1).transpose(1, 2)
+
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.o(attn.transpose(1, 2).reshape(b, s, width))
+        return x + self.mlp(self.norm2(x))
+
+    def heads_here(self, t: torch.Tensor) -> int:
+        # Under tensor parallelism each rank holds heads / tp of the heads.
+        return self.heads * t.shape[-1] // self.q.in_features
+
+
+def tp_plan_mlp() -> dict[str, Any]:
+    return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def tp_plan_block(sequence_parallel: bool) -> dict[str, Any]:
+    if not sequence_parallel:
+        return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                "o": RowwiseParallel(), "mlp.up": ColwiseParallel(),
+                "mlp.down": RowwiseParallel()}
+    return {"norm1": SequenceParallel(), "norm2": SequenceParallel(),
+            "q": ColwiseParallel(input_layouts=Shard(1)),
+            "k": ColwiseParallel(input_layouts=Shard(1)),
+            "v": ColwiseParallel(input_layouts=Shard(1)),
+            "o": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp.up": ColwiseParallel(input_layouts=Shard(1)),
+            "mlp.down": RowwiseParallel(output_layouts=Shard(1))}
+
+
+def train_step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss
+
+
+def full(t: Any) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def sgd(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad
+            p.grad = None
+
+
+def max_diff(a: Any, b: Any) -> float:
+    return float((full(a).detach() - full(b).detach()).abs().max())
+
+
+def eager_reference(make: Callable[[], torch.nn.Module], batches: list[torch.Tensor]
+                    ) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, Any]]:
+    model = make()
+    losses, grads = [], []
+    for x in batches:
+        losses.append(float(train_step(model, x)))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        sgd(model)
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def compare_training(step: Callable[..., Any], model: torch.nn.Module,
+                     make: Callable[[], torch.nn.Module], batches: list[torch.Tensor],
+                     wrap: Callable[[torch.Tensor], Any],
+                     loss_of: Callable[[Any], float] = lambda loss: float(full(loss)),
+                     ) -> dict[str, float]:
+    """Three SGD steps of ``step`` on the sharded ``model`` against eager on ``make()``."""
+    ref_losses, ref_grads, ref_params = eager_reference(make, batches)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for x, ref_loss, ref_grad in zip(batches, ref_losses, ref_grads, strict=True):
+        loss = step(model, wrap(x))
+        worst["loss"] = max(worst["loss"], abs(loss_of(loss) - ref_loss))
+        for name, p in model.named_parameters():
+            worst["grad"] = max(worst["grad"], max_diff(p.grad, ref_grad[name]))
+        sgd(model)
+    for name, p in model.named_parameters():
+        worst["param"] = max(worst["param"], max_diff(p, ref_params[name]))
+    return worst
+
+
+def make_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MLP()
+
+
+def make_block() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Block()
+
+
+def batches(*shape: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(*shape, generator=generator) for _ in range(STEPS)]
+
+
+def mesh_1d() -> Any:
+    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+
+
+def digest(pair: tuple[str, bytes]) -> str:
+    return hashlib.sha256(pair[0].encode() + pair[1]).hexdigest()
+
+
+# Cases: each returns a JSON-able dict (numbers compared by the test).
+
+
+def linear_dtensor(backend: str) -> dict[str, Any]:
+    """distribute_tensor parameters (Shard and Replicate), a replicated DTensor input."""
+    mesh = mesh_1d()
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Linear(8, 4)
+
+    model = make()
+    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))
+    model.bias = torch.nn.Parameter(distribute_tensor(model.bias.detach(), mesh, [Replicate()]))
+
+    def wrap(x: torch.Tensor) -> Any:
+        return distribute_tensor(x, mesh, [Replicate()])
+
+    pair = precompile(train_step, model, wrap(batches(2, 8)[0]), backend=backend)
+    step = precompile.load(*pair)
+    result = compare_training(step, model, make, batches(2, 8), wrap)
+    result["grad_placements"] = [str(p.placements) for p in model.parameters()]
+    step(model, wrap(batches(2, 8)[0]))
+    result["grad_placements_after"] = [
+        [repr(q) for q in p.grad.placements] for p in model.parameters()]
+    result["param_placements"] = [[repr(q) for q in p.placements] for p in model.parameters()]
+    return result
+
+
+def tp_mlp(backend: str, one_rank: bool = False) -> dict[str, Any]:
+    mesh = mesh_1d()
+    model = parallelize_module(make_mlp(), mesh, tp_plan_mlp())
+    data = batches(4, 8)
+    pair = precompile(train_step, model, data[0], backend=backend, compile_on_one_rank=one_rank)
+    result = compare_training(precompile.load(*pair), model, make_mlp, data, lambda x: x)
+    result["digest"] = digest(pair)
+    result["build_modules"] = sorted(m for m in sys.modules
+                                     if m.startswith(("torch_precompile.capture",
+                                                      "torch_precompile.lower")))
+    spec = precompile.inspect(pair[0])
+    result["meshes"] = [(m.shape, m.dim_names, m.coordinate) for m in spec.meshes]
+    result["placements"] = [d.placements for d in spec.distributed]
+    return result
+
+
+def tp_mlp_infer(backend: str) -> dict[str, Any]:
+    mesh = mesh_1d()
+    model = parallelize_module(make_mlp(), mesh, tp_plan_mlp())
+    reference = make_mlp()
+    data = batches(4, 8)
+    with torch.no_grad():
+        infer = precompile.load(*precompile(lambda m, x: m(x), model, data[0], backend=backend))
+        return {"out": max(max_diff(infer(model, x), reference(x)) for x in data)}
+
+
+def tp_block(backend: str, sequence_parallel: bool, one_rank: bool = True) -> dict[str, Any]:
+    """Attention and MLP under tensor parallelism; with sequence parallelism each rank passes
+    and gets its slice of the sequence, and the loss is a sum over ranks."""
+    mesh, world, rank = mesh_1d(), dist.get_world_size(), dist.get_rank()
+    data = batches(2, 4, 8)
+    if sequence_parallel:
+        def wrap(x: torch.Tensor) -> torch.Tensor:
+            return x.chunk(world, dim=1)[rank]
+
+        def step_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).square().sum() / (x.numel() * world)
+            loss.backward()
+            return loss
+
+        def loss_of(loss: torch.Tensor) -> float:
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            return float(total)
+    else:
+        wrap, step_fn, loss_of = (lambda x: x), train_step, (lambda loss: float(full(loss)))
+    model = parallelize_module(make_block(), mesh, tp_plan_block(sequence_parallel))
+    pair = precompile(step_fn, model, wrap(data[0]), backend=backend,
+                      compile_on_one_rank=one_rank)
+    result = compare_training(precompile.load(*pair), model, make_block, data, wrap, loss_of)
+    fresh = parallelize_module(make_block(), mesh, tp_plan_block(sequence_parallel)).eval()
+    reference = make_block().eval()
+    with torch.no_grad():
+        infer = precompile.load(*precompile(lambda m, x: m(x), fresh, wrap(data[0]),
+                                            backend=backend, compile_on_one_rank=one_rank))
+        result["infer"] = max(max_diff(infer(fresh, wrap(x)), wrap(reference(x)))
+                              for x in data)
+    return result
+
+
+class Head(torch.nn.Module):
+    """An MLP with a vocabulary head: logits sharded over the vocabulary under loss_parallel."""
+
+    def __init__(self, dim: int = 8, vocab: int = 12) -> None:
+        super().__init__()
+        self.body = MLP(dim, 2 * dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def parallel_loss_step(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor
+                       ) -> torch.Tensor:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        loss = torch.nn.functional.cross_entropy(model(x), target)
+        loss.backward()
+    return loss
+
+
+def loss_parallel_case(backend: str) -> dict[str, Any]:
+    """Cross-entropy on vocabulary-sharded logits (loss_parallel), three SGD steps."""
+    mesh = mesh_1d()
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return Head()
+
+    plan = {"body.up": ColwiseParallel(), "body.down": RowwiseParallel(),
+            "head": ColwiseParallel(use_local_output=False)}
+    model = parallelize_module(make(), mesh, plan)
+    data = batches(4, 8)
+    targets = [torch.arange(4) * 3 % 12 + i for i in range(STEPS)]
+    step = precompile.load(*precompile(parallel_loss_step, model, data[0], targets[0],
+                                       backend=backend))
+    reference = make()
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for x, target in zip(data, targets, strict=True):
+        ref_loss = torch.nn.functional.cross_entropy(reference(x), target)
+        ref_loss.backward()
+        loss = step(model, x, target)
+        worst["loss"] = max(worst["loss"], abs(float(full(loss)) - float(ref_loss)))
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            worst["grad"] = max(worst["grad"], max_diff(p.grad, q.grad))
+        sgd(model)
+        sgd(reference)
+    worst["param"] = max(max_diff(p, q) for p, q in zip(model.parameters(),
+                                                         reference.parameters(), strict=True))
+    return worst
+
+
+def data_parallel(backend: str) -> dict[str, Any]:
+    """Plain data parallelism: each rank steps on its slice, then all_reduce of each .grad."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_mlp()
+    data = batches(4 * world, 8)
+    step = precompile.load(*precompile(train_step, model, data[0].chunk(world)[rank],
+                                       backend=backend))
+    ref_losses, ref_grads, ref_params = eager_reference(make_mlp, data)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for x, ref_loss, ref_grad in zip(data, ref_losses, ref_grads, strict=True):
+        loss = step(model, x.chunk(world)[rank]).detach().clone()
+        dist.all_reduce(loss)
+        worst["loss"] = max(worst["loss"], abs(float(loss) / world - ref_loss))
+        for name, p in model.named_parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+            worst["grad"] = max(worst["grad"], max_diff(p.grad, ref_grad[name]))
+        sgd(model)
+    worst["param"] = max(max_diff(p, ref_params[n]) for n, p in model.named_parameters())
+    return worst
+
+
+def tp_dp_2d(backend: str) -> dict[str, Any]:
+    """A (dp, tp) mesh: tensor parallelism inside each replica, then an all_reduce of each
+    gradient's local shard across replicas; one rank compiles for all four."""
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    replicas, replica = mesh["dp"].size(), mesh.get_local_rank("dp")
+    model = parallelize_module(make_mlp(), mesh["tp"], tp_plan_mlp())
+    data = batches(8, 8)
+    step = precompile.load(*precompile(train_step, model, data[0].chunk(replicas)[replica],
+                                       backend=backend, compile_on_one_rank=True))
+    ref_losses, ref_grads, ref_params = eager_reference(make_mlp, data)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for x, ref_loss, ref_grad in zip(data, ref_losses, ref_grads, strict=True):
+        loss = full(step(model, x.chunk(replicas)[replica])).detach().clone()
+        with torch.no_grad():
+            dist.all_reduce(loss, group=mesh.get_group("dp"))
+            for p in model.parameters():
+                local = p.grad.to_local()
+                dist.all_reduce(local, group=mesh.get_group("dp"))
+                local /= replicas
+        worst["loss"] = max(worst["loss"], abs(float(loss) / replicas - ref_loss))
+        for name, p in model.named_parameters():
+            worst["grad"] = max(worst["grad"], max_diff(p.grad, ref_grad[name]))
+        sgd(model)
+    worst["param"] = max(max_diff(p, ref_params[n]) for n, p in model.named_parameters())
+    return worst
+
+
+def refusals(backend: str) -> dict[str, Any]:
+    """Each wrong call or unsupported input, and the message it gets."""
+    mesh = mesh_1d()
+    messages: dict[str, Any] = {}
+
+    def message(thunk: Callable[[], Any]) -> str:
+        try:
+            thunk()
+        except precompile.PrecompileError as e:
+            return f"PrecompileError: {e}"
+        except Exception as e:
+            return f"RAW {type(e).__name__}: {e}"
+        return "no error"
+
+    model = parallelize_module(make_mlp(), mesh, tp_plan_mlp())
+    x = batches(4, 8)[0]
+    step = precompile.load(*precompile(train_step, model, x, backend=backend))
+    plain = make_mlp()
+    messages["plain_model"] = message(lambda: step(plain, x))
+    rowwise = parallelize_module(make_mlp(), mesh, {"up": RowwiseParallel(),
+                                                    "down": ColwiseParallel()})
+    messages["other_placements"] = message(lambda: step(rowwise, x))
+    if dist.get_world_size() % 2 == 0 and dist.get_world_size() > 2:
+        other_mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
+                                      mesh_dim_names=("dp", "tp"))
+        sub = parallelize_module(make_mlp(), other_mesh["tp"], tp_plan_mlp())
+        messages["other_mesh"] = message(lambda: step(sub, x))
+    ddp = torch.nn.parallel.DistributedDataParallel(make_mlp())
+    messages["ddp"] = message(lambda: precompile(train_step, ddp, x, backend=backend))
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = fully_shard(make_mlp(), mesh=mesh)
+    messages["fully_shard"] = message(lambda: precompile(train_step, sharded, x,
+                                                         backend=backend))
+    closed = torch.ones(8)
+    messages["closed_over"] = message(
+        lambda: precompile(lambda m, x: train_step(m, x + closed), model, x, backend=backend))
+    messages["in_place_collective"] = message(
+        lambda: precompile(lambda m, x: dist.all_reduce(m(x)), model, x, backend=backend))
+    messages["dynamic"] = message(lambda: _dynamic(model, x, backend))
+    return messages
+
+
+def _dynamic(model: torch.nn.Module, x: torch.Tensor, backend: str) -> Any:
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    return precompile(train_step, model, x, backend="inductor")
+
+
+def uneven_one_rank(backend: str) -> dict[str, Any]:
+    """Rank 0's artifact on ranks whose shards have other shapes: refused at the first call."""
+    mesh = mesh_1d()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2 * dist.get_world_size() + 1)  # rows do not divide evenly
+    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))
+    model.bias = torch.nn.Parameter(distribute_tensor(model.bias.detach(), mesh, [Shard(0)]))
+    x = distribute_tensor(batches(4, 8)[0], mesh, [Replicate()])
+    step = precompile.load(*precompile(train_step, model, x, backend=backend,
+                                       compile_on_one_rank=True))
+    try:
+        step(model, x)  # no collective on the result: other ranks may have been refused
+        return {"outcome": "ran"}
+    except precompile.PrecompileError as e:
+        return {"outcome": f"PrecompileError: {e}"}
+
+
+def rank_zero_artifact(backend: str) -> dict[str, Any]:
+    """Every rank compiles its own artifact; rank 0's, loaded everywhere, serves rank 0 only
+    when its graph depends on the rank (an every-rank build records the coordinate)."""
+    mesh = mesh_1d()
+    model = parallelize_module(make_mlp(), mesh, tp_plan_mlp())
+    x = batches(4, 8)[0]
+    pairs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pairs, precompile(train_step, model, x, backend=backend))
+    try:
+        precompile.load(*pairs[0])(model, x)
+        return {"outcome": "ran"}
+    except precompile.PrecompileError as e:
+        return {"outcome": f"PrecompileError: {e}"}
+
+
+def save_and_inspect(backend: str, folder: str) -> dict[str, Any]:
+    mesh = mesh_1d()
+    model = parallelize_module(make_mlp(), mesh, tp_plan_mlp())
+    x = batches(4, 8)[0]
+    path = Path(folder) / f"rank{dist.get_rank()}" / "step.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    precompile.save(*precompile(train_step, model, x, backend=backend), path)
+    step = precompile.load_file(path)
+    reference = make_mlp()
+    loss, ref = step(model, x), train_step(reference, x)
+    spec = precompile.inspect(path.read_text())
+    cli = subprocess.run([sys.executable, "-m", "torch_precompile", "inspect", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    return {"loss": abs(float(full(loss)) - float(ref)), "path": str(path),
+            "meshes": [m.dim_names for m in spec.meshes], "cli": cli.stdout + cli.stderr}
+
+
+CASES: dict[str, Callable[[], dict[str, Any]]] = {
+    "linear_eager": lambda: linear_dtensor("eager"),
+    "linear_inductor": lambda: linear_dtensor("inductor"),
+    "tp_mlp_eager": lambda: tp_mlp("eager"),
+    "tp_mlp_inductor_one_rank": lambda: tp_mlp("inductor", one_rank=True),
+    "tp_mlp_eager_one_rank": lambda: tp_mlp("eager", one_rank=True),
+    "tp_mlp_infer_eager": lambda: tp_mlp_infer("eager"),
+    "tp_mlp_infer_inductor": lambda: tp_mlp_infer("inductor"),
+    "tp_block_eager": lambda: tp_block("eager", sequence_parallel=False, one_rank=False),
+    "tp_block_sp_eager": lambda: tp_block("eager", sequence_parallel=True),
+    "tp_block_sp_inductor": lambda: tp_block("inductor", sequence_parallel=True),
+    "data_parallel_eager": lambda: data_parallel("eager"),
+    "data_parallel_inductor": lambda: data_parallel("inductor"),
+    "loss_parallel_eager": lambda: loss_parallel_case("eager"),
+    "loss_parallel_inductor": lambda: loss_parallel_case("inductor"),
+    "refusals": lambda: refusals("eager"),
+    "tp_dp_2d_eager": lambda: tp_dp_2d("eager"),
+    "tp_dp_2d_inductor": lambda: tp_dp_2d("inductor"),
+    "uneven_one_rank": lambda: uneven_one_rank("eager"),
+    "rank_zero_artifact": lambda: rank_zero_artifact("eager"),
+}
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=180))
+    report: dict[str, Any] = {}
+    for name in sys.argv[5].split(","):
+        try:
+            if name == "save_and_inspect":
+                report[name] = save_and_inspect("eager", out)
+            else:
+                report[name] = CASES[name]()
+        except Exception as e:
+            report[name] = {"error": f"{type(e).__name__}: {e}",
+                            "traceback": traceback.format_exc()}
+        dist.barrier()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report, indent=1, default=str))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Distributed artifacts on gloo over 127.0.0.1: DTensor, tensor and data parallelism,
+``compile_on_one_rank``, refusals. Each world size runs its cases once (one set of processes,
+``distributed_worker.py``); the tests read the per-rank reports. Numbers are compared with
+single-process eager on the unsharded model over three SGD steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torch_precompile import precompile
+
+TESTS_DIR = Path(__file__).parent
+WORKER_TIMEOUT_S = 900
+TOLERANCE = 1e-5
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="torch.distributed is not built into this torch")
+
+# The one-rank build runs first: the test checks that the other ranks never imported the
+# build pipeline.
+CASES_2 = ["tp_mlp_inductor_one_rank", "linear_eager", "linear_inductor", "tp_mlp_eager",
+           "tp_mlp_eager_one_rank", "tp_mlp_infer_eager", "tp_mlp_infer_inductor",
+           "tp_block_eager", "tp_block_sp_eager", "tp_block_sp_inductor",
+           "data_parallel_eager", "data_parallel_inductor", "loss_parallel_eager",
+           "loss_parallel_inductor", "refusals", "uneven_one_rank",
+           "rank_zero_artifact", "save_and_inspect"]
+CASES_4 = ["tp_mlp_inductor_one_rank", "tp_mlp_eager", "tp_dp_2d_eager", "tp_dp_2d_inductor",
+           "refusals"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(world: int, cases: list[str], out: Path) -> list[dict[str, Any]]:
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    logs = [open(out / f"log{rank}", "w") for rank in range(world)]  # noqa: SIM115
+    procs = [subprocess.Popen(
+        [sys.executable, str(TESTS_DIR / "distributed_worker.py"), str(rank), str(world),
+         str(port), str(out), ",".join(cases)],
+        stdout=logs[rank], stderr=subprocess.STDOUT, env=env) for rank in range(world)]
+    try:
+        for proc in procs:
+            proc.wait(timeout=WORKER_TIMEOUT_S)
+    finally:
+        for proc in procs:
+            proc.kill()
+        for log in logs:
+            log.close()
+    reports = []
+    for rank in range(world):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), (out / f"log{rank}").read_text()[-3000:]
+        reports.append(json.loads(path.read_text()))
+    return reports
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run_ranks(2, CASES_2, tmp_path_factory.mktemp("two_ranks"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run_ranks(4, CASES_4, tmp_path_factory.mktemp("four_ranks"))
+
+
+def _case(reports: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    results = [report[name] for report in reports]
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}: {result.get('traceback', result)}"
+    return results
+
+
+def _matches_eager(results: list[dict[str, Any]], keys: tuple[str, ...] = ("loss", "grad",
+                                                                           "param")) -> None:
+    for rank, result in enumerate(results):
+        for key in keys:
+            assert result[key] <= TOLERANCE, (rank, key, result[key])
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_dtensor_parameters_and_inputs_train_like_eager(two_ranks, backend: str) -> None:
+    results = _case(two_ranks, f"linear_{backend}")
+    _matches_eager(results)
+    for result in results:  # gradients keep the parameters' placements, accumulated as eager
+        assert result["grad_placements_after"] == result["param_placements"]
+        assert result["param_placements"] == [["Shard(dim=0)"], ["Replicate()"]]
+
+
+@pytest.mark.parametrize(("world", "case"), [
+    (2, "tp_mlp_eager"), (2, "tp_mlp_inductor_one_rank"), (2, "tp_mlp_eager_one_rank"),
+    (4, "tp_mlp_eager"), (4, "tp_mlp_inductor_one_rank")])
+def test_tensor_parallel_mlp_training(two_ranks, four_ranks, world: int, case: str) -> None:
+    results = _case(two_ranks if world == 2 else four_ranks, case)
+    _matches_eager(results)
+    for result in results:
+        assert result["placements"] == [["Shard(0)"], ["Shard(0)"], ["Shard(1)"],
+                                        ["Replicate()"]]
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_tensor_parallel_mlp_inference(two_ranks, backend: str) -> None:
+    for result in _case(two_ranks, f"tp_mlp_infer_{backend}"):
+        assert result["out"] <= TOLERANCE
+
+
+@pytest.mark.parametrize("case", ["tp_block_eager", "tp_block_sp_eager", "tp_block_sp_inductor"])
+def test_transformer_block_tensor_and_sequence_parallel(two_ranks, case: str) -> None:
+    results = _case(two_ranks, case)
+    _matches_eager(results)
+    for result in results:
+        assert result["infer"] <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_loss_parallel_cross_entropy_on_sharded_logits(two_ranks, backend: str) -> None:
+    _matches_eager(_case(two_ranks, f"loss_parallel_{backend}"))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_rank_compiles_for_all(two_ranks, four_ranks, world: int) -> None:
+    results = _case(two_ranks if world == 2 else four_ranks, "tp_mlp_inductor_one_rank")
+    assert len({r["digest"] for r in results}) == 1  # the identical pair on every rank
+    assert results[0]["build_modules"]  # rank 0 traced and lowered ...
+    for result in results[1:]:  # ... no other rank imported the build pipeline at all
+        assert result["build_modules"] == []
+    # The graph was checked not to depend on the rank, so it serves every coordinate.
+    assert results[0]["meshes"] == [[[world], ["tp"], None]]
+
+
+def test_every_rank_build_records_its_coordinate(four_ranks) -> None:
+    results = _case(four_ranks, "tp_mlp_eager")
+    assert [r["meshes"] for r in results] == [[[[4], ["tp"], [rank]]] for rank in range(4)]
+
+
+def test_another_ranks_artifact_is_refused_on_every_rank(two_ranks) -> None:
+    rank0, rank1 = (r["outcome"] for r in _case(two_ranks, "rank_zero_artifact"))
+    assert "another rank of the device mesh refused this artifact" in rank0
+    assert "sits at coordinate (1,)" in rank1 and "built at coordinate (0,)" in rank1
+
+
+def test_uneven_shards_refused_at_first_call_not_wrong(two_ranks) -> None:
+    rank0, rank1 = (r["outcome"] for r in _case(two_ranks, "uneven_one_rank"))
+    assert "this rank's shard has shape (2, 8)" in rank1 and "(3, 8)" in rank1
+    assert "another rank of the device mesh refused" in rank0
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_data_parallel_all_reduce_after_each_call(two_ranks, backend: str) -> None:
+    _matches_eager(_case(two_ranks, f"data_parallel_{backend}"))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_two_dimensional_mesh_one_artifact_for_all_replicas(four_ranks, backend: str) -> None:
+    _matches_eager(_case(four_ranks, f"tp_dp_2d_{backend}"))
+
+
+REFUSALS = {
+    "plain_model": r"model parameter .up.weight.: expected a DTensor .*\(Shard\(0\)\) .*got a "
+                   r"plain tensor",
+    "other_placements": r"expected a DTensor .* placements \(Shard\(0\)\).*got shape \(16, 8\) "
+                        r"with placements \(Shard\(1\)\)",
+    "ddp": r"wrapped in DistributedDataParallel.*ddp.module.*all_reduce",
+    "fully_shard": r"wrapped in fully_shard.*without fully_shard",
+    "closed_over": r"variable 'closed' closed over by fn",
+    "in_place_collective": r"in-place collectives \(c10d.allreduce_",
+    "dynamic": r"mark_unbacked .* not supported together with DTensors",
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_refusals_name_the_cause(two_ranks, four_ranks, world: int) -> None:
+    for messages in _case(two_ranks if world == 2 else four_ranks, "refusals"):
+        for name, pattern in REFUSALS.items():
+            assert messages[name].startswith("PrecompileError: "), (name, messages[name])
+            assert re.search(pattern, messages[name]), (name, messages[name])
+        if world == 4:
+            assert re.search(r"lives on a cpu device mesh of shape \(2,\) named \('tp',\).*"
+                             r"captured on a cpu device mesh of shape \(4,\)",
+                             messages["other_mesh"]), messages["other_mesh"]
+
+
+def test_save_load_file_and_inspect_per_rank(two_ranks) -> None:
+    for rank, result in enumerate(_case(two_ranks, "save_and_inspect")):
+        assert result["loss"] <= TOLERANCE
+        assert result["path"].endswith(f"rank{rank}/step.py")
+        assert result["meshes"] == [["tp"]]
+        assert f"mesh 0    : cpu (2,) ('tp',), serves coordinate [{rank}] only" in result["cli"]
+        assert re.search(r"model parameter 'up.weight' +\(Shard\(0\)\) on mesh 0, global "
+                         r"\(16, 8\), local \(8, 8\)", result["cli"]), result["cli"]
+
+
+def test_compile_on_one_rank_needs_a_process_group() -> None:
+    with pytest.raises(precompile.PrecompileError, match="init_process_group"):
+        precompile(lambda m, x: m(x), torch.nn.Linear(2, 2), torch.ones(1, 2),
+                   backend="eager", compile_on_one_rank=True)
+
+
+def test_other_tensor_subclasses_are_refused_by_name() -> None:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    x = TwoTensor(torch.ones(2, 2), torch.ones(2, 2))
+    with pytest.raises(precompile.PrecompileError, match=r"input x is a .*TwoTensor"):
+        precompile(lambda m, x: m(x), torch.nn.Linear(2, 2), x, backend="eager")
