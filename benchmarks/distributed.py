@@ -7,9 +7,10 @@ with ``--child``), each with OMP_NUM_THREADS=1 and its own empty Inductor cache 
 ``torch.compile warm``, whose cache dir was filled by an earlier run of the same step. "First
 result" is the wall time from just before the parent starts a rank's process to the moment that
 rank has its first loss. "import torch + process group" is the same for a child that only
-imports torch, joins the process group and builds the device mesh. Build time is the wall time
-of the ``precompile`` call on each rank (max over ranks). Steady state is the median of
-per-step times after warm-up, each step putting fresh gradients on ``.grad``.
+imports torch, joins the process group and builds the device mesh; "model built" also builds
+the block and parallelizes it (every mode does that before its first step). Build time is the
+wall time of the ``precompile`` call on each rank (max over ranks). Steady state is the median
+of per-step times after warm-up, each step putting fresh gradients on ``.grad``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 WORLD = 2
 DIM, HEADS, BATCH, SEQ = 64, 4, 8, 64
 MARKER = "DISTRIBUTED_RESULT "
-FIRST_MODES = ("baseline", "ours", "eager", "compile")
+FIRST_MODES = ("baseline", "model", "ours", "eager", "compile")
 BUILD_MODES = ("build_every", "build_one")
 CHILD_TIMEOUT_S = 900
 
@@ -50,10 +51,11 @@ class Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ln_attn(x)
-        split = [p(h).unflatten(-1, (-1, DIM // HEADS)).transpose(1, 2)
+        batch, seq, _ = x.shape
+        split = [p(h).view(batch, seq, -1, DIM // HEADS).transpose(1, 2)
                  for p in (self.wq, self.wk, self.wv)]  # local heads under tensor parallelism
         attended = torch.nn.functional.scaled_dot_product_attention(*split, is_causal=True)
-        x = x + self.wo(attended.transpose(1, 2).flatten(2))
+        x = x + self.wo(attended.transpose(1, 2).reshape(batch, seq, -1))
         return x + self.fc_out(torch.nn.functional.gelu(self.fc_in(self.ln_mlp(x))))
 
 
@@ -97,6 +99,9 @@ def child(mode: str, rank: int, port: int, t0: float, workdir: Path, steps: int)
     result: dict[str, Any] = {"rank": rank}
     if mode == "baseline":
         result["first_s"] = time.time() - t0
+    elif mode == "model":  # what every mode does before its first step
+        _parallel_model(mesh)
+        result["first_s"] = time.time() - t0
     elif mode in BUILD_MODES:
         from torch_precompile import precompile
 
@@ -109,14 +114,16 @@ def child(mode: str, rank: int, port: int, t0: float, workdir: Path, steps: int)
             precompile.save(*pair, workdir / f"rank{rank}" / "step.py")
     else:
         model, x = _parallel_model(mesh), torch.randn(BATCH, SEQ, DIM)
+        built = time.perf_counter()
         if mode == "ours":
             from torch_precompile import precompile
 
             run = precompile.load_file(workdir / f"rank{rank}" / "step.py")
         else:
-            run = torch.compile(step) if mode == "compile" else step
+            run = torch.compile(step, dynamic=False) if mode == "compile" else step
         loss = run(model, x)
         result["first_s"] = time.time() - t0
+        result["after_model_s"] = time.perf_counter() - built
         result["loss"] = float(loss)
         result["steady_ms"] = _steady_ms(run, model, x, steps)
     dist.barrier()
@@ -162,10 +169,12 @@ def measure(runs: int, steps: int) -> dict[str, list[float]]:
                 cache = warm_cache if mode == "compile" else workdir / f"cache-{mode}"
                 ranks = launch(mode, workdir, cache, steps)
                 samples.setdefault(f"{mode}:first", []).append(max(r["first_s"] for r in ranks))
-                if mode != "baseline":
+                if mode not in ("baseline", "model"):
                     samples.setdefault(f"{mode}:steady", []).append(
                         max(r["steady_ms"] for r in ranks))
                     samples.setdefault(f"{mode}:loss", []).append(ranks[0]["loss"])
+                    samples.setdefault(f"{mode}:after_model", []).append(
+                        max(r["after_model_s"] for r in ranks))
             print(f"run {run + 1}/{runs}: " + ", ".join(
                 f"{k} {v[-1]:.3f}" for k, v in samples.items()), flush=True)
     finally:
@@ -194,14 +203,21 @@ def report(samples: dict[str, list[float]], runs: int, steps: int) -> str:
         "",
         "## First result per rank (process start to first loss)",
         "",
-        "| mode | seconds | x (import torch + process group) |",
-        "|---|---:|---:|",
+        "| mode | seconds | x (import torch + process group) | x (... + model built) |",
+        "|---|---:|---:|---:|",
     ]
-    names = {"baseline": "import torch + process group + mesh", "ours": "torch_precompile, cache",
+    names = {"baseline": "import torch + process group + mesh",
+             "model": "... + model built and parallelized", "ours": "torch_precompile, cache",
              "eager": "eager", "compile": "torch.compile, warm cache"}
+    built = med["model:first"]
     for mode in FIRST_MODES:
         lines.append(f"| {names[mode]} | {med[f'{mode}:first']:.2f} | "
-                     f"{med[f'{mode}:first'] / base:.2f} |")
+                     f"{med[f'{mode}:first'] / base:.2f} | {med[f'{mode}:first'] / built:.2f} |")
+    lines += ["", "From the built model to the first loss, inside the same processes (what each "
+              "mode itself adds: imports, loading, compiling, the first step):", "",
+              "| mode | seconds |", "|---|---:|"]
+    for mode in ("ours", "eager", "compile"):
+        lines.append(f"| {names[mode]} | {med[f'{mode}:after_model']:.3f} |")
     lines += ["", "## Build (wall time of the precompile call, slower rank)", "",
               "| how | seconds |", "|---|---:|",
               f"| every rank compiles | {med['build_every']:.1f} |",
