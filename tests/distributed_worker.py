@@ -198,6 +198,47 @@ def linear_dtensor(backend: str) -> dict[str, Any]:
     return result
 
 
+class Scaled(torch.nn.Module):
+    """A sharded Linear and a DTensor buffer it reads and updates in place at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+        self.register_buffer("scale", torch.full((4,), 0.5))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.linear(x) * self.scale * self.calls
+
+
+def dtensor_buffers(backend: str) -> dict[str, Any]:
+    """DTensor buffers (read, and updated in place) next to sharded parameters."""
+    mesh = mesh_1d()
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return Scaled()
+
+    model, reference = make(), make()
+    for name in ("weight", "bias"):
+        setattr(model.linear, name, torch.nn.Parameter(
+            distribute_tensor(getattr(model.linear, name).detach(), mesh, [Shard(0)])))
+    for name in ("scale", "calls"):
+        setattr(model, name, distribute_tensor(getattr(model, name), mesh, [Replicate()]))
+    data = batches(2, 8)
+
+    def wrap(x: torch.Tensor) -> Any:
+        return distribute_tensor(x, mesh, [Replicate()])
+
+    with torch.no_grad():
+        run = precompile.load(*precompile(lambda m, x: m(x), model, wrap(data[0]),
+                                          backend=backend))
+        out = max(max_diff(run(model, wrap(x)), reference(x)) for x in data)
+    return {"out": out, "calls": float(full(model.calls)), "ref_calls": float(reference.calls),
+            "buffer_type": type(model.calls).__name__}
+
+
 def tp_mlp(backend: str, one_rank: bool = False) -> dict[str, Any]:
     mesh = mesh_1d()
     model = parallelize_module(make_mlp(), mesh, tp_plan_mlp())
@@ -460,6 +501,8 @@ def save_and_inspect(backend: str, folder: str) -> dict[str, Any]:
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "linear_eager": lambda: linear_dtensor("eager"),
     "linear_inductor": lambda: linear_dtensor("inductor"),
+    "buffers_eager": lambda: dtensor_buffers("eager"),
+    "buffers_inductor": lambda: dtensor_buffers("inductor"),
     "tp_mlp_eager": lambda: tp_mlp("eager"),
     "tp_mlp_inductor_one_rank": lambda: tp_mlp("inductor", one_rank=True),
     "tp_mlp_eager_one_rank": lambda: tp_mlp("eager", one_rank=True),

@@ -32,7 +32,8 @@ CASES_2 = ["tp_mlp_inductor_one_rank", "linear_eager", "linear_inductor", "tp_ml
            "tp_mlp_eager_one_rank", "tp_mlp_infer_eager", "tp_mlp_infer_inductor",
            "tp_block_eager", "tp_block_sp_eager", "tp_block_sp_inductor",
            "data_parallel_eager", "data_parallel_inductor", "loss_parallel_eager",
-           "loss_parallel_inductor", "refusals", "uneven_one_rank",
+           "loss_parallel_inductor", "buffers_eager", "buffers_inductor", "refusals",
+           "uneven_one_rank",
            "rank_zero_artifact", "save_and_inspect"]
 CASES_4 = ["tp_mlp_inductor_one_rank", "tp_mlp_eager", "tp_dp_2d_eager", "tp_dp_2d_inductor",
            "refusals"]
@@ -125,6 +126,15 @@ def test_transformer_block_tensor_and_sequence_parallel(two_ranks, case: str) ->
     _matches_eager(results)
     for result in results:
         assert result["infer"] <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_dtensor_buffers_read_and_updated_in_place(two_ranks, backend: str) -> None:
+    for result in _case(two_ranks, f"buffers_{backend}"):
+        assert result["out"] <= TOLERANCE
+        # Capture traces copies of buffers: only the three calls count, as in eager.
+        assert result["calls"] == result["ref_calls"] == 3.0
+        assert result["buffer_type"] == "DTensor"
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
