@@ -430,6 +430,14 @@ def refusals(backend: str) -> dict[str, Any]:
         messages["other_mesh"] = message(lambda: step(sub, x))
     ddp = torch.nn.parallel.DistributedDataParallel(make_mlp())
     messages["ddp"] = message(lambda: precompile(train_step, ddp, x, backend=backend))
+    from torch.distributed.device_mesh import DeviceMesh
+
+    only_rank_zero = DeviceMesh("cpu", [0])  # every rank creates it; rank 0 alone is in it
+    outside = torch.nn.Linear(8, 4)
+    outside.weight = torch.nn.Parameter(
+        distribute_tensor(outside.weight.detach(), only_rank_zero, [Replicate()]))
+    messages["outside_mesh"] = message(lambda: precompile(
+        lambda m, x: m.weight.sum(), outside, x, backend=backend))
     from torch.distributed.fsdp import fully_shard
 
     sharded = fully_shard(make_mlp(), mesh=mesh)

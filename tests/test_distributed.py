@@ -195,10 +195,16 @@ REFUSALS = {
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_refusals_name_the_cause(two_ranks, four_ranks, world: int) -> None:
-    for messages in _case(two_ranks if world == 2 else four_ranks, "refusals"):
+    results = _case(two_ranks if world == 2 else four_ranks, "refusals")
+    for messages in results:
         for name, pattern in REFUSALS.items():
             assert messages[name].startswith("PrecompileError: "), (name, messages[name])
             assert re.search(pattern, messages[name]), (name, messages[name])
+        if messages is not results[0]:  # ranks outside the mesh are refused by name
+            assert re.search(r"^PrecompileError: model parameter 'weight' is a DTensor on a "
+                             r"device mesh this rank is not part of", messages["outside_mesh"])
+        else:
+            assert messages["outside_mesh"] == "no error"
         if world == 4:
             assert re.search(r"lives on a cpu device mesh of shape \(2,\) named \('tp',\).*"
                              r"captured on a cpu device mesh of shape \(4,\)",

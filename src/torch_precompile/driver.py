@@ -638,7 +638,9 @@ def first_call(plan: DistributedPlan, flat: list[Any]) -> list[Any]:
     except PrecompileError as e:
         error = e
     if mesh is None:  # no DTensor given at all: nothing to agree over
-        raise error  # type: ignore[misc]
+        if error is not None:
+            raise error
+        return meshes
     failed = torch.tensor([0 if error is None else 1], device=mesh.device_type)
     for dim in range(mesh.ndim):
         torch.distributed.all_reduce(failed, torch.distributed.ReduceOp.MAX,

@@ -32,21 +32,11 @@ _PLACEMENTS = ("Shard", "Replicate", "Partial")
 
 @dataclass(frozen=True)
 class Sharded:
-    """A DTensor flat input of the capture."""
+    """A DTensor flat input of the capture: its spec record, and what rebuilding it takes."""
 
-    index: int
-    name: str
-    mesh: int
+    record: DistributedTensor
     placements: tuple[Any, ...]
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
     requires_grad: bool
-
-    def record(self, local: torch.Tensor) -> DistributedTensor:
-        return DistributedTensor(
-            role="input", index=self.index, name=self.name, mesh=self.mesh,
-            placements=tuple(placement_text(p) for p in self.placements), shape=self.shape,
-            strides=self.stride, local_shape=tuple(local.shape))
 
 
 @dataclass
@@ -71,8 +61,9 @@ class Distribution:
         views = list(flat)
         for index, sharded in self.inputs.items():
             dtensor = DTensor.from_local(
-                flat[index], self.meshes[sharded.mesh], sharded.placements, run_check=False,
-                shape=torch.Size(sharded.shape), stride=sharded.stride)
+                flat[index], self.meshes[sharded.record.mesh], sharded.placements,
+                run_check=False, shape=torch.Size(sharded.record.shape),
+                stride=sharded.record.strides)
             if sharded.requires_grad:
                 dtensor = dtensor.detach().requires_grad_(True)
             views[index] = dtensor
@@ -84,7 +75,7 @@ class Distribution:
         if sharded is None or not is_dtensor(grad):
             return grad
         if tuple(grad.placements) != sharded.placements:
-            grad = grad.redistribute(self.meshes[sharded.mesh], sharded.placements)
+            grad = grad.redistribute(self.meshes[sharded.record.mesh], sharded.placements)
         return grad.to_local()
 
     def local_results(self, leaves: Sequence[Any]) -> list[Any]:
@@ -162,13 +153,21 @@ def find_dtensors(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> Dist
             continue
         Distribution._check_placements(tensor, name)
         mesh = tensor.device_mesh
+        if mesh.get_coordinate() is None:
+            raise PrecompileError(
+                f"{name} is a DTensor on a device mesh this rank is not part of; precompile on "
+                "the ranks of its mesh, with their shards."
+            )
         position = next((i for i, m in enumerate(meshes) if m is mesh or m == mesh), None)
         if position is None:
             position = len(meshes)
             meshes.append(mesh)
-        inputs[index] = Sharded(index, name, position, tuple(tensor.placements),
-                                tuple(tensor.shape), tuple(tensor.stride()),
-                                tensor.requires_grad)
+        record = DistributedTensor(
+            role="input", index=index, name=name, mesh=position,
+            placements=tuple(placement_text(p) for p in tensor.placements),
+            shape=tuple(tensor.shape), strides=tuple(tensor.stride()),
+            local_shape=tuple(tensor.to_local().shape))
+        inputs[index] = Sharded(record, tuple(tensor.placements), tensor.requires_grad)
     return Distribution(inputs, meshes) if inputs else None
 
 

@@ -211,7 +211,7 @@ def capture(
         dynamic_dims=dynamic_dims,
         size_relations=relations,
         output_aliases=outputs["aliases"],
-        **_distribution_records(sharding, examples, coordinate_dependent),
+        **_distribution_records(sharding, coordinate_dependent),
     )
     if dynamic_inputs is None:
         return Capture(gm, literals, spec, examples)
@@ -272,13 +272,12 @@ class _Trace:
             recorder.guards[:] = guards
 
 
-def _distribution_records(sharding: Distribution | None, examples: list[torch.Tensor],
-                          coordinate_dependent: bool) -> dict[str, Any]:
+def _distribution_records(sharding: Distribution | None, coordinate_dependent: bool
+                          ) -> dict[str, Any]:
     if sharding is None:
         return {}
     return {"meshes": sharding.mesh_records(coordinate_dependent),
-            "distributed": (*(s.record(examples[i]) for i, s in sharding.inputs.items()),
-                            *sharding.results)}
+            "distributed": (*(s.record for s in sharding.inputs.values()), *sharding.results)}
 
 
 def _refuse_sharding_wrappers(modules: list[torch.nn.Module], names: list[str]) -> None:
