@@ -7,16 +7,18 @@ with ``--child``), each with OMP_NUM_THREADS=1 and its own empty Inductor cache 
 ``torch.compile warm``, whose cache dir was filled by an earlier run of the same step. "First
 result" is the wall time from just before the parent starts a rank's process to the moment that
 rank has its first loss. "import torch + process group" is the same for a child that only
-imports torch, joins the process group and builds the device mesh; "model built" also builds
-the block and parallelizes it (every mode does that before its first step). Build time is the
-wall time of the ``precompile`` call on each rank (max over ranks). Steady state is the median
-of per-step times after warm-up, each step putting fresh gradients on ``.grad``.
+imports torch, joins the process group and builds the device mesh; "tensor-parallel imports"
+also imports ``torch.distributed.tensor.parallel`` (which any such job imports); "model built"
+also builds the block and parallelizes it (every mode does that before its first step). Build
+time is the wall time of the ``precompile`` call on each rank (max over ranks). Steady state is
+the median of per-step times after warm-up, each step putting fresh gradients on ``.grad``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -35,7 +37,7 @@ import torch
 WORLD = 2
 DIM, HEADS, BATCH, SEQ = 64, 4, 8, 64
 MARKER = "DISTRIBUTED_RESULT "
-FIRST_MODES = ("baseline", "model", "ours", "eager", "compile")
+FIRST_MODES = ("baseline", "imports", "model", "ours", "eager", "compile")
 BUILD_MODES = ("build_every", "build_one")
 CHILD_TIMEOUT_S = 900
 
@@ -98,6 +100,9 @@ def child(mode: str, rank: int, port: int, t0: float, workdir: Path, steps: int)
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
     result: dict[str, Any] = {"rank": rank}
     if mode == "baseline":
+        result["first_s"] = time.time() - t0
+    elif mode == "imports":
+        importlib.import_module("torch.distributed.tensor.parallel")
         result["first_s"] = time.time() - t0
     elif mode == "model":  # what every mode does before its first step
         _parallel_model(mesh)
@@ -169,7 +174,7 @@ def measure(runs: int, steps: int) -> dict[str, list[float]]:
                 cache = warm_cache if mode == "compile" else workdir / f"cache-{mode}"
                 ranks = launch(mode, workdir, cache, steps)
                 samples.setdefault(f"{mode}:first", []).append(max(r["first_s"] for r in ranks))
-                if mode not in ("baseline", "model"):
+                if mode not in ("baseline", "imports", "model"):
                     samples.setdefault(f"{mode}:steady", []).append(
                         max(r["steady_ms"] for r in ranks))
                     samples.setdefault(f"{mode}:loss", []).append(ranks[0]["loss"])
@@ -207,6 +212,7 @@ def report(samples: dict[str, list[float]], runs: int, steps: int) -> str:
         "|---|---:|---:|---:|",
     ]
     names = {"baseline": "import torch + process group + mesh",
+             "imports": "... + DTensor and tensor-parallel imports",
              "model": "... + model built and parallelized", "ours": "torch_precompile, cache",
              "eager": "eager", "compile": "torch.compile, warm cache"}
     built = med["model:first"]
