@@ -16,7 +16,12 @@ import torch.fx
 from torch_precompile.capture import checks, dynamic
 from torch_precompile.capture.distributed import Distribution, check_graph, find_dtensors
 from torch_precompile.capture.guards import GuardRecorder
-from torch_precompile.capture.inputs import arg_names_of, encode_value, flatten_user_inputs
+from torch_precompile.capture.inputs import (
+    UserInputs,
+    arg_names_of,
+    encode_value,
+    flatten_user_inputs,
+)
 from torch_precompile.capture.state import (
     ModelState,
     intern_model_state,
@@ -76,6 +81,69 @@ def capture(
     ``on_fakes`` traces on fake tensors, so that nothing runs and no collective communicates
     (one rank capturing for all), and checks whether the graph depends on the rank.
     """
+    layout = _read_layout(fn, args, backend, on_fakes)
+    recorder, outputs = GuardRecorder(), _Outputs()
+    flat_fn = _flat_function(fn, layout, recorder, outputs)
+    traced = _trace(flat_fn, layout, recorder, decompositions, on_fakes)
+    gm = traced.graph
+    check_graph(gm)
+    checks.reject_control_flow(gm)
+    checks.reject_effects(gm)
+    if layout.sharding is not None:
+        layout.sharding.name_collectives(gm)
+    literals = checks.lift_literals(gm, checks.origin_finder(
+        fn, [(layout.arg_names[i], args[i]) for i in layout.module_positions]))
+    _name_placeholders(gm, layout.state,
+                       [layout.inputs.names[i] for i in layout.tensor_positions])
+    spec = _artifact_spec(backend, layout, recorder, outputs, traced)
+    if traced.dynamic_inputs is None:
+        return Capture(gm, literals, spec, traced.examples)
+    return Capture(gm, literals, spec, traced.examples, traced.dynamic_inputs.fake_mode,
+                   *_symbolic_names(layout, traced.dynamic_inputs))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each of ``args`` goes: modules and their lifted state, flat user inputs, marks."""
+
+    args: tuple[Any, ...]
+    arg_names: list[str]
+    module_positions: list[int]
+    modules: list[torch.nn.Module]
+    state: ModelState
+    inputs: UserInputs
+    tensor_positions: list[int]  # indices into inputs.leaves
+    sharding: Distribution | None
+    marks: list[dict[int, dynamic.Mark]]
+
+    @property
+    def num_params(self) -> int:
+        return self.state.num_params
+
+    @property
+    def num_state(self) -> int:
+        return len(self.state.tensors)
+
+
+@dataclass
+class _Outputs:
+    """What the flat function learns about fn's results while it is traced."""
+
+    spec: pytree.TreeSpec | None = None
+    grad_indices: list[int] = dataclasses.field(default_factory=list)
+    aliases: tuple[OutputAlias, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Traced:
+    graph: torch.fx.GraphModule
+    examples: list[torch.Tensor]
+    dynamic_inputs: dynamic.DynamicInputs | None
+    coordinate_dependent: bool
+
+
+def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on_fakes: bool
+                 ) -> _Layout:
     arg_names = arg_names_of(fn, len(args))
     module_positions = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
     modules: list[torch.nn.Module] = [args[i] for i in module_positions]
@@ -86,7 +154,6 @@ def capture(
         tuple(args[i] for i in input_positions), [arg_names[i] for i in input_positions]
     )
     tensor_positions = inputs.tensor_positions
-    num_state, num_params = len(state.tensors), state.num_params
     sharding = find_dtensors(
         [*state.tensors, *(inputs.leaves[i] for i in tensor_positions)],
         [*(f"model parameter {n!r}" for n in state.param_names),
@@ -103,126 +170,166 @@ def capture(
             "dims marked with mark_unbacked (dynamic shapes) need backend='inductor'; the eager "
             "backend runs static graphs only."
         )
-    outputs: dict[str, Any] = {}
-    recorder = GuardRecorder()
-    dynamic_inputs: dynamic.DynamicInputs | None = None  # set below, read by flat_fn
-    coordinate_dependent = False
+    return _Layout(args, arg_names, module_positions, modules, state, inputs, tensor_positions,
+                   sharding, marks)
+
+
+def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecorder,
+                   outputs: _Outputs) -> Callable[..., list[Any]]:
+    """``fn`` over flat tensors (model state, then input tensors), as make_fx traces it.
+
+    It returns result leaves, then gradients, then value guards, and fills ``outputs``.
+    """
+    state, inputs, sharding = layout.state, layout.inputs, layout.sharding
+    # A symbolic trace reads no values, so it has no guards to record.
+    recording = contextlib.nullcontext() if any(layout.marks) else recorder
 
     def flat_fn(*locals_: torch.Tensor) -> list[Any]:
         flat = locals_ if sharding is None else sharding.rebuild(locals_)
         leaves = list(inputs.leaves)
-        for position, tensor in zip(tensor_positions, flat[num_state:], strict=True):
+        for position, tensor in zip(layout.tensor_positions, flat[layout.num_state:],
+                                    strict=True):
             leaves[position] = tensor
         user_args = iter(pytree.tree_unflatten(leaves, inputs.spec))
-        call_args = [a if i in module_positions else next(user_args) for i, a in enumerate(args)]
+        call_args = [a if i in layout.module_positions else next(user_args)
+                     for i, a in enumerate(layout.args)]
         with contextlib.ExitStack() as stack:
-            for module, binding in zip(modules, state.bindings, strict=True):
+            for module, binding in zip(layout.modules, state.bindings, strict=True):
                 reparam = {name: flat[index] for name, index in binding.items()}
                 stack.enter_context(reparametrize_module(module, reparam, tie_weights=True))
-            with recorder if dynamic_inputs is None else contextlib.nullcontext():
+            with recording:
                 result = fn(*call_args)
-        _reject_stray_gradients(state, flat, num_params)
-        result_leaves, out_spec = pytree.tree_flatten(result)
+        _reject_stray_gradients(state, flat, layout.num_params)
+        result_leaves, outputs.spec = pytree.tree_flatten(result)
         checks.check_result_leaves(result_leaves)
-        grads = [(i, p.grad) for i, p in enumerate(flat[:num_params]) if p.grad is not None]
+        grads = [(i, p.grad) for i, p in enumerate(flat[:layout.num_params])
+                 if p.grad is not None]
         if sharding is not None:
             result_leaves = sharding.local_results(result_leaves)
             grads = [(i, sharding.local_grad(i, g)) for i, g in grads]
-        outputs.update(spec=out_spec, grad_indices=[i for i, _ in grads],
-                       aliases=_output_aliases(result_leaves, locals_))
+        outputs.grad_indices = [i for i, _ in grads]
+        outputs.aliases = _output_aliases(result_leaves, locals_)
         return [*result_leaves, *(g for _, g in grads), *(g.tensor for g in recorder.guards)]
 
-    saved_grads = [p.grad for p in state.tensors[:num_params]]
+    return flat_fn
+
+
+def _trace(flat_fn: Callable[..., list[Any]], layout: _Layout, recorder: GuardRecorder,
+           decompositions: Mapping[Any, Callable[..., Any]] | None, on_fakes: bool) -> _Traced:
+    """Trace with every parameter's ``.grad`` cleared, and put the caller's back afterwards."""
+    params = layout.state.tensors[:layout.num_params]
+    saved_grads = [p.grad for p in params]
     try:
-        for p in state.tensors[:num_params]:
+        for p in params:
             p.grad = None
-        if any(marks):
-            dynamic_inputs = dynamic.fake_inputs(state.tensors, inputs.leaves, inputs.names, marks)
-            examples = dynamic_inputs.fakes
-            gm = _trace_symbolic(flat_fn, examples, dynamic_inputs, decompositions)
-        else:
-            # Parameters are traced as themselves (a backward writes their .grad, restored
-            # below); buffers and input tensors as copies, so that mutations fn makes while
-            # being traced (BatchNorm statistics, in-place input updates) never touch the
-            # caller's.
-            examples = [
-                *state.tensors[:num_params],
-                *(_copy(t) for t in state.tensors[num_params:]),
-                *(_copy(inputs.leaves[i]) for i in tensor_positions),
-            ]
-            if sharding is not None:
-                examples = sharding.locals(examples)
-            trace = _Trace(flat_fn, decompositions, examples, on_fakes)
-            gm = trace.run()
-            coordinate_dependent = sharding is not None and (
-                not on_fakes or trace.depends_on_coordinate(sharding, gm.code, recorder))
+        if any(layout.marks):
+            dynamic_inputs = dynamic.fake_inputs(layout.state.tensors, layout.inputs.leaves,
+                                                 layout.inputs.names, layout.marks)
+            gm = _trace_symbolic(flat_fn, dynamic_inputs.fakes, dynamic_inputs, decompositions)
+            return _Traced(gm, dynamic_inputs.fakes, dynamic_inputs, False)
+        examples = _examples(layout)
+        trace = _Trace(flat_fn, decompositions, examples, on_fakes)
+        gm = trace.run()
+        sharding = layout.sharding
+        dependent = sharding is not None and (
+            not on_fakes or trace.depends_on_coordinate(sharding, gm.code, recorder))
+        return _Traced(gm, examples, None, dependent)
     finally:
-        for p, grad in zip(state.tensors[:num_params], saved_grads, strict=True):
+        for p, grad in zip(params, saved_grads, strict=True):
             p.grad = grad
 
-    check_graph(gm)
-    checks.reject_control_flow(gm)
-    checks.reject_effects(gm)
-    if sharding is not None:
-        sharding.name_collectives(gm)
-    literals = checks.lift_literals(
-        gm, checks.origin_finder(fn, [(arg_names[i], args[i]) for i in module_positions])
-    )
-    _name_placeholders(gm, state, [inputs.names[i] for i in tensor_positions])
-    shapes: list[Any] = [_shape(leaf) for leaf in inputs.leaves]
-    bounds: list[Any] = [None for _ in inputs.leaves]
-    dynamic_dims: tuple[DynamicDim, ...] = ()
-    relations: tuple[SizeRelation, ...] = ()
-    if dynamic_inputs is not None:
-        dynamic.check_not_specialized(dynamic_inputs, inputs.names)
-        relations = dynamic.shape_relations(dynamic_inputs, inputs.names)
-        for leaf_index, leaf_marks in enumerate(marks):
-            if leaf_marks:
-                shapes[leaf_index] = tuple(
-                    None if d in leaf_marks else s for d, s in enumerate(shapes[leaf_index])
-                )
-                bounds[leaf_index] = {
-                    d: (m.low, m.high) for d, m in leaf_marks.items()
-                    if m.low is not None or m.high is not None
-                } or None
-        dynamic_dims = tuple(
-            DynamicDim(label, tuple(tuple(place) for place in places))
-            for label, places in zip(dynamic_inputs.labels, dynamic_inputs.occurrences,
-                                     strict=True)
-        )
-    spec = ArtifactSpec(
+
+def _examples(layout: _Layout) -> list[torch.Tensor]:
+    # Parameters are traced as themselves (a backward writes their .grad, which _trace
+    # restores); buffers and input tensors as copies, so that mutations fn makes while being
+    # traced (BatchNorm statistics, in-place input updates) never touch the caller's.
+    state = layout.state
+    examples = [
+        *state.tensors[:layout.num_params],
+        *(_copy(t) for t in state.tensors[layout.num_params:]),
+        *(_copy(layout.inputs.leaves[i]) for i in layout.tensor_positions),
+    ]
+    return examples if layout.sharding is None else layout.sharding.locals(examples)
+
+
+def _artifact_spec(backend: str, layout: _Layout, recorder: GuardRecorder, outputs: _Outputs,
+                   traced: _Traced) -> ArtifactSpec:
+    assert outputs.spec is not None  # the trace called the flat function
+    inputs = layout.inputs
+    shapes = _input_shapes(layout, traced.dynamic_inputs)
+    return ArtifactSpec(
         schema_version=SCHEMA_VERSION,
         backend=backend,
         torch=torch_build(),
-        args=tuple(Argument(name, i in module_positions) for i, name in enumerate(arg_names)),
-        model=model_records(state, outputs["grad_indices"]),
-        submodules=submodule_records(modules),
+        args=tuple(Argument(name, i in layout.module_positions)
+                   for i, name in enumerate(layout.arg_names)),
+        model=model_records(layout.state, outputs.grad_indices),
+        submodules=submodule_records(layout.modules),
         inputs=tuple(
             _input_record(leaf, name, value, shape, bound)
             for leaf, name, value, shape, bound in zip(
-                inputs.leaves, inputs.names, inputs.values, shapes, bounds, strict=True)
+                inputs.leaves, inputs.names, inputs.values, shapes.shapes, shapes.bounds,
+                strict=True)
         ),
         in_spec=_dump_in_spec(inputs.spec),
-        out_spec=_dump_out_spec(outputs["spec"]),
+        out_spec=_dump_out_spec(outputs.spec),
         value_guards=tuple(
             ValueGuard(g.description, encode_value(g.description, g.expected))
             for g in recorder.guards
         ),
-        dynamic_dims=dynamic_dims,
-        size_relations=relations,
-        output_aliases=outputs["aliases"],
-        **_distribution_records(sharding, coordinate_dependent),
+        dynamic_dims=shapes.dynamic_dims,
+        size_relations=shapes.relations,
+        output_aliases=outputs.aliases,
+        **_distribution_records(layout.sharding, traced.coordinate_dependent),
     )
+
+
+@dataclass(frozen=True)
+class _InputShapes:
+    """Each input leaf's recorded shape (None at a dynamic dim) and bounds; the dynamic dims."""
+
+    shapes: list[Any]
+    bounds: list[Any]
+    dynamic_dims: tuple[DynamicDim, ...] = ()
+    relations: tuple[SizeRelation, ...] = ()
+
+
+def _input_shapes(layout: _Layout, dynamic_inputs: dynamic.DynamicInputs | None
+                  ) -> _InputShapes:
+    names = layout.inputs.names
+    shapes: list[Any] = [_shape(leaf) for leaf in layout.inputs.leaves]
+    bounds: list[Any] = [None for _ in layout.inputs.leaves]
     if dynamic_inputs is None:
-        return Capture(gm, literals, spec, examples)
-    flat_index = {leaf: num_state + i for i, leaf in enumerate(tensor_positions)}
+        return _InputShapes(shapes, bounds)
+    dynamic.check_not_specialized(dynamic_inputs, names)
+    relations = dynamic.shape_relations(dynamic_inputs, names)
+    for leaf_index, leaf_marks in enumerate(layout.marks):
+        if leaf_marks:
+            shapes[leaf_index] = tuple(
+                None if d in leaf_marks else s for d, s in enumerate(shapes[leaf_index])
+            )
+            bounds[leaf_index] = {
+                d: (m.low, m.high) for d, m in leaf_marks.items()
+                if m.low is not None or m.high is not None
+            } or None
+    dynamic_dims = tuple(
+        DynamicDim(label, tuple(tuple(place) for place in places))
+        for label, places in zip(dynamic_inputs.labels, dynamic_inputs.occurrences, strict=True)
+    )
+    return _InputShapes(shapes, bounds, dynamic_dims, relations)
+
+
+def _symbolic_names(layout: _Layout, dynamic_inputs: dynamic.DynamicInputs
+                    ) -> tuple[dict[int, str], dict[str, str]]:
+    """Memory format of each marked flat input, and each size symbol named after its input."""
+    flat_index = {leaf: layout.num_state + i for i, leaf in enumerate(layout.tensor_positions)}
     formats = {flat_index[leaf]: name for leaf, name in dynamic_inputs.memory_formats.items()}
     symbol_names = {
-        str(symbol): f"input {inputs.names[places[0][0]]} dim {places[0][1]}"
+        str(symbol): f"input {layout.inputs.names[places[0][0]]} dim {places[0][1]}"
         for symbol, places in zip(dynamic_inputs.symbols, dynamic_inputs.occurrences,
                                   strict=True)
     }
-    return Capture(gm, literals, spec, examples, dynamic_inputs.fake_mode, formats, symbol_names)
+    return formats, symbol_names
 
 
 class _Trace:
