@@ -123,6 +123,24 @@ def _keep_saving(base: str, target: Path, start: int) -> None:
         i += 1
 
 
+def _start_writer(base: str, target: Path, start: int) -> int:
+    """Fork a writer and return its pid once it is running, so that fork latency on a busy
+    machine does not eat into the time before the kill."""
+    ready_read, ready_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the writer: never returns
+        try:
+            os.close(ready_read)
+            os.write(ready_write, b"!")
+            _keep_saving(base, target, start)
+        finally:
+            os._exit(1)
+    os.close(ready_write)
+    os.read(ready_read, 1)
+    os.close(ready_read)
+    return pid
+
+
 def test_kill_at_any_moment_leaves_a_whole_pair(artifacts, tmp_path) -> None:
     """SIGKILL a forked writer that keeps saving new pairs over one path, at random moments;
     after each kill what is on disk must be one whole pair, and it must load."""
@@ -131,24 +149,21 @@ def test_kill_at_any_moment_leaves_a_whole_pair(artifacts, tmp_path) -> None:
     rng = random.Random(1234)
     started = time.perf_counter()
     precompile.save(*_generation(base, -1), target)  # a whole pair is on disk from the start
-    # Kill within a few saves' time, so that kills land among writes on a busy machine too.
+    # Kill within a few saves' time; the window widens whenever a kill lands before the writer's
+    # first pair, so that kills land among writes on a busy machine too.
     window = max(0.05, 6 * (time.perf_counter() - started))
-    kills = replaced = 0
+    replaced = 0
     for trial in range(80):
-        pid = os.fork()
-        if pid == 0:  # the writer: never returns
-            try:
-                _keep_saving(base, target, start=trial * 100_000)
-            finally:
-                os._exit(1)
+        pid = _start_writer(base, target, start=trial * 100_000)
         time.sleep(rng.uniform(0.0, window))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-        kills += 1
         code = target.read_text()
         generation = int(code.rsplit("# generation ", 1)[1])
         assert cache_path(target, code).read_bytes() == _generation(base, generation)[1]
-        replaced += generation >= trial * 100_000  # this trial's writer got a pair out
+        landed = generation >= trial * 100_000  # this trial's writer got a pair out
+        replaced += landed
+        window *= 1.0 if landed else 1.5
         precompile.load_file(target)  # a mismatched pair would raise here
-    # Kills must land among the writes, not all before the first one (even on a busy machine).
-    assert kills == 80 and replaced >= 20
+    # Kills must land among the writes, not all before the first one.
+    assert replaced >= 20, (replaced, window)
