@@ -8,8 +8,10 @@ with ``--child``), each with OMP_NUM_THREADS=1 and its own empty Inductor cache 
 result" is the wall time from just before the parent starts a rank's process to the moment that
 rank has its first loss. "import torch + process group" is the same for a child that only
 imports torch, joins the process group and builds the device mesh; "tensor-parallel imports"
-also imports ``torch.distributed.tensor.parallel`` (which any such job imports); "model built"
-also builds the block and parallelizes it (every mode does that before its first step). Build
+also imports ``torch.distributed.tensor.parallel`` (which any such job imports); "torch._dynamo"
+also imports that, which torch's ``distribute_tensor`` does on its first call (through its
+dynamo-disable wrapper), whatever runs the step; "model built" also builds the block and
+parallelizes it (every mode does that before its first step). Build
 time is the wall time of the ``precompile`` call on each rank (max over ranks). Steady state is
 the median of per-step times after warm-up, each step putting fresh gradients on ``.grad``.
 """
@@ -37,7 +39,7 @@ import torch
 WORLD = 2
 DIM, HEADS, BATCH, SEQ = 64, 4, 8, 64
 MARKER = "DISTRIBUTED_RESULT "
-FIRST_MODES = ("baseline", "imports", "model", "ours", "eager", "compile")
+FIRST_MODES = ("baseline", "imports", "dynamo", "model", "ours", "eager", "compile")
 BUILD_MODES = ("build_every", "build_one")
 CHILD_TIMEOUT_S = 900
 
@@ -103,6 +105,10 @@ def child(mode: str, rank: int, port: int, t0: float, workdir: Path, steps: int)
         result["first_s"] = time.time() - t0
     elif mode == "imports":
         importlib.import_module("torch.distributed.tensor.parallel")
+        result["first_s"] = time.time() - t0
+    elif mode == "dynamo":  # what parallelize_module's first distribute_tensor imports
+        importlib.import_module("torch.distributed.tensor.parallel")
+        importlib.import_module("torch._dynamo")
         result["first_s"] = time.time() - t0
     elif mode == "model":  # what every mode does before its first step
         _parallel_model(mesh)
@@ -174,7 +180,7 @@ def measure(runs: int, steps: int) -> dict[str, list[float]]:
                 cache = warm_cache if mode == "compile" else workdir / f"cache-{mode}"
                 ranks = launch(mode, workdir, cache, steps)
                 samples.setdefault(f"{mode}:first", []).append(max(r["first_s"] for r in ranks))
-                if mode not in ("baseline", "imports", "model"):
+                if mode not in ("baseline", "imports", "dynamo", "model"):
                     samples.setdefault(f"{mode}:steady", []).append(
                         max(r["steady_ms"] for r in ranks))
                     samples.setdefault(f"{mode}:loss", []).append(ranks[0]["loss"])
@@ -213,6 +219,7 @@ def report(samples: dict[str, list[float]], runs: int, steps: int) -> str:
     ]
     names = {"baseline": "import torch + process group + mesh",
              "imports": "... + DTensor and tensor-parallel imports",
+             "dynamo": "... + torch._dynamo (imported by the first distribute_tensor)",
              "model": "... + model built and parallelized", "ours": "torch_precompile, cache",
              "eager": "eager", "compile": "torch.compile, warm cache"}
     built = med["model:first"]
