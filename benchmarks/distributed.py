@@ -39,7 +39,15 @@ import torch
 WORLD = 2
 DIM, HEADS, BATCH, SEQ = 64, 4, 8, 64
 MARKER = "DISTRIBUTED_RESULT "
-FIRST_MODES = ("baseline", "imports", "dynamo", "model", "ours", "eager", "compile")
+# The job's own setup, step by step: what each of these modes imports after the process group.
+SETUP_IMPORTS = {
+    "baseline": (),
+    "imports": ("torch.distributed.tensor.parallel",),
+    # what parallelize_module's first distribute_tensor imports
+    "dynamo": ("torch.distributed.tensor.parallel", "torch._dynamo"),
+}
+SETUP_MODES = (*SETUP_IMPORTS, "model")
+FIRST_MODES = (*SETUP_MODES, "ours", "eager", "compile")
 BUILD_MODES = ("build_every", "build_one")
 CHILD_TIMEOUT_S = 900
 
@@ -101,14 +109,9 @@ def child(mode: str, rank: int, port: int, t0: float, workdir: Path, steps: int)
                             world_size=WORLD, timeout=datetime.timedelta(seconds=600))
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
     result: dict[str, Any] = {"rank": rank}
-    if mode == "baseline":
-        result["first_s"] = time.time() - t0
-    elif mode == "imports":
-        importlib.import_module("torch.distributed.tensor.parallel")
-        result["first_s"] = time.time() - t0
-    elif mode == "dynamo":  # what parallelize_module's first distribute_tensor imports
-        importlib.import_module("torch.distributed.tensor.parallel")
-        importlib.import_module("torch._dynamo")
+    if mode in SETUP_IMPORTS:
+        for module in SETUP_IMPORTS[mode]:
+            importlib.import_module(module)
         result["first_s"] = time.time() - t0
     elif mode == "model":  # what every mode does before its first step
         _parallel_model(mesh)
@@ -180,7 +183,7 @@ def measure(runs: int, steps: int) -> dict[str, list[float]]:
                 cache = warm_cache if mode == "compile" else workdir / f"cache-{mode}"
                 ranks = launch(mode, workdir, cache, steps)
                 samples.setdefault(f"{mode}:first", []).append(max(r["first_s"] for r in ranks))
-                if mode not in ("baseline", "imports", "dynamo", "model"):
+                if mode not in SETUP_MODES:
                     samples.setdefault(f"{mode}:steady", []).append(
                         max(r["steady_ms"] for r in ranks))
                     samples.setdefault(f"{mode}:loss", []).append(ranks[0]["loss"])
