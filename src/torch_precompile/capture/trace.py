@@ -36,6 +36,8 @@ from torch_precompile.internals.tracing import (
     GuardOnDataDependentSymNode,
     differentiable_rnns,
     make_fx,
+    make_fx_tolerating_data_dependent_ops,
+    rename_node,
     reparametrize_module,
 )
 from torch_precompile.spec import (
@@ -344,8 +346,8 @@ class _Trace:
     def run(self) -> torch.fx.GraphModule:
         with torch.enable_grad(), _fork_rng(self.examples), differentiable_rnns():
             if not self.on_fakes:
-                return make_fx(self.flat_fn, decomposition_table=self.decompositions,
-                               _error_on_data_dependent_ops=False)(*self.examples)
+                return make_fx_tolerating_data_dependent_ops(
+                    self.flat_fn, self.decompositions)(*self.examples)
             fake_mode = FakeTensorMode()
             with fake_mode:
                 fakes = [fake_mode.from_tensor(e) for e in self.examples]
@@ -528,7 +530,7 @@ def _name_placeholders(gm: torch.fx.GraphModule, state: ModelState, input_names:
     ]
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     for node, name in zip(placeholders, names, strict=False):
-        node._rename(_identifier(name))
+        rename_node(node, _identifier(name))
         node.target = node.name
     gm.recompile()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,8 @@ __all__ = [
     "GuardOnDataDependentSymNode", "ShapeEnv", "TensorMarks", "TorchDispatchMode", "check",
     "deferred_asserts", "differentiable_rnns", "effect_of", "forget_pending_unbacked",
     "fx_builtin_imports", "graph_function_source", "is_operator",
-    "is_traceable_wrapper_subclass", "make_fx", "reparametrize_module", "set_size_hint",
+    "is_traceable_wrapper_subclass", "make_fx", "make_fx_tolerating_data_dependent_ops",
+    "operator_schema", "rename_node", "reparametrize_module", "set_size_hint",
     "size_function_types", "symbol_pinning", "tensor_marks",
 ]
 
@@ -100,11 +101,30 @@ def is_operator(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload)
 
 
+def operator_schema(target: Any) -> Any:
+    """The ``torch.FunctionSchema`` of an operator call's target, or None for other targets."""
+    return getattr(target, "_schema", None)
+
+
 def effect_of(target: Any) -> Any:
     """The ordering side effect an operator declares (printing, recording), or None."""
     from torch._higher_order_ops.effects import _get_effect
 
     return _get_effect(target) if is_operator(target) else None
+
+
+def make_fx_tolerating_data_dependent_ops(
+    fn: Callable[..., Any], decomposition_table: Mapping[Any, Callable[..., Any]] | None = None,
+) -> Callable[..., torch.fx.GraphModule]:
+    """``make_fx`` on real tensors that records data-dependent operators (``.item()``,
+    ``nonzero``) into the graph instead of refusing them; capture guards the values read."""
+    return make_fx(fn, decomposition_table=decomposition_table,
+                   _error_on_data_dependent_ops=False)
+
+
+def rename_node(node: torch.fx.Node, name: str) -> None:
+    """Rename ``node`` in its graph; fx picks a free name near ``name`` when it is taken."""
+    node._rename(name)
 
 
 def graph_function_source(gm: torch.fx.GraphModule, name: str) -> str:

@@ -27,7 +27,7 @@ from torch_precompile.internals.inductor import (
     retrace_for_inductor,
     wrapper_with_stand_ins,
 )
-from torch_precompile.internals.tracing import DynamicOutputShapeException
+from torch_precompile.internals.tracing import DynamicOutputShapeException, operator_schema
 from torch_precompile.lower import LoweredGraph
 from torch_precompile.lower.kernels import collect_built_kernels
 
@@ -154,7 +154,7 @@ def _reshape_unwritten_views(graph: torch.fx.Graph) -> None:
         if node.target is operator.getitem and isinstance(source, torch.fx.Node):
             roots[node] = roots[source]
             continue
-        schema = getattr(node.target, "_schema", None)
+        schema = operator_schema(node.target)
         if schema is None:
             continue
         bound = dict(zip((a.name for a in schema.arguments), node.args, strict=False))
