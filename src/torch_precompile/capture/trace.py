@@ -35,10 +35,9 @@ from torch_precompile.internals.tracing import (
     FakeTensorMode,
     GuardOnDataDependentSymNode,
     differentiable_rnns,
-    make_fx,
-    make_fx_tolerating_data_dependent_ops,
     rename_node,
     reparametrize_module,
+    trace_with_user_lines,
 )
 from torch_precompile.spec import (
     SCHEMA_VERSION,
@@ -346,13 +345,13 @@ class _Trace:
     def run(self) -> torch.fx.GraphModule:
         with torch.enable_grad(), _fork_rng(self.examples), differentiable_rnns():
             if not self.on_fakes:
-                return make_fx_tolerating_data_dependent_ops(
-                    self.flat_fn, self.decompositions)(*self.examples)
+                return trace_with_user_lines(self.flat_fn, self.decompositions,
+                                             tolerate_data_dependent_ops=True)(*self.examples)
             fake_mode = FakeTensorMode()
             with fake_mode:
                 fakes = [fake_mode.from_tensor(e) for e in self.examples]
                 try:
-                    return make_fx(self.flat_fn, decomposition_table=self.decompositions)(*fakes)
+                    return trace_with_user_lines(self.flat_fn, self.decompositions)(*fakes)
                 except PrecompileError:
                     raise
                 except Exception as e:
@@ -420,8 +419,8 @@ def _trace_symbolic(
 ) -> torch.fx.GraphModule:
     try:
         with torch.enable_grad(), dynamic_inputs.fake_mode, differentiable_rnns():
-            return make_fx(flat_fn, decomposition_table=decompositions,
-                           tracing_mode="symbolic")(*fakes)
+            return trace_with_user_lines(flat_fn, decompositions,
+                                         tracing_mode="symbolic")(*fakes)
     except GuardOnDataDependentSymNode as e:
         raise PrecompileError(
             "fn branches on, or needs a fixed value of, a dim marked with mark_unbacked (or a "

@@ -1,12 +1,19 @@
-"""Torch internals that capture uses: make_fx, reparametrization, fake tensors and ShapeEnv,
-dispatch modes, operator effects, the marks ``mark_unbacked`` leaves on a tensor."""
+"""Torch internals that capture uses: make_fx (with the user's source line on each node),
+reparametrization, fake tensors and ShapeEnv, dispatch modes, operator effects, the marks
+``mark_unbacked`` leaves on a tensor."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import os
 import re
+import sysconfig
+import threading
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +22,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.fx.graph import _custom_builtins
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
@@ -28,9 +35,9 @@ __all__ = [
     "GuardOnDataDependentSymNode", "ShapeEnv", "TensorMarks", "TorchDispatchMode", "check",
     "deferred_asserts", "differentiable_rnns", "effect_of", "forget_pending_unbacked",
     "fx_builtin_imports", "graph_function_source", "is_operator",
-    "is_traceable_wrapper_subclass", "make_fx", "make_fx_tolerating_data_dependent_ops",
-    "operator_schema", "rename_node", "reparametrize_module", "set_size_hint",
-    "size_function_types", "symbol_pinning", "tensor_marks",
+    "is_traceable_wrapper_subclass", "make_fx", "operator_schema", "rename_node",
+    "reparametrize_module", "set_size_hint", "size_function_types", "symbol_pinning",
+    "tensor_marks", "trace_with_user_lines",
 ]
 
 check = torch._check
@@ -113,13 +120,79 @@ def effect_of(target: Any) -> Any:
     return _get_effect(target) if is_operator(target) else None
 
 
-def make_fx_tolerating_data_dependent_ops(
-    fn: Callable[..., Any], decomposition_table: Mapping[Any, Callable[..., Any]] | None = None,
+def trace_with_user_lines(
+    fn: Callable[..., Any],
+    decomposition_table: Mapping[Any, Callable[..., Any]] | None = None,
+    *,
+    tracing_mode: str = "real",
+    tolerate_data_dependent_ops: bool = False,
 ) -> Callable[..., torch.fx.GraphModule]:
-    """``make_fx`` on real tensors that records data-dependent operators (``.item()``,
-    ``nonzero``) into the graph instead of refusing them; capture guards the values read."""
-    return make_fx(fn, decomposition_table=decomposition_table,
-                   _error_on_data_dependent_ops=False)
+    """``make_fx(fn)`` whose nodes each carry the user's source line that produced them.
+
+    A node's ``stack_trace`` is the innermost frame outside torch, this package and the
+    standard library (``nn.Linear``'s ops name the line that called the layer); fx prints it
+    as a ``# File: ...`` comment above the node's code. ``tolerate_data_dependent_ops``
+    records data-dependent operators (``.item()``, ``nonzero``) on real tensors instead of
+    refusing them; capture guards the values read.
+    """
+    options = {"_error_on_data_dependent_ops": False} if tolerate_data_dependent_ops else {}
+    traced = make_fx(fn, decomposition_table=decomposition_table, tracing_mode=tracing_mode,
+                     record_stack_traces=True, **options)
+
+    def run(*args: Any) -> torch.fx.GraphModule:
+        with _user_frames_only():
+            return traced(*args)
+
+    return run
+
+
+_NOT_USER_CODE = tuple(
+    str(directory) + os.sep
+    for directory in (Path(torch.__file__).parent, Path(__file__).parents[1],
+                      sysconfig.get_paths()["stdlib"])
+)
+_KEEPING_USER_FRAMES = contextvars.ContextVar("keeping_user_frames", default=False)
+_filter_lock = threading.Lock()
+_filter_users = 0
+
+
+def _innermost_user_frame(self: Any, stack: traceback.StackSummary) -> traceback.StackSummary:
+    """Stands in for ``PythonKeyTracer._filter_traceback_frames`` while a capture traces.
+
+    torch's own filter keeps only frames of functions named ``forward``, which drops the
+    user's step function; other tracers (another thread's, a nested one) keep it.
+    """
+    if not _KEEPING_USER_FRAMES.get():
+        return _TORCH_FRAME_FILTER(self, stack)
+    for frame in reversed(stack):
+        if not frame.filename.startswith(_NOT_USER_CODE):
+            return traceback.StackSummary.from_list([frame])
+    return traceback.StackSummary.from_list([])
+
+
+_TORCH_FRAME_FILTER = PythonKeyTracer._filter_traceback_frames
+_OWN_FRAME_FILTER = PythonKeyTracer.__dict__.get("_filter_traceback_frames")  # None: inherited
+
+
+@contextlib.contextmanager
+def _user_frames_only() -> Iterator[None]:
+    """Install the frame filter on torch's tracer class while any capture traces."""
+    global _filter_users
+    with _filter_lock:
+        if _filter_users == 0:
+            PythonKeyTracer._filter_traceback_frames = _innermost_user_frame
+        _filter_users += 1
+    token = _KEEPING_USER_FRAMES.set(True)
+    try:
+        yield
+    finally:
+        _KEEPING_USER_FRAMES.reset(token)
+        with _filter_lock:
+            _filter_users -= 1
+            if _filter_users == 0 and _OWN_FRAME_FILTER is None:
+                del PythonKeyTracer._filter_traceback_frames
+            elif _filter_users == 0:
+                PythonKeyTracer._filter_traceback_frames = _OWN_FRAME_FILTER
 
 
 def rename_node(node: torch.fx.Node, name: str) -> None:

@@ -1,0 +1,95 @@
+"""Each op of a captured graph names the user's source line that produced it."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from torch_precompile import precompile
+from torch_precompile.capture import capture
+from torch_precompile.internals.tracing import graph_function_source
+
+TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = torch.nn.Linear(4, 5)
+        self.out = torch.nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(x)))
+
+
+def step(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), t)
+    loss.backward()
+    return loss
+
+
+def _example() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(2, 4), torch.tensor([0, 2])
+
+
+def _comment(fn: Callable[..., Any], code: str) -> str:
+    """The ``# File:`` comment fx writes for the line of ``fn`` whose text is ``code``."""
+    lines, first = inspect.getsourcelines(fn)
+    number = first + next(i for i, line in enumerate(lines) if line.strip() == code)
+    return f"# File: {__file__}:{number} in {fn.__name__}, code: {code}"
+
+
+def _comment_above(source: str, op: str) -> str | None:
+    """The last ``# File:`` comment before the first line that calls ``op``."""
+    comment = None
+    for line in source.splitlines():
+        if line.strip().startswith("# File:"):
+            comment = line.strip()
+        elif f"torch.ops.aten.{op}." in line:
+            return comment
+    raise AssertionError(f"no {op} in the source")
+
+
+def _file_comments(source: str) -> list[str]:
+    return [line.strip() for line in source.splitlines() if line.strip().startswith("# File:")]
+
+
+def test_eager_artifact_names_the_users_lines_not_torchs() -> None:
+    model = torch.nn.Linear(4, 3)
+    code, cache = precompile(step, model, *_example(), backend="eager")
+    loss_line = _comment(step, "loss = F.cross_entropy(model(x), t)")
+    # nn.Linear's own frame (in torch/nn/modules) is skipped: its ops name the caller's line.
+    assert _comment_above(code, "addmm") == loss_line
+    assert _comment_above(code, "nll_loss_forward") == loss_line
+    assert _comment_above(code, "nll_loss_backward") == _comment(step, "loss.backward()")
+    assert _file_comments(code) and not any(TORCH_DIR in c for c in _file_comments(code))
+    x, t = _example()
+    expected = F.cross_entropy(model(x), t)
+    assert torch.equal(precompile.load(code, cache)(model, x, t), expected)
+
+
+def test_a_users_module_names_its_forward() -> None:
+    code, _ = precompile(step, TwoLayers(), *_example(), backend="eager")
+    forward_line = _comment(TwoLayers.forward, "return self.out(torch.relu(self.hidden(x)))")
+    assert _comment_above(code, "addmm") == forward_line
+    assert _comment_above(code, "relu") == forward_line
+    assert _comment_above(code, "nll_loss_forward") == _comment(
+        step, "loss = F.cross_entropy(model(x), t)")
+
+
+def test_fake_and_symbolic_traces_name_the_users_lines() -> None:
+    loss_line = _comment(step, "loss = F.cross_entropy(model(x), t)")
+    on_fakes = capture(step, (torch.nn.Linear(4, 3), *_example()), "eager", on_fakes=True)
+    assert _comment_above(graph_function_source(on_fakes.graph, "g"), "addmm") == loss_line
+    x, t = _example()
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    torch._dynamo.decorators.mark_unbacked(t, 0)
+    symbolic = capture(step, (torch.nn.Linear(4, 3), x, t), "inductor")
+    source = graph_function_source(symbolic.graph, "g")
+    assert _comment_above(source, "nll_loss_forward") == loss_line
+    assert not any(TORCH_DIR in c for c in _file_comments(source))
