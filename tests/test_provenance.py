@@ -93,3 +93,14 @@ def test_fake_and_symbolic_traces_name_the_users_lines() -> None:
     source = graph_function_source(symbolic.graph, "g")
     assert _comment_above(source, "nll_loss_forward") == loss_line
     assert not any(TORCH_DIR in c for c in _file_comments(source))
+
+
+def test_torchs_tracer_is_left_as_it_was() -> None:
+    from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
+
+    before = dict(PythonKeyTracer.__dict__)
+    capture(step, (torch.nn.Linear(4, 3), *_example()), "eager")
+    assert dict(PythonKeyTracer.__dict__) == before
+    # A plain make_fx with stack traces keeps torch's own filter (frames named forward only).
+    gm = make_fx(lambda x: torch.relu(x), record_stack_traces=True)(torch.randn(2))
+    assert all(not n.meta.get("stack_trace") for n in gm.graph.nodes)
