@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from torch_precompile import driver
+import torch_precompile
+from torch_precompile.driver import core, distributed, dynamic, memo, values
+from torch_precompile.lower.inductor import GENERATED_END, GENERATED_START
+from torch_precompile.shipped import shipped_source
 from torch_precompile.spec import SCHEMA_VERSION, SPEC_NAME
 
 from conftest import run_python
@@ -81,23 +88,65 @@ def test_standalone_artifact_imports_nothing_from_the_package(backend: str, arti
 
 
 def test_sections_in_order(backend: str, artifacts) -> None:
+    """Meaning first: what it is and how to call it, the spec, the graph, then the driver."""
     code, _ = artifacts.pair("mlp_train", backend)
-    assert code.startswith("# A precompiled PyTorch computation")
-    assert "no weights are stored here" in code
-    positions = [code.index(f"=\n# {n}. ") for n in (2, 3, 4)]
+    assert code.startswith("# A precompiled PyTorch computation: forward(m, x, t).")
+    assert "No weights are inside" in code[:2000]
+    positions = [code.index(f"=\n# {n}. ") for n in (1, 2, 3)]
     assert positions == sorted(positions)
-    section = code[positions[1]:positions[2]]
-    assert f"\n{SPEC_NAME} = {{'schema_version': {SCHEMA_VERSION}," in section
+    spec_section = code[positions[0]:positions[1]]
+    assert f"\n{SPEC_NAME} = {{\n    'schema_version': {SCHEMA_VERSION},\n" in spec_section
     assert code.count(f"\n{SPEC_NAME} = ") == 1
-    assert code.rstrip().splitlines()[-3:-1] == ["", f"PLAN = Plan({SPEC_NAME}, call)"] or (
-        f"\nPLAN = Plan({SPEC_NAME}, call)\n" in code[positions[2]:])
-    assert code.index("def call(") < positions[1]
+    assert positions[1] < code.index("\ndef call(") < positions[2]
+    driver = code[positions[2]:]
+    assert driver.index("class Driver:") < driver.index("def check_arguments(") < driver.index(
+        "def walk_models(") < driver.index("class ModelMemo:")
+    binding = f"forward = Driver({SPEC_NAME}, call, memo=ModelMemo)"
+    assert driver.rstrip().splitlines()[-4] == binding
 
 
-def test_driver_is_the_package_module_verbatim(backend: str, artifacts) -> None:
+def test_header_says_how_the_artifact_was_made(backend: str, artifacts) -> None:
     code, _ = artifacts.pair("mlp_infer", backend)
-    assert inspect.getsource(driver) in code
-    assert "from __future__ import" not in inspect.getsource(driver)
+    header = code[:code.index("# 1. ")]
+    flat = " ".join(line.removeprefix("# ") for line in header.splitlines())
+    assert f"Made by torch-precompile {torch_precompile.__version__} on " in flat
+    assert f"with tracer make_fx and backend {backend!r}, for torch {torch.__version__}" in flat
+    assert re.search(r" on \d{4}-\d\d-\d\d with tracer", flat)
+    assert all(len(line) <= 100 for line in header.splitlines())
+
+
+def test_driver_parts_are_the_package_modules_verbatim(backend: str, artifacts) -> None:
+    """Each part this artifact needs is copied in, its body to the letter; no other part."""
+    code, _ = artifacts.pair("mlp_infer", backend)
+    for module in (core, memo):
+        body = shipped_source(module).body
+        assert body in code, module.__name__
+        assert "from __future__ import" not in inspect.getsource(module)
+    for module in (values, dynamic, distributed):
+        assert shipped_source(module).body.splitlines()[0] not in code, module.__name__
+    assert "from torch_precompile" not in code and '"""The driver' not in code
+
+
+def test_parts_come_with_the_spec_that_needs_them(artifacts) -> None:
+    code, _ = artifacts.pair("pytree", "eager")  # nested inputs with Python values
+    assert "class InputValues:" in code and "values=InputValues" in code
+
+
+def test_artifact_has_no_unused_imports(backend: str, artifacts, tmp_path) -> None:
+    """Inductor's generated wrapper imports what it may use; everything around it imports
+    only what it uses."""
+    code, _ = artifacts.pair("mlp_infer", backend)
+    if backend == "inductor":
+        lines = code.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith(GENERATED_START))
+        end = lines.index(GENERATED_END)
+        code = "\n".join([*lines[:start], "inductor_call = None", *lines[end + 1:]])
+    path = tmp_path / "artifact.py"
+    path.write_text(code)
+    ruff = Path(sys.executable).parent / "ruff"
+    proc = subprocess.run([str(ruff), "check", "--isolated", "--select", "F401,F811",
+                           str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
 
 
 def test_eager_graph_bakes_inf_nan_and_device(artifacts) -> None:

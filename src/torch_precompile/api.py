@@ -184,7 +184,7 @@ def _build(
         captured = capture(fn, example_inputs, backend, decompositions, on_fakes=on_fakes)
         report("lower")
         lowered = _lower(captured, backend)
-        spec = captured.spec.with_strides(lowered.input_strides)
+        spec = captured.spec.with_strides(lowered.input_strides).with_kernels(lowered.kernels)
         report("render")
         python_code = render(spec, lowered)
     cache = envelope.pack(backend, python_code, lowered.acceleration)

@@ -66,7 +66,9 @@ def load(
     if acceleration is not None and backend == "inductor":
         from torch_precompile.artifact.kernel_payload import load_built_kernels
 
-        namespace["PRECOMPILED_KERNELS"] = load_built_kernels(acceleration)
+        pinned = ({k.key: k.sha256 for k in spec.kernels} if spec.schema_version >= 3
+                  else None)  # older schemas name no kernel objects
+        namespace["PRECOMPILED_KERNELS"] = load_built_kernels(acceleration, pinned)
     filename = f"<precompiled artifact {envelope.code_hash(python_code)[:12]}>"
     # Registered so that tracebacks through the artifact show its source lines.
     linecache.cache[filename] = (len(python_code), None, python_code.splitlines(True), filename)
@@ -78,11 +80,12 @@ def load(
             "what this process lacks (with no usable cache, a C++ compiler to build kernels)."
         ) from e
     forward = namespace.get("forward")
-    # The plan is built on the artifact's last line: without it the file was cut short.
-    if not callable(forward) or namespace.get("PLAN") is None:
+    # forward is bound on the artifact's last lines (before schema 3, PLAN was): without it
+    # the file was cut short.
+    if not callable(forward) or (spec.schema_version < 3 and namespace.get("PLAN") is None):
         raise PrecompileError(
-            "python_code ran but did not reach its end (no forward() and PLAN): it is truncated "
-            "or not an artifact."
+            "python_code ran but did not reach its end (no forward bound to its spec): it is "
+            "truncated or not an artifact."
         )
     # The driver raises the PrecompileError it finds in its globals at raise time; point it at
     # the package's class so callers can catch one type.

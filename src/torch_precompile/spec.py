@@ -3,8 +3,10 @@
 Capture builds an ``ArtifactSpec``; the artifact carries it as ONE literal (``ARTIFACT_SPEC``,
 plain dicts, tuples and scalars); ``load``, ``inspect`` and the tests read it back with
 ``parse_spec`` without executing anything; the driver inside the artifact reads the same
-literal. ``SCHEMA_VERSION`` names the literal's layout; its history and the compatibility
-policy are in ``docs/SPEC_VERSIONS.md``.
+literal. ``SCHEMA_VERSION`` names the literal's layout and ``SCHEMA_HISTORY`` says what each
+version changed; the compatibility policy is in ``docs/SPEC_VERSIONS.md``, and
+``docs/spec-schema.txt`` lists every record's fields (``python -m torch_precompile.spec_listing``
+writes it; a test holds it to these dataclasses).
 
 Flat graph inputs are the model tensors that are not tied to an earlier one (in ``model``
 order), then the tensor leaves of ``inputs``. Graph outputs are ``fn``'s result leaves, then
@@ -18,13 +20,34 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pprint
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from torch_precompile.errors import PrecompileError
 
-SCHEMA_VERSION = 2
+
+@dataclass(frozen=True)
+class SchemaChange:
+    """One schema version: when it came and what it changed."""
+
+    version: int
+    date: str
+    change: str
+
+
+SCHEMA_HISTORY = (
+    SchemaChange(1, "2026-11-30", "First typed spec, replacing 28 separate metadata literals: "
+                 "args, model (one record per parameter or buffer name), submodules, inputs "
+                 "(one record per leaf), value_guards, dynamic_dims, size_relations, "
+                 "output_aliases, backend, torch."),
+    SchemaChange(2, "2026-11-30", "DTensors: meshes (device type, shape, dim names, ranks, "
+                 "the graph's group name per mesh dim, the capturing coordinate when the graph "
+                 "depends on it) and distributed (per DTensor flat input or result leaf)."),
+    SchemaChange(3, "2026-12-01", "kernels: the SHA-256 of every built kernel object, by "
+                 "kernel key, so the source names the exact objects its cache may hold."),
+)
+SCHEMA_VERSION = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""
 OLDEST_READABLE_SCHEMA = 1
 """The oldest spec layout this version still reads (the window is inclusive)."""
@@ -183,6 +206,14 @@ class DistributedTensor:
 
 
 @dataclass(frozen=True)
+class KernelObject:
+    """A built kernel object the cache may carry: its kernel key and the SHA-256 of its bytes."""
+
+    key: str
+    sha256: str
+
+
+@dataclass(frozen=True)
 class ArtifactSpec:
     """Everything the driver needs to check a call and map it onto ``call(flat_inputs)``."""
 
@@ -201,12 +232,13 @@ class ArtifactSpec:
     output_aliases: tuple[OutputAlias, ...] = ()
     meshes: tuple[Mesh, ...] = ()
     distributed: tuple[DistributedTensor, ...] = ()
+    kernels: tuple[KernelObject, ...] = ()
 
     RECORDS: ClassVar[dict[str, type]] = {
         "torch": TorchBuild, "args": Argument, "model": ModelTensor, "submodules": Submodule,
         "inputs": InputLeaf, "value_guards": ValueGuard, "dynamic_dims": DynamicDim,
         "size_relations": SizeRelation, "output_aliases": OutputAlias, "meshes": Mesh,
-        "distributed": DistributedTensor,
+        "distributed": DistributedTensor, "kernels": KernelObject,
     }
 
     @property
@@ -247,14 +279,28 @@ class ArtifactSpec:
         return dataclasses.replace(self, model=model, inputs=inputs,
                                    distributed=(*distributed, *results))
 
+    def with_kernels(self, kernels: Sequence[KernelObject]) -> ArtifactSpec:
+        """The spec naming the kernel objects a lowering built."""
+        return dataclasses.replace(self, kernels=tuple(kernels))
+
     def to_literal(self) -> dict[str, Any]:
         """The spec as plain dicts, tuples and scalars (what ``ARTIFACT_SPEC`` holds)."""
         return dataclasses.asdict(self)
 
-    def source(self) -> str:
-        """``ARTIFACT_SPEC = {...}``: the assignment written into ``python_code``."""
-        text = pprint.pformat(self.to_literal(), width=96, compact=True, sort_dicts=False)
-        return f"{SPEC_NAME} = {text}\n"
+    def source(self, notes: Mapping[str, str] | None = None) -> str:
+        """``ARTIFACT_SPEC = {...}``: the assignment written into ``python_code``, one field
+        a line and one record a line (wrapped), each ``notes[field]`` as a comment above it."""
+        lines = [f"{SPEC_NAME} = {{"]
+        for name, value in self.to_literal().items():
+            if notes and name in notes:
+                lines.append(f"    # {notes[name]}")
+            if isinstance(value, tuple) and value and isinstance(value[0], dict):
+                lines.append(f"    {name!r}: (")
+                lines.extend(_wrapped(record, "        ") + "," for record in value)
+                lines.append("    ),")
+            else:
+                lines.append(_wrapped(value, "    ", f"{name!r}: ") + ",")
+        return "\n".join([*lines, "}"]) + "\n"
 
     @classmethod
     def from_literal(cls, literal: Any) -> ArtifactSpec:
@@ -275,6 +321,22 @@ class ArtifactSpec:
             fields[name] = (_record(record, value) if name == "torch"
                             else tuple(_record(record, item) for item in value))
         return cls(**fields)
+
+
+def _wrapped(value: Any, indent: str, prefix: str = "") -> str:
+    """``value``'s repr; a dict's items filled onto lines of at most 100 characters."""
+    if not isinstance(value, dict):
+        text = pprint.pformat(value, width=100 - len(indent + prefix), compact=True)
+        return indent + prefix + text.replace("\n", "\n" + indent + " " * len(prefix))
+    lines, line = [], indent + prefix + "{"
+    for i, (key, item) in enumerate(value.items()):
+        text = f"{key!r}: {item!r}" + ("}" if i == len(value) - 1 else ",")
+        if len(line) + 1 + len(text) > 100 and not line.endswith("{"):
+            lines.append(line)
+            line = indent + " " * len(prefix) + " " + text
+        else:
+            line += ("" if line.endswith("{") else " ") + text
+    return "\n".join([*lines, line if value else line + "}"])
 
 
 def check_schema_version(version: Any) -> None:

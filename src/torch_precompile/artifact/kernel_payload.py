@@ -15,7 +15,7 @@ import os
 import platform
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import enable_prebuilt_kernel_imports, torch_build
 
 log = logging.getLogger("torch_precompile")
@@ -67,8 +68,14 @@ def fingerprint_mismatch(built_for: dict[str, Any]) -> str | None:
     return None
 
 
-def load_built_kernels(acceleration: bytes) -> dict[str, Callable[..., Any]]:
-    """Load the cache's kernel objects into this process; skip (with a warning) what cannot be."""
+def load_built_kernels(acceleration: bytes, pinned: Mapping[str, str] | None
+                       ) -> dict[str, Callable[..., Any]]:
+    """Load the cache's kernel objects into this process; skip (with a warning) what cannot be.
+
+    ``pinned`` maps each kernel key to the digest python_code names for its object (None for
+    an artifact that names none). Every object is checked against it before any is mapped: an
+    object the source does not name is refused.
+    """
     try:
         payload = torch.load(io.BytesIO(acceleration), weights_only=True)
         kernels = payload["kernels"]
@@ -79,6 +86,12 @@ def load_built_kernels(acceleration: bytes) -> dict[str, Callable[..., Any]]:
         log.warning("precompile cache: kernel payload unreadable (%s); kernels will be built "
                     "from python_code on first use.", e)
         return {}
+    usable = _checked_objects(kernels, pinned)
+    missing = sorted(set(pinned or ()) - set(kernels))
+    if missing:
+        log.warning("precompile cache: it lacks %d kernel object(s) python_code names (%s); "
+                    "they will be built from python_code on first use.", len(missing),
+                    ", ".join(f"{key[:12]}…" for key in missing[:4]))
     reason = fingerprint_mismatch(built_for)
     if reason is not None:
         log.warning("precompile cache: its kernels were built for another machine or torch "
@@ -86,7 +99,7 @@ def load_built_kernels(acceleration: bytes) -> dict[str, Callable[..., Any]]:
         return {}
     enable_prebuilt_kernel_imports()
     loaded: dict[str, Callable[..., Any]] = {}
-    for key, entry in kernels.items():
+    for key, entry in usable.items():
         try:
             loaded[key] = _load_object(key, entry)
         except Exception as e:
@@ -95,10 +108,34 @@ def load_built_kernels(acceleration: bytes) -> dict[str, Callable[..., Any]]:
     return loaded
 
 
+def _checked_objects(kernels: Mapping[str, Any], pinned: Mapping[str, str] | None
+                     ) -> dict[str, Any]:
+    """The entries whose bytes are intact; raises for one that is intact but not pinned."""
+    usable = {}
+    for key, entry in kernels.items():
+        digest = hashlib.sha256(entry["object"]).hexdigest()
+        intact = digest == entry.get("sha256")
+        if (pinned is None and intact) or (pinned is not None and pinned.get(key) == digest):
+            usable[key] = entry
+            continue
+        if pinned is None or (key in pinned and not intact):
+            log.warning("precompile cache: kernel %s… is unusable (its bytes are damaged: "
+                        "they do not match their checksum); it will be built from python_code "
+                        "on first use.", key[:12])
+            continue
+        named = (f"python_code names sha256 {pinned[key][:16]}…" if key in pinned
+                 else "python_code names no such kernel")
+        raise PrecompileError(
+            f"the cache holds a kernel object that is not one python_code was built with "
+            f"(kernel {key[:12]}…: sha256 {digest[:16]}…, {named}). The cache was altered or "
+            "belongs to another build of this source: pass the cache precompile() returned "
+            "with it, or None to build the kernels from python_code."
+        )
+    return usable
+
+
 def _load_object(key: str, entry: dict[str, Any]) -> Callable[..., Any]:
     data = entry["object"]
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise ValueError("its bytes do not match their checksum")
     # The entry point is PyInit_<last component>, so the name must end with the built one.
     name = f"torch_precompile_kernel_{key[:24]}.{entry['module']}"
     module = sys.modules.get(name)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from torch_precompile.driver import bind_groups, placement_text
+from torch_precompile.driver.distributed import bind_groups, placement_text
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.distributed import (
     collective_group_names,

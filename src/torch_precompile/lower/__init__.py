@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch_precompile.spec import KernelObject
+
 
 @dataclass(frozen=True)
 class LoweredGraph:
@@ -11,8 +13,10 @@ class LoweredGraph:
 
     ``input_strides`` holds, per flat graph input, the strides the compiled kernels assume
     (None where any layout will do); None altogether for a layout-flexible backend.
+    ``kernels`` names every built kernel object in ``acceleration``, with its digest.
     """
 
     source: str
     acceleration: bytes | None
     input_strides: list[tuple[int, ...] | str | None] | None = None
+    kernels: tuple[KernelObject, ...] = ()

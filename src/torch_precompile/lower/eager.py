@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from torch_precompile.capture import Capture
 from torch_precompile.capture.checks import literal_source
 from torch_precompile.internals.tracing import fx_builtin_imports, graph_function_source
@@ -12,11 +14,11 @@ def lower_eager(capture: Capture) -> LoweredGraph:
     gm = capture.graph
     graph_code = graph_function_source(gm, "captured_graph")
     lines = [
-        "# The fx names the graph code refers to.",
-        *fx_builtin_imports(),
+        "# The names the graph code refers to.",
+        *_used_imports(graph_code),
         "",
         *_literal_lines(capture),
-        graph_code.strip("\n"),
+        "\n".join(line.rstrip() for line in graph_code.strip("\n").splitlines()).rstrip(),
         "",
         "",
         "def call(flat_inputs):",
@@ -26,6 +28,13 @@ def lower_eager(capture: Capture) -> LoweredGraph:
         "    return captured_graph(*args)",
     ]
     return LoweredGraph(source="\n".join(lines) + "\n", acceleration=None)
+
+
+def _used_imports(graph_code: str) -> list[str]:
+    """The fx builtins (``inf``, ``device``, ...) the graph code uses, and torch."""
+    used = set(re.findall(r"\b\w+\b", graph_code)) | {"torch"}
+    return [line for line in fx_builtin_imports() if line.split()[-1] in used
+            or line.split()[0] in used]
 
 
 def _literal_lines(capture: Capture) -> list[str]:

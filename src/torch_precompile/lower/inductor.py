@@ -9,7 +9,6 @@ puts back the constant outputs and re-creates outputs that alias inputs.
 
 from __future__ import annotations
 
-import inspect
 import re
 from typing import Any
 
@@ -30,6 +29,7 @@ from torch_precompile.internals.inductor import (
 from torch_precompile.internals.tracing import DynamicOutputShapeException, operator_schema
 from torch_precompile.lower import LoweredGraph
 from torch_precompile.lower.kernels import collect_built_kernels
+from torch_precompile.shipped import import_block, shipped_source
 
 aten = torch.ops.aten
 # Reads whose value the trace baked (capture guards them); nothing downstream uses the result.
@@ -37,6 +37,12 @@ _BAKED_READS = (aten._local_scalar_dense.default, aten.item.default, aten.equal.
                 aten.is_nonzero.default)
 # Convolution operators and the positions of their activation arguments.
 _CONVOLUTIONS = {aten.convolution.default: (0,), aten.convolution_backward.default: (0, 1)}
+
+# The lines around Inductor's generated module in section 2 of the artifact.
+GENERATED_START = "# Inductor's generated wrapper module follows"
+GENERATED_END = "# End of Inductor's generated wrapper module."
+
+
 def lower_inductor(capture: Capture) -> LoweredGraph:
     inputs = [t.detach() for t in (*capture.example_inputs, *capture.literals)]
     outputs = list(capture.graph.graph.output_node().args[0])
@@ -51,15 +57,19 @@ def lower_inductor(capture: Capture) -> LoweredGraph:
     wrapper = _compile(graph, capture.fake_mode, capture.symbol_names)
     input_names = [n.name for n in graph.graph.find_nodes(op="placeholder")]
     strides = _asserted_strides(wrapper, input_names, capture)
+    stand_ins = shipped_source(kernel_loader)
     source = "\n".join([
-        "# Stand-ins for the Inductor imports of the generated module below: prebuilt kernels",
-        "# come from load(); anything else imports torch._inductor when first used.",
-        inspect.getsource(kernel_loader),
-        wrapper_with_stand_ins(wrapper),
+        stand_ins.comment,
+        import_block(stand_ins.imports),
+        stand_ins.body,
+        f"{GENERATED_START}, its torch._inductor imports replaced by the stand-ins above.",
+        wrapper_with_stand_ins(wrapper).strip("\n"),
+        GENERATED_END,
         *_literal_lines(capture),
         _call_source(capture, tensor_outputs, constants, len(outputs)),
     ])
-    return LoweredGraph(source, collect_built_kernels(wrapper), input_strides=strides)
+    kernels = collect_built_kernels(wrapper)
+    return LoweredGraph(source, kernels.payload, input_strides=strides, kernels=kernels.objects)
 
 
 def _has_compute(gm: torch.fx.GraphModule) -> bool:

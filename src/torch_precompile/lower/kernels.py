@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,9 +12,18 @@ import torch
 from torch_precompile.artifact.kernel_payload import PAYLOAD_VERSION, machine_fingerprint
 from torch_precompile.internals.inductor import built_kernel_object, cpp_kernel_calls
 from torch_precompile.kernel_loader import kernel_key
+from torch_precompile.spec import KernelObject
 
 
-def collect_built_kernels(wrapper_source: str) -> bytes:
+@dataclass(frozen=True)
+class BuiltKernels:
+    """The cache payload of a wrapper's kernels, and the digest of each object in it."""
+
+    payload: bytes
+    objects: tuple[KernelObject, ...]
+
+
+def collect_built_kernels(wrapper_source: str) -> BuiltKernels:
     """Package the shared objects of every C++ kernel in ``wrapper_source``."""
     kernels: dict[str, dict[str, Any]] = {}
     for argtypes, source, options in cpp_kernel_calls(wrapper_source):
@@ -28,4 +38,5 @@ def collect_built_kernels(wrapper_source: str) -> bytes:
                "kernels": kernels}
     buffer = io.BytesIO()
     torch.save(payload, buffer)
-    return buffer.getvalue()
+    objects = tuple(KernelObject(key, entry["sha256"]) for key, entry in sorted(kernels.items()))
+    return BuiltKernels(buffer.getvalue(), objects)

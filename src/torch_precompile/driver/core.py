@@ -1,0 +1,410 @@
+"""The driver every artifact holds: ``forward(*args)`` checks a call, then runs ``call``.
+
+A call is checked in this order: the arguments, the structure of the inputs, each input,
+each model. Then the graph runs, the value guards are compared, gradients land on ``.grad``
+and the result is rebuilt. Every broken rule raises ``PrecompileError`` naming the argument,
+what was captured and what was given. Beyond tensors, torch is touched for
+``torch.utils._pytree`` (input and result structure) and ``torch._C._set_grad_enabled``
+(cheaper than the context manager).
+"""
+
+from collections import namedtuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+
+class PrecompileError(RuntimeError):
+    """A precompile contract was broken: at capture, at load, or by a call to an artifact."""
+
+
+class Driver:
+    """``forward``: the captured computation over the artifact's spec and compiled graph.
+
+    The artifact ends with ``forward = Driver(ARTIFACT_SPEC, call, ...)``, naming the optional
+    parts its spec needs: ``values`` (nested inputs, Python values, value guards), ``memo``
+    (remembers checked models), ``sizes`` (dynamic dims) and ``distributed`` (DTensors).
+    """
+
+    def __init__(self, literal: Mapping[str, Any], call: Callable[[list[Any]], list[Any]], *,
+                 values: Any = None, memo: Any = None, sizes: Any = None,
+                 distributed: Any = None) -> None:
+        spec = self.spec = read_spec(literal)
+        self.arity = len(spec.args)
+        self.arg_names = [a.name for a in spec.args]
+        self.model_positions = [i for i, a in enumerate(spec.args) if a.is_model]
+        self.input_positions = [i for i, a in enumerate(spec.args) if not a.is_model]
+        self.arity_text = ", ".join(
+            f"{a.name} ({'model' if a.is_model else 'input'})" for a in spec.args
+        ) or "no arguments"
+        self.out_spec = pytree.treespec_loads(spec.out_spec)
+        # A common shape of a call takes a shortcut: one tensor result.
+        self.single_result = self.out_spec == pytree.tree_flatten(0)[1]
+        training = any(t.gets_grad for t in spec.model)
+        self.leaves = [LeafPlan(leaf, training) for leaf in spec.inputs]
+        self.model = ModelPlan(spec, [self.arg_names[i] for i in self.model_positions], training)
+        self.grad_indices = [i for i, t in enumerate(self.model.interned) if t.gets_grad]
+        self.value_guards = [(g.description, g.expected) for g in spec.value_guards]
+        self.num_results = self.out_spec.num_leaves
+        self.guards_start = self.num_results + len(self.grad_indices)
+        self.values = values(self) if values is not None else None
+        self.memo = memo(self.model) if memo is not None else None
+        self.sizes = sizes(spec) if sizes is not None else None
+        self.call = call if distributed is None else distributed(self, call)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the precompiled computation on ``args`` (the captured fn's positional
+        arguments, models included)."""
+        check_arguments(self, args, kwargs)
+        if self.values is None:  # the inputs are positional tensors
+            leaves: Sequence[Any] = positional_leaves(self, args)
+        else:
+            leaves = self.values.input_leaves(args)
+        inputs = checked_inputs(self, leaves)
+        state = model_tensors(self, [args[i] for i in self.model_positions])
+        grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            outputs = self.call([*state, *inputs])
+            if self.value_guards:
+                self.values.check_guards(outputs[self.guards_start:])
+            accumulate_grads(state, self.grad_indices,
+                             outputs[self.num_results:self.guards_start])
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
+        if self.single_result:
+            return outputs[0]
+        return pytree.tree_unflatten(outputs[:self.num_results], self.out_spec)
+
+
+def check_arguments(driver: Driver, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    if kwargs:
+        raise PrecompileError(
+            f"keyword arguments {sorted(kwargs)} given; a precompiled artifact takes the same "
+            f"positional arguments as the captured fn: {driver.arity_text}."
+        )
+    if len(args) != driver.arity:
+        raise PrecompileError(
+            f"expected {driver.arity} positional arguments ({driver.arity_text}), got "
+            f"{len(args)}."
+        )
+
+
+def positional_leaves(driver: Driver, args: Sequence[Any]) -> list[Any]:
+    """The inputs, when the captured ones were positional tensors; no nesting in their place."""
+    leaves = [args[i] for i in driver.input_positions]
+    if not all([isinstance(a, torch.Tensor) for a in leaves]) and (
+            pytree.tree_flatten(leaves)[1] != pytree.tree_flatten(driver.leaves)[1]):
+        expected = tuple(Shown(f"Tensor{p.shown}") for p in driver.leaves)
+        raise structure_error(expected, tuple(leaves))
+    return leaves
+
+
+def structure_error(expected: Any, given: Any) -> PrecompileError:
+    return PrecompileError(
+        "the runtime inputs have a different structure than at capture: expected "
+        f"{_sketch(expected)}, got {_sketch(given)}. Pass the same nesting of lists, tuples "
+        "and dicts."
+    )
+
+
+class Shown:
+    """A leaf of a structure sketch, shown as ``text``."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _sketch(tree: Any) -> str:
+    """A structure with tensors shown as ``Tensor``, for error messages."""
+    text = repr(pytree.tree_map(
+        lambda v: Shown("Tensor") if isinstance(v, torch.Tensor) else v, tree))
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class LeafPlan:
+    """What a call must pass for one input leaf."""
+
+    def __init__(self, leaf: Any, training: bool) -> None:
+        self.name: str = leaf.path
+        self.is_tensor = leaf.kind == "tensor"
+        self.value = leaf.value
+        shape = leaf.shape or ()
+        self.static = None not in shape
+        self.shape = torch.Size(shape) if self.static else tuple(shape)
+        self.shown = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        self.dtype = _dtype(leaf.dtype) if self.is_tensor else None
+        self.device = torch.device(leaf.device) if self.is_tensor else None
+        self.strides = leaf.strides
+        self.bounds = leaf.bounds or {}
+        # With a backward inside fn, requires_grad decides which gradients eager would produce.
+        self.requires_grad = leaf.requires_grad if training else None
+
+
+def checked_inputs(driver: Driver, leaves: Sequence[Any]) -> list[torch.Tensor]:
+    """The tensor leaves, each checked against its plan (Python values by ``values``)."""
+    tensors = []
+    for leaf_plan, leaf in zip(driver.leaves, leaves, strict=True):
+        if leaf_plan.is_tensor:
+            check_tensor_leaf(driver, leaf_plan, leaf)
+            tensors.append(leaf)
+        else:
+            driver.values.check_value(leaf_plan, leaf)
+    if driver.sizes is not None:
+        driver.sizes.check_shared(driver.leaves, leaves)
+    return tensors
+
+
+def check_tensor_leaf(driver: Driver, plan: LeafPlan, leaf: Any) -> None:
+    name = plan.name
+    if not isinstance(leaf, torch.Tensor):
+        raise PrecompileError(
+            f"input {name}: expected a tensor of shape {plan.shown}, got {type(leaf).__name__}."
+        )
+    if not plan.static:
+        driver.sizes.check_shape(plan, leaf)
+    elif leaf.shape != plan.shape:
+        raise PrecompileError(
+            f"input {name}: expected shape {plan.shown}, got {tuple(leaf.shape)}. Shapes are "
+            "specialized to the example; precompile again for this shape."
+        )
+    if leaf.dtype != plan.dtype:
+        raise PrecompileError(f"input {name}: expected dtype {plan.dtype}, got {leaf.dtype}.")
+    if leaf.device != plan.device:
+        raise PrecompileError(f"input {name}: expected device {plan.device}, got {leaf.device}.")
+    if plan.requires_grad is not None and leaf.requires_grad != plan.requires_grad:
+        raise PrecompileError(_requires_grad_message(f"input {name}", plan.requires_grad))
+    if isinstance(plan.strides, str):  # an input with dynamic dims: its memory format
+        driver.sizes.check_memory_format(leaf, plan.strides, f"input {name}")
+    elif plan.strides is not None:
+        check_layout(leaf, plan.strides, f"input {name}")
+
+
+def check_layout(tensor: torch.Tensor, strides: Sequence[int], name: str) -> None:
+    """The compiled kernels assume a layout; anything else is refused before they run."""
+    # Strides of dims of size 0 or 1 never matter, as in Inductor's own assert.
+    if tensor.numel() and any(
+        size > 1 and got != want
+        for size, got, want in zip(tensor.shape, tensor.stride(), strides, strict=True)
+    ):
+        raise PrecompileError(
+            f"{name}: the compiled kernels assume strides {tuple(strides)} (the example's "
+            f"layout), got {tuple(tensor.stride())}. Pass it in the example's layout "
+            "(.contiguous() for a contiguous example), or precompile with backend='eager', "
+            "which takes any layout."
+        )
+
+
+class ModelPlan:
+    """The captured models' structure: what the full walk over a call's models compares."""
+
+    def __init__(self, spec: Any, model_names: Sequence[str], training: bool) -> None:
+        self.names = list(model_names)
+        self.records = spec.model
+        self.interned = [t for t in self.records if t.tied_to is None]
+        self.training = training
+        self.submodules = [(s.name, s.training) for s in spec.submodules]
+
+
+def model_tensors(driver: Driver, models: Sequence[Any]) -> list[torch.Tensor]:
+    """The models' tensors in flat-input order, after checking them against the capture."""
+    memo = driver.memo
+    if memo is not None:
+        remembered = memo.lookup(models)
+        if remembered is not None:
+            return remembered
+    walked = walk_models(driver.model, models)
+    if memo is not None:
+        memo.remember(models, walked)
+    return list(walked.tensors)
+
+
+WalkedModels = namedtuple("WalkedModels", ["tensors", "submodules"])
+"""What the full walk found: flat tensors, and every submodule in walk order."""
+
+
+def walk_models(model: ModelPlan, models: Sequence[Any]) -> WalkedModels:
+    """Walk the models as capture did, naming the first difference."""
+    for name, module in zip(model.names, models, strict=True):
+        if not isinstance(module, torch.nn.Module):
+            raise PrecompileError(
+                f"argument {name} was a torch.nn.Module at capture; got "
+                f"{type(module).__name__}. Pass the model in the same position."
+            )
+    members = list(_members(models))
+    records = model.records
+    for index, (kind, name, _) in enumerate(members):
+        if index >= len(records) or (records[index].kind, records[index].name) != (kind, name):
+            _report_mismatch(records, index, kind, name)
+    if len(members) < len(records):
+        missing = [f"{t.kind} {t.name!r}" for t in records[len(members):]]
+        raise PrecompileError(
+            f"the runtime model lacks {', '.join(missing[:5])}"
+            f"{' and more' if len(missing) > 5 else ''}, which the captured model had. Pass a "
+            "model with the same parameters and buffers."
+        )
+    return WalkedModels(_interned(model, members), _checked_modes(model, models))
+
+
+def _members(models: Sequence[torch.nn.Module]) -> Any:
+    qualify = len(models) > 1
+    for kind, named in (("parameter", torch.nn.Module.named_parameters),
+                        ("buffer", torch.nn.Module.named_buffers)):
+        for mi, module in enumerate(models):
+            for local, tensor in named(module, remove_duplicate=False):
+                yield kind, f"m{mi}.{local}" if qualify else local, tensor
+
+
+def _report_mismatch(records: Sequence[Any], index: int, kind: str, name: str) -> None:
+    want = (f"{records[index].kind} {records[index].name!r}" if index < len(records)
+            else "nothing more")
+    raise PrecompileError(
+        f"the runtime model does not match the captured one: at position {index} expected "
+        f"{want}, got {kind} {name!r}. Pass a model with the same parameters and buffers, in "
+        "the same order."
+    )
+
+
+def _interned(model: ModelPlan, members: Sequence[Any]) -> list[torch.Tensor]:
+    """One tensor per record not tied to an earlier one; ties must be as at capture."""
+    tensors: list[torch.Tensor] = []
+    first_name: dict[int, str] = {}
+    for record, (kind, name, tensor) in zip(model.records, members, strict=True):
+        owner = first_name.get(id(tensor))
+        if record.tied_to is not None:
+            if owner != record.tied_to:
+                raise PrecompileError(
+                    f"model {kind} {name!r} was tied to {record.tied_to!r} at capture; at "
+                    "runtime it is a separate tensor. Tie the weights as in the example model."
+                )
+            continue
+        if owner is not None:
+            raise PrecompileError(
+                f"model {kind} {name!r} is tied to {owner!r} at runtime but was a separate "
+                "tensor at capture. Use a model with the same weight tying."
+            )
+        _check_model_tensor(model, record, tensor)
+        first_name[id(tensor)] = name
+        tensors.append(tensor)
+    return tensors
+
+
+def _check_model_tensor(model: ModelPlan, record: Any, tensor: torch.Tensor) -> None:
+    what = f"model {record.kind} {record.name!r}"
+    shape, dtype, device = torch.Size(record.shape), _dtype(record.dtype), record.device
+    if tensor.shape != shape or tensor.dtype != dtype or tensor.device != torch.device(device):
+        raise PrecompileError(
+            f"{what}: expected shape {tuple(shape)}, dtype {dtype}, device {device}; got shape "
+            f"{tuple(tensor.shape)}, dtype {tensor.dtype}, device {tensor.device}. Load a "
+            "checkpoint of the same architecture."
+        )
+    if model.training and tensor.requires_grad != record.requires_grad:
+        raise PrecompileError(_requires_grad_message(what, record.requires_grad))
+    if record.strides is not None:
+        check_layout(tensor, record.strides, what)
+
+
+def _checked_modes(model: ModelPlan, models: Sequence[torch.nn.Module]) -> list[Any]:
+    """Every submodule in walk order; each must be in the training mode it was captured in."""
+    qualify = len(models) > 1
+    found = [(f"m{mi}.{name}" if qualify else name, module)
+             for mi, root in enumerate(models)
+             for name, module in root.named_modules(remove_duplicate=False)]
+    names = [name for name, _ in found]
+    if names != [name for name, _ in model.submodules]:
+        added = sorted(set(names) - {name for name, _ in model.submodules})
+        raise PrecompileError(
+            "the runtime model's submodules differ from the captured model's"
+            + (f" (new: {', '.join(repr(n or '<root>') for n in added[:5])})" if added else "")
+            + ". Pass a model with the same modules as the example."
+        )
+    for (name, module), (_, training) in zip(found, model.submodules, strict=True):
+        if module.training != training:
+            shown = f"module {name!r}" if name else "the model"
+            mode, fix = ("training", ".train()") if training else ("eval", ".eval()")
+            raise PrecompileError(
+                f"{shown} is in {'training' if module.training else 'eval'} mode, but "
+                f"was captured in {mode} mode (dropout and BatchNorm behave differently). Call "
+                f"{fix} on the model before calling the artifact, or precompile again in this "
+                "mode."
+            )
+    return [module for _, module in found]
+
+
+def accumulate_grads(state: Sequence[torch.Tensor], indices: Sequence[int],
+                     grads: Sequence[torch.Tensor]) -> None:
+    """Put harvested gradients on ``.grad`` the way eager backward does: set or add in place."""
+    taken: set[int] = set()
+    for index, grad in zip(indices, grads, strict=True):
+        param = state[index]
+        if param.grad is None:
+            # A gradient can be taken as is only if nothing else holds it and it already has
+            # the parameter's layout; otherwise a later in-place add would write through.
+            if grad._base is None and id(grad) not in taken and grad.stride() == param.stride():
+                taken.add(id(grad))
+                param.grad = grad
+            else:
+                param.grad = torch.empty_like(param).copy_(grad)
+        else:
+            param.grad.add_(grad)
+
+
+def _requires_grad_message(what: str, captured: bool) -> str:
+    return (
+        f"{what} has requires_grad={not captured}, but was captured with requires_grad="
+        f"{captured}: which tensors get gradients from the backward inside fn is fixed at "
+        "capture. Set it back, or precompile again."
+    )
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+# How the driver reads ARTIFACT_SPEC: each record becomes a named tuple with exactly these
+# fields, so a field the driver names that the spec lacks fails at once (and a test holds
+# this table equal to the records of torch_precompile.spec).
+SPEC_RECORDS: dict[str, tuple[str, ...]] = {
+    "ArtifactSpec": ("schema_version", "backend", "torch", "args", "model", "submodules",
+                     "inputs", "in_spec", "out_spec", "value_guards", "dynamic_dims",
+                     "size_relations", "output_aliases", "meshes", "distributed", "kernels"),
+    "TorchBuild": ("version", "git"),
+    "Argument": ("name", "is_model"),
+    "ModelTensor": ("name", "kind", "tied_to", "shape", "dtype", "device", "strides",
+                    "requires_grad", "gets_grad"),
+    "Submodule": ("name", "training"),
+    "InputLeaf": ("path", "kind", "shape", "dtype", "device", "strides", "requires_grad",
+                  "bounds", "value"),
+    "ValueGuard": ("description", "expected"),
+    "DynamicDim": ("shape_id", "places"),
+    "SizeRelation": ("expr", "readable"),
+    "OutputAlias": ("output", "source", "size", "stride", "offset"),
+    "Mesh": ("device_type", "shape", "dim_names", "ranks", "groups", "coordinate"),
+    "DistributedTensor": ("role", "index", "name", "mesh", "placements", "shape", "strides",
+                          "local_shape", "local_strides"),
+    "KernelObject": ("key", "sha256"),
+}
+# Which record each list (or, for "torch", the one record) of the spec holds.
+SPEC_LISTS: dict[str, str] = {
+    "torch": "TorchBuild", "args": "Argument", "model": "ModelTensor",
+    "submodules": "Submodule", "inputs": "InputLeaf", "value_guards": "ValueGuard",
+    "dynamic_dims": "DynamicDim", "size_relations": "SizeRelation",
+    "output_aliases": "OutputAlias", "meshes": "Mesh", "distributed": "DistributedTensor",
+    "kernels": "KernelObject",
+}
+_RECORD_TYPES = {name: namedtuple(name, fields) for name, fields in SPEC_RECORDS.items()}
+
+
+def read_spec(literal: Mapping[str, Any]) -> Any:
+    """``ARTIFACT_SPEC`` as named tuples (``spec.model[0].shape``)."""
+    fields = dict(literal)
+    for name, record in SPEC_LISTS.items():
+        make = _RECORD_TYPES[record]
+        value = fields[name]
+        fields[name] = make(**value) if name == "torch" else tuple(make(**v) for v in value)
+    return _RECORD_TYPES["ArtifactSpec"](**fields)

@@ -1,0 +1,99 @@
+"""The source names its kernel objects: a cache holding any other object is refused.
+
+Each built kernel object's SHA-256 is in the spec (``kernels``), so whoever can write an
+unsigned cache cannot swap an object and its checksum together: the source, which ``code_hash``
+binds, says which bytes belong to it.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from torch_precompile import PrecompileError, precompile
+from torch_precompile.artifact import envelope
+
+from conftest import run_python
+
+NAME = "mlp_train"
+
+
+def _payload(code: str, cache: bytes) -> dict:
+    return torch.load(io.BytesIO(envelope.unpack(cache, "inductor", code)), weights_only=True)
+
+
+def _packed(code: str, payload: dict) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return envelope.pack("inductor", code, buffer.getvalue())
+
+
+def test_the_spec_names_every_object_of_the_cache(artifacts) -> None:
+    code, cache = artifacts.pair(NAME, "inductor")
+    named = {k.key: k.sha256 for k in precompile.inspect(code).kernels}
+    held = {key: entry["sha256"] for key, entry in _payload(code, cache)["kernels"].items()}
+    assert named == held and named
+    assert precompile.inspect(artifacts.pair(NAME, "eager")[0]).kernels == ()
+
+
+def _swapped(code: str, cache: bytes) -> bytes:
+    """One object replaced by other bytes, its checksum updated to match them."""
+    import hashlib
+
+    payload = _payload(code, cache)
+    entry = next(iter(payload["kernels"].values()))
+    entry["object"] = entry["object"] + b"\0"
+    entry["sha256"] = hashlib.sha256(entry["object"]).hexdigest()
+    return _packed(code, payload)
+
+
+_LOAD_SWAPPED = """
+    import sys
+    from torch_precompile import PrecompileError, precompile
+    from torch_precompile.artifact import signature
+    code = open({code!r}).read()
+    cache = open({cache!r}, "rb").read()
+    key = {key!r}
+    if key is not None:
+        cache = signature.sign(key, code, cache)
+    try:
+        precompile.load(code, cache, verify_key=key)
+    except PrecompileError as e:
+        print("REFUSED", e)
+    mapped = [name for name in sys.modules if name.startswith("torch_precompile_kernel_")]
+    print("MAPPED", len(mapped))
+"""
+
+
+@pytest.mark.parametrize("key", [None, b"signing key"], ids=["unsigned", "signed"])
+def test_a_swapped_object_is_refused_before_anything_is_mapped(key, artifacts, tmp_path) -> None:
+    code, cache = artifacts.pair(NAME, "inductor")
+    (tmp_path / "a.py").write_text(code)
+    (tmp_path / "a.cache").write_bytes(_swapped(code, cache))
+    proc = run_python(_LOAD_SWAPPED.format(code=str(tmp_path / "a.py"),
+                                           cache=str(tmp_path / "a.cache"), key=key))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REFUSED the cache holds a kernel object that is not one python_code was built " \
+           "with" in proc.stdout
+    assert "python_code names sha256" in proc.stdout
+    assert "MAPPED 0" in proc.stdout
+
+
+def test_an_object_the_source_does_not_name_is_refused(artifacts) -> None:
+    code, cache = artifacts.pair(NAME, "inductor")
+    payload = _payload(code, cache)
+    entry = dict(next(iter(payload["kernels"].values())))
+    payload["kernels"]["f" * 64] = entry
+    with pytest.raises(PrecompileError, match="kernel ffffffffffff…: .*python_code names no such "
+                       "kernel"):
+        precompile.load(code, _packed(code, payload))
+
+
+def test_an_edited_pin_unbinds_the_pair(artifacts) -> None:
+    """The pins are part of the source: editing one breaks the pair like any other edit."""
+    code, cache = artifacts.pair(NAME, "inductor")
+    other = code.replace("'sha256': '", "'sha256': '0", 1)
+    with pytest.raises(PrecompileError, match="belongs to a different python_code"):
+        precompile.load(other, cache)
