@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import pickle
 import subprocess
@@ -63,6 +64,30 @@ def test_bad_fn_and_decompositions() -> None:
         precompile(model.state_dict(), model, x, backend="eager")
     with pytest.raises(PrecompileError, match="decompositions must be a mapping"):
         precompile(lambda m, x: m(x), model, x, backend="eager", decompositions=[1])
+
+
+def test_options_are_checked_once_when_made() -> None:
+    from torch_precompile.api import BuildOptions
+
+    options = BuildOptions(backend="eager", sign_key=b"k")
+    assert (options.backend, options.tracer, options.sign_key) == ("eager", "make_fx", b"k")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.backend = "inductor"  # type: ignore[misc]
+    with pytest.raises(ValueError, match="backend must be one of"):
+        BuildOptions(backend="tvm")
+    with pytest.raises(NotImplementedError, match="tracer='make_fx'"):
+        BuildOptions(tracer="dynamo")
+    with pytest.raises(PrecompileError, match="decompositions must be a mapping"):
+        BuildOptions(decompositions=[1])  # type: ignore[arg-type]
+
+
+def test_the_pair_is_a_named_tuple() -> None:
+    model, x = WORKLOADS["mlp_infer"].args()
+    pair = precompile(lambda m, x: m(x), model, x, backend="eager")
+    code, cache = pair
+    assert (pair.code, pair.cache) == (code, cache) and pair == (code, cache)
+    assert type(pair).__name__ == "ArtifactPair" and len(pair) == 2
+    assert pickle.loads(pickle.dumps(pair)) == pair
 
 
 def test_concurrent_captures_from_threads(backend: str) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch_precompile import runtime, storage
 from torch_precompile.artifact import envelope, signature
@@ -39,7 +40,8 @@ class Precompile:
 
     ``python_code, cache = precompile(fn, *example_inputs)`` traces ``fn`` once on the example
     arguments (``nn.Module`` arguments are models, passed again at every call; the rest are
-    runtime inputs) and returns a self-contained Python source plus cache bytes.
+    runtime inputs) and returns a self-contained Python source plus cache bytes, as an
+    ``ArtifactPair`` (a named tuple: ``.code``, ``.cache``).
     ``precompile.load(python_code, cache)`` returns a callable taking the same arguments.
 
     Args:
@@ -72,10 +74,11 @@ class Precompile:
         sign_key: bytes | None = None,
         progress: Callable[[str], None] | None = None,
         compile_on_one_rank: bool = False,
-    ) -> tuple[str, bytes]:
-        return build(fn, example_inputs, backend=backend, tracer=tracer,
-                     decompositions=decompositions, sign_key=sign_key, progress=progress,
-                     compile_on_one_rank=compile_on_one_rank)
+    ) -> ArtifactPair:
+        options = BuildOptions(backend=backend, tracer=tracer, decompositions=decompositions,
+                               sign_key=sign_key, progress=progress,
+                               compile_on_one_rank=compile_on_one_rank)
+        return build(fn, example_inputs, options)
 
     def load(
         self, python_code: str, cache: bytes | None, *, verify_key: bytes | None = None
@@ -130,67 +133,78 @@ class Precompile:
         return self
 
 
-def build(
-    fn: Callable[..., Any],
-    example_inputs: tuple[Any, ...],
-    *,
-    backend: str = "inductor",
-    tracer: str = "make_fx",
-    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
-    sign_key: bytes | None = None,
-    progress: Callable[[str], None] | None = None,
-    compile_on_one_rank: bool = False,
-) -> tuple[str, bytes]:
-    """The pipeline behind ``precompile()``; ``progress`` hears about each stage."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
-    if tracer not in TRACERS:
-        raise ValueError(f"tracer must be one of {TRACERS}, got {tracer!r}.")
-    if tracer == "dynamo":
-        raise NotImplementedError(
-            "tracer='dynamo' is not implemented yet; use tracer='make_fx' (the default)."
-        )
+class ArtifactPair(NamedTuple):
+    """What ``precompile()`` returns: the artifact's source and its cache bytes.
+
+    It unpacks as ``code, cache`` and equals the plain tuple ``(code, cache)``.
+    """
+
+    code: str
+    cache: bytes
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How ``precompile()`` builds an artifact; the keywords of ``precompile()``, checked once
+    when made (see ``Precompile`` for each one's meaning)."""
+
+    backend: str = "inductor"
+    tracer: str = "make_fx"
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None
+    sign_key: bytes | None = None
+    progress: Callable[[str], None] | None = None
+    compile_on_one_rank: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
+        if self.tracer not in TRACERS:
+            raise ValueError(f"tracer must be one of {TRACERS}, got {self.tracer!r}.")
+        if self.tracer == "dynamo":
+            raise NotImplementedError(
+                "tracer='dynamo' is not implemented yet; use tracer='make_fx' (the default)."
+            )
+        if self.decompositions is not None and not isinstance(self.decompositions, Mapping):
+            raise PrecompileError(
+                "decompositions must be a mapping {OpOverload: function} or None, got "
+                f"{type(self.decompositions).__name__}."
+            )
+
+
+def build(fn: Callable[..., Any], example_inputs: tuple[Any, ...],
+          options: BuildOptions | None = None) -> ArtifactPair:
+    """The pipeline behind ``precompile()``; ``options.progress`` hears about each stage."""
+    options = options if options is not None else BuildOptions()
     if not callable(fn):
         raise PrecompileError(f"fn must be callable, got {type(fn).__name__}.")
-    if decompositions is not None and not isinstance(decompositions, Mapping):
-        raise PrecompileError(
-            "decompositions must be a mapping {OpOverload: function} or None, got "
-            f"{type(decompositions).__name__}."
-        )
-    if not compile_on_one_rank:
-        return _build(fn, example_inputs, backend, decompositions, sign_key, progress)
+    if not options.compile_on_one_rank:
+        return _build(fn, example_inputs, options)
     from torch_precompile.one_rank import build_on_rank_zero
 
-    return build_on_rank_zero(lambda: _build(fn, example_inputs, backend, decompositions,
-                                             sign_key, progress, on_fakes=True))
+    return ArtifactPair(*build_on_rank_zero(
+        lambda: _build(fn, example_inputs, options, on_fakes=True)))
 
 
-def _build(
-    fn: Callable[..., Any],
-    example_inputs: tuple[Any, ...],
-    backend: str,
-    decompositions: Mapping[Any, Callable[..., Any]] | None,
-    sign_key: bytes | None,
-    progress: Callable[[str], None] | None,
-    on_fakes: bool = False,
-) -> tuple[str, bytes]:
-    report = progress or (lambda stage: None)
+def _build(fn: Callable[..., Any], example_inputs: tuple[Any, ...], options: BuildOptions,
+           on_fakes: bool = False) -> ArtifactPair:
+    report = options.progress or (lambda stage: None)
     # The build pipeline is imported here, not at module level: load() never needs it.
     from torch_precompile.artifact.render import render
     from torch_precompile.capture import capture
 
     with _lock:
         report("capture")
-        captured = capture(fn, example_inputs, backend, decompositions, on_fakes=on_fakes)
+        captured = capture(fn, example_inputs, options.backend, options.decompositions,
+                           on_fakes=on_fakes)
         report("lower")
-        lowered = _lower(captured, backend)
+        lowered = _lower(captured, options.backend)
         spec = captured.spec.with_strides(lowered.input_strides).with_kernels(lowered.kernels)
         report("render")
         python_code = render(spec, lowered)
-    cache = envelope.pack(backend, python_code, lowered.acceleration)
-    if sign_key is not None:
-        cache = signature.sign(sign_key, python_code, cache)
-    return python_code, cache
+    cache = envelope.pack(options.backend, python_code, lowered.acceleration)
+    if options.sign_key is not None:
+        cache = signature.sign(options.sign_key, python_code, cache)
+    return ArtifactPair(python_code, cache)
 
 
 def _lower(captured: Capture, backend: str) -> LoweredGraph:
