@@ -97,3 +97,13 @@ def test_an_edited_pin_unbinds_the_pair(artifacts) -> None:
     other = code.replace("'sha256': '", "'sha256': '0", 1)
     with pytest.raises(PrecompileError, match="belongs to a different python_code"):
         precompile.load(other, cache)
+
+
+def test_verify_and_inspect_name_the_swapped_object(artifacts, tmp_path) -> None:
+    from torch_precompile.inspection import describe, render, verify
+
+    code, cache = artifacts.pair(NAME, "inductor")
+    path = precompile.save(code, _swapped(code, cache), tmp_path / "a.py")
+    problems, _ = verify(path, None)
+    assert any("is not an object the source names" in p for p in problems), problems
+    assert "1 NOT named by the source (load refuses the cache)" in render(describe(path))

@@ -79,6 +79,15 @@ def describe(path: Path) -> dict[str, Any]:
     return report
 
 
+def _pins(spec: ArtifactSpec) -> dict[str, str] | None:
+    """The kernel digests the source names; None before schema 3, which named none."""
+    return {k.key: k.sha256 for k in spec.kernels} if spec.schema_version >= 3 else None
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def _describe_modes(spec: ArtifactSpec) -> str:
     training = sum(s.training for s in spec.submodules)
     return f"{training} of {len(spec.submodules)} modules in training mode"
@@ -121,8 +130,10 @@ def _describe_cache(code: str, spec: ArtifactSpec, cache_file: Path, cache: byte
         except Exception as e:
             info["kernels"] = f"unreadable ({type(e).__name__})"
             return info
+        pins = _pins(spec)
         info["kernels"] = [
-            {"key": key[:16], "bytes": len(entry["object"])}
+            {"key": key[:16], "bytes": len(entry["object"]),
+             "named_by_source": pins is None or pins.get(key) == _digest(entry["object"])}
             for key, entry in payload["kernels"].items()
         ]
         fingerprint = payload["fingerprint"]
@@ -178,8 +189,11 @@ def render(report: dict[str, Any]) -> str:
                         if "matches_source" in cache else ""))
         if isinstance(cache.get("kernels"), list):
             total = sum(k["bytes"] for k in cache["kernels"])
+            strangers = sum(not k["named_by_source"] for k in cache["kernels"])
             lines.append(f"  kernels   : {len(cache['kernels'])} prebuilt, {total / 1024:.1f} KiB; "
-                         f"built for {cache['built_for']}; runs here: {cache['runs_here']}")
+                         f"built for {cache['built_for']}; runs here: {cache['runs_here']}"
+                         + (f"; {strangers} NOT named by the source (load refuses the cache)"
+                            if strangers else ""))
         elif "kernels" in cache:
             lines.append(f"  kernels   : {cache['kernels']}")
     return "\n".join(lines)
@@ -224,9 +238,14 @@ def verify(path: Path, key: bytes | None) -> tuple[list[str], list[str]]:
         problems_before = len(problems)
         try:
             payload = _load_plain(artifact)
+            pins = _pins(spec)
             for name, entry in payload["kernels"].items():
-                if hashlib.sha256(entry["object"]).hexdigest() != entry["sha256"]:
+                digest = _digest(entry["object"])
+                if digest != entry["sha256"]:
                     problems.append(f"kernel {name[:16]} is corrupt (checksum mismatch)")
+                elif pins is not None and pins.get(name) != digest:
+                    problems.append(f"kernel {name[:16]} is not an object the source names "
+                                    "(its digest is not in the spec's kernels)")
         except Exception as e:
             problems.append(f"the kernel payload is unreadable ({type(e).__name__})")
             return problems, notes
