@@ -3,7 +3,8 @@
 Every rank joins a gloo process group on 127.0.0.1, runs the named cases in order and writes
 ``OUT/rank{RANK}.json``: per case, either the compared numbers or the error it raised. Each
 training case compares against single-process eager on the unsharded model (built locally
-with the same seed) over three SGD steps: losses, full gradients, full parameters.
+with the same seed) over three SGD steps: losses, full gradients, full parameters. Some steps
+accumulate the gradients of several batches before the update, as eager ``.backward()`` does.
 """
 
 from __future__ import annotations
@@ -116,14 +117,18 @@ def max_diff(a: Any, b: Any) -> float:
     return float((full(a).detach() - full(b).detach()).abs().max())
 
 
-def eager_reference(make: Callable[[], torch.nn.Module], batches: list[torch.Tensor]
+def eager_reference(make: Callable[[], torch.nn.Module], batches: list[torch.Tensor],
+                    accumulate: int = 1,
                     ) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, Any]]:
+    """Eager on ``make()``: the loss and the .grad after each batch; an SGD step after every
+    ``accumulate`` batches, whose gradients add up in .grad until then."""
     model = make()
     losses, grads = [], []
-    for x in batches:
+    for i, x in enumerate(batches):
         losses.append(float(train_step(model, x)))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        sgd(model)
+        if (i + 1) % accumulate == 0:
+            sgd(model)
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -131,16 +136,22 @@ def compare_training(step: Callable[..., Any], model: torch.nn.Module,
                      make: Callable[[], torch.nn.Module], batches: list[torch.Tensor],
                      wrap: Callable[[torch.Tensor], Any],
                      loss_of: Callable[[Any], float] = lambda loss: float(full(loss)),
-                     ) -> dict[str, float]:
-    """Three SGD steps of ``step`` on the sharded ``model`` against eager on ``make()``."""
-    ref_losses, ref_grads, ref_params = eager_reference(make, batches)
-    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    for x, ref_loss, ref_grad in zip(batches, ref_losses, ref_grads, strict=True):
+                     accumulate: int = 1) -> dict[str, float]:
+    """SGD steps of ``step`` on the sharded ``model`` against eager on ``make()``, one per
+    ``accumulate`` batches. ``accumulating_calls`` counts the calls that found every .grad
+    already set (and so had to add to it)."""
+    ref_losses, ref_grads, ref_params = eager_reference(make, batches, accumulate)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "accumulating_calls": 0.0}
+    for i, (x, ref_loss, ref_grad) in enumerate(zip(batches, ref_losses, ref_grads,
+                                                    strict=True)):
+        if all(p.grad is not None for p in model.parameters()):
+            worst["accumulating_calls"] += 1
         loss = step(model, wrap(x))
         worst["loss"] = max(worst["loss"], abs(loss_of(loss) - ref_loss))
         for name, p in model.named_parameters():
             worst["grad"] = max(worst["grad"], max_diff(p.grad, ref_grad[name]))
-        sgd(model)
+        if (i + 1) % accumulate == 0:
+            sgd(model)
     for name, p in model.named_parameters():
         worst["param"] = max(worst["param"], max_diff(p, ref_params[name]))
     return worst
@@ -156,9 +167,9 @@ def make_block() -> torch.nn.Module:
     return Block()
 
 
-def batches(*shape: int) -> list[torch.Tensor]:
+def batches(*shape: int, count: int = STEPS) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
-    return [torch.randn(*shape, generator=generator) for _ in range(STEPS)]
+    return [torch.randn(*shape, generator=generator) for _ in range(count)]
 
 
 def mesh_1d() -> Any:
@@ -173,7 +184,8 @@ def digest(pair: tuple[str, bytes]) -> str:
 
 
 def linear_dtensor(backend: str) -> dict[str, Any]:
-    """distribute_tensor parameters (Shard and Replicate), a replicated DTensor input."""
+    """distribute_tensor parameters (Shard and Replicate), a replicated DTensor input; each
+    SGD step accumulates the gradients of two batches."""
     mesh = mesh_1d()
 
     def make() -> torch.nn.Module:
@@ -187,11 +199,13 @@ def linear_dtensor(backend: str) -> dict[str, Any]:
     def wrap(x: torch.Tensor) -> Any:
         return distribute_tensor(x, mesh, [Replicate()])
 
-    pair = precompile(train_step, model, wrap(batches(2, 8)[0]), backend=backend)
+    data = batches(2, 8, count=2 * STEPS)
+    pair = precompile(train_step, model, wrap(data[0]), backend=backend)
     step = precompile.load(*pair)
-    result = compare_training(step, model, make, batches(2, 8), wrap)
+    result = compare_training(step, model, make, data, wrap, accumulate=2)
     result["grad_placements"] = [str(p.placements) for p in model.parameters()]
-    step(model, wrap(batches(2, 8)[0]))
+    step(model, wrap(data[0]))
+    step(model, wrap(data[1]))  # the placements of an accumulated gradient
     result["grad_placements_after"] = [
         [repr(q) for q in p.grad.placements] for p in model.parameters()]
     result["param_placements"] = [[repr(q) for q in p.placements] for p in model.parameters()]

@@ -61,26 +61,31 @@ def test_more_model_sets_in_flight_than_the_driver_remembers(backend: str, artif
 
 
 def test_threads_train_their_own_models_with_one_artifact(backend: str, artifacts) -> None:
-    """Each thread's results equal, bit for bit, the same calls made one thread at a time."""
+    """Six threads, each with its own model and inputs, ten steps each: every loss, the
+    accumulated .grad and the BatchNorm statistics equal eager's for that thread's calls (and,
+    bit for bit, the same calls made one thread at a time)."""
     run = artifacts.load("mlp_train", backend)
     workload = WORKLOADS["mlp_train"]
     base, x, t = workload.args()
 
-    def steps(i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def steps(i: int, fn) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         model = copy.deepcopy(base)
-        losses = [run(model, x + i, t - i) for _ in range(10)]
-        return losses, [p.grad for p in model.parameters()]
+        losses = [fn(model, x + i, t - i) for _ in range(10)]
+        state = {f"{n}.grad": p.grad for n, p in model.named_parameters()}
+        return losses, {**state, **dict(model.named_buffers())}
 
-    expected = [steps(i) for i in range(6)]
-    got: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    assert _in_threads(lambda i: got.__setitem__(i, steps(i)), 6) == []
-    for i, (losses, grads) in enumerate(expected):
-        assert all(torch.equal(a, b) for a, b in zip(got[i][0], losses, strict=True))
-        assert all(torch.equal(a, b) for a, b in zip(got[i][1], grads, strict=True))
-    eager = copy.deepcopy(base)
-    for _ in range(10):
-        eager_loss = workload.fn(eager, x, t)
-    torch.testing.assert_close(expected[0][0][-1], eager_loss, rtol=1e-4, atol=1e-5)
+    eager = [steps(i, workload.fn) for i in range(6)]
+    sequential = [steps(i, run) for i in range(6)]
+    got: dict[int, tuple[list[torch.Tensor], dict[str, torch.Tensor]]] = {}
+    assert _in_threads(lambda i: got.__setitem__(i, steps(i, run)), 6) == []
+    for i in range(6):
+        losses, state = got[i]
+        torch.testing.assert_close(losses, eager[i][0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(state, eager[i][1], rtol=1e-4, atol=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(losses, sequential[i][0], strict=True))
+        assert all(torch.equal(state[k], v) for k, v in sequential[i][1].items())
+    # The threads' inputs differ, so a thread given another's state could not pass the above.
+    assert not torch.allclose(eager[0][1]["fc1.weight.grad"], eager[1][1]["fc1.weight.grad"])
 
 
 LOADER = """

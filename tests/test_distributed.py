@@ -96,9 +96,12 @@ def _matches_eager(results: list[dict[str, Any]], keys: tuple[str, ...] = ("loss
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_dtensor_parameters_and_inputs_train_like_eager(two_ranks, backend: str) -> None:
+    """Three SGD steps, each on the gradients of two batches added up in .grad: losses, the
+    .grad after every batch, and the parameters equal eager accumulation's."""
     results = _case(two_ranks, f"linear_{backend}")
     _matches_eager(results)
     for result in results:  # gradients keep the parameters' placements, accumulated as eager
+        assert result["accumulating_calls"] == 3  # the second batch of each step adds to .grad
         assert result["grad_placements_after"] == result["param_placements"]
         assert result["param_placements"] == [["Shard(dim=0)"], ["Replicate()"]]
 
