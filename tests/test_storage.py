@@ -8,8 +8,10 @@ import random
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.artifact import envelope
@@ -95,18 +97,49 @@ def test_precompile_signs_in_memory(backend: str) -> None:
         precompile(WORKLOADS["mlp_infer"].fn, model, x, backend=backend, sign_key="text")
 
 
-def test_verification_comes_before_anything_runs(pair, tmp_path) -> None:
+def test_verification_comes_before_anything_runs(pair, backend: str, tmp_path, monkeypatch,
+                                                 caplog) -> None:
+    """With verify_key, a changed or unsigned pair is refused for that reason, before any of
+    its source runs or any of its cache is unpickled."""
     code, cache = pair
     marker = tmp_path / "executed"
     hostile = f"open({str(marker)!r}, 'w').close()\n" + code
-    signed_cache = precompile.save(code, cache, tmp_path / "m.py", sign_key=KEY)
-    del signed_cache
-    real_cache = cache_path(tmp_path / "m.py", code).read_bytes()
-    for candidate_code, candidate_cache in [(hostile, real_cache), (code, real_cache[:-1] + b"x"),
-                                            (hostile, cache)]:
-        with pytest.raises(PrecompileError):
+    unpickled: list[Any] = []
+    real_load = torch.load
+
+    def recording_load(*args: Any, **kwargs: Any) -> Any:
+        unpickled.append(args)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    # The probes work: paired with its own cache and loaded without a key, the hostile
+    # source runs (the marker appears) and its cache is unpickled.
+    acceleration = envelope.unpack(cache, backend, code)
+    precompile.load(hostile, envelope.pack(backend, hostile, acceleration))
+    assert marker.exists() and unpickled
+    marker.unlink()
+    unpickled.clear()
+
+    precompile.save(code, cache, tmp_path / "m.py", sign_key=KEY)
+    signed = cache_path(tmp_path / "m.py", code).read_bytes()
+    signed_by_another = precompile.save(hostile, envelope.pack(backend, hostile, acceleration),
+                                        tmp_path / "h.py", sign_key=b"the attacker's key")
+    cases = [  # the first two are consistent pairs: only the signature can stop them
+        (hostile, envelope.pack(backend, hostile, acceleration), "the artifact is not signed"),
+        (hostile, cache_path(signed_by_another, hostile).read_bytes(),
+         "signature does not match"),  # signed, with another key
+        (hostile, signed, "signature does not match"),  # the source changed after signing
+        (code, signed[:-1] + b"x", "signature does not match"),  # the cache changed
+    ]
+    for candidate_code, candidate_cache, message in cases:
+        caplog.clear()
+        unpickled.clear()
+        with caplog.at_level(logging.WARNING, logger="torch_precompile"), pytest.raises(
+                PrecompileError, match=rf"{message}.*[Nn]othing was executed"):
             precompile.load(candidate_code, candidate_cache, verify_key=KEY)
-    assert not marker.exists()
+        assert not marker.exists(), f"refused ({message}), but its source ran"
+        assert unpickled == [], f"refused ({message}), but its cache was unpickled"
+        assert not [r for r in caplog.records if "executing python_code" in r.getMessage()]
 
 
 def _generation(base: str, i: int) -> tuple[str, bytes]:

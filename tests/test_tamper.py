@@ -4,7 +4,9 @@ Never another exception, never a wrong result."""
 
 from __future__ import annotations
 
+import ast
 import io
+import itertools
 import logging
 import re
 
@@ -95,19 +97,75 @@ def test_swapped_pairs_are_refused(backend: str, artifacts) -> None:
         precompile.load(code, artifacts.pair(NAME, other_backend)[1])
 
 
+def _spec_span(code: str) -> tuple[int, int]:
+    """Offsets of the ``ARTIFACT_SPEC = ...`` statement in ``code``, found by Python's parser."""
+    node = next(n for n in ast.parse(code).body if isinstance(n, ast.Assign)
+                and [getattr(t, "id", None) for t in n.targets] == ["ARTIFACT_SPEC"])
+    starts = [0, *itertools.accumulate(len(line) for line in code.splitlines(keepends=True))]
+    return (starts[node.lineno - 1] + node.col_offset,
+            starts[node.end_lineno - 1] + node.end_col_offset)
+
+
+def _binds_forward(source: str) -> bool:
+    return any(isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets]
+               == ["forward"] for n in ast.parse(source).body)
+
+
+def _cut_refusal(code: str, damaged: str) -> tuple[str, str | None]:
+    """(kind of cut, the message loading ``damaged``, a prefix of ``code``, alone must raise;
+    None: it must run)."""
+    if len(damaged) < _spec_span(code)[1]:
+        return "spec cut", "not a precompile artifact"
+    try:
+        compile(damaged, "damaged", "exec")
+    except SyntaxError as e:  # IndentationError included
+        return "does not compile", rf"executing python_code failed \({type(e).__name__}: "
+    if _binds_forward(damaged):
+        return "forward bound", None
+    return "forward not bound", "python_code ran but did not reach its end"
+
+
 def test_damaged_sources(backend: str, artifacts) -> None:
     code, cache = artifacts.pair(NAME, backend)
+    spec_start, spec_end = _spec_span(code)
     lines = code.splitlines(keepends=True)
     truncations = [code[: len(code) // k] for k in (2, 3, 5)]
     truncations += ["".join(lines[:n]) for n in (len(lines) // 2, len(lines) - 3)]
-    for damaged in [*truncations, "", "\n\n", code.replace("ARTIFACT_SPEC", "SPEC")]:
-        with pytest.raises(PrecompileError):
-            precompile.load(damaged, cache)  # the cache no longer matches
-        # Alone, a cut source is refused; or, cut only after the driver, still runs right.
-        _expect_refused_or_correct(damaged, None)
+    truncations += [
+        code[:spec_start],  # just before the spec
+        code[: (spec_start + spec_end) // 2],  # inside it
+        code[: code.index("\ndef ", spec_end) + 4],  # after it, mid-statement
+        code[: code.rindex("\nforward = ") + 1],  # all but the line binding forward
+    ]
+    assert {_cut_refusal(code, cut)[0] for cut in truncations} == {
+        "spec cut", "does not compile", "forward not bound", "forward bound"}
+    for damaged in truncations:
+        spec_survived = len(damaged) >= spec_end
+        with pytest.raises(PrecompileError, match="cache belongs to a different python_code"
+                           if spec_survived else "not a precompile artifact"):
+            precompile.load(damaged, cache)
+        expected = _cut_refusal(code, damaged)[1]
+        if expected is None:  # cut only after forward is bound: still runs right
+            assert _expect_refused_or_correct(damaged, None) == "ran"
+        else:
+            with pytest.raises(PrecompileError, match=expected):
+                precompile.load(damaged, None)
+    for damaged in ["", "\n\n", code.replace("ARTIFACT_SPEC", "SPEC")]:
+        for damaged_cache in (cache, None):
+            with pytest.raises(PrecompileError, match="python_code has no ARTIFACT_SPEC; it is "
+                               "not a precompile artifact"):
+                precompile.load(damaged, damaged_cache)
     for position in range(0, len(code), max(1, len(code) // 25)):
-        with pytest.raises(PrecompileError, match="different python_code|not a precompile|parse"):
-            precompile.load(_flip(code.encode(), position).decode(errors="replace"), cache)
+        flipped = _flip(code.encode(), position).decode(errors="replace")
+        if spec_start - 1 <= position < spec_end + 2:
+            # A flipped spec is unreadable, or reads as another artifact's: each is refused
+            # for what it now says.
+            message = ("not a precompile artifact|different python_code|schema version|"
+                       "built with torch|made by backend")
+        else:  # the spec is intact: the cache no longer matches the source
+            message = "cache belongs to a different python_code"
+        with pytest.raises(PrecompileError, match=message):
+            precompile.load(flipped, cache)
 
 
 def test_a_version_1_spec_reads_with_no_meshes(backend: str, artifacts) -> None:
@@ -125,7 +183,7 @@ def test_unknown_schema_version_is_refused_before_anything_runs(tmp_path, backen
     code, _ = artifacts.pair(NAME, backend)
     marker = tmp_path / "ran"
     future = f"open({str(marker)!r}, 'w').close()\n" + code.replace(
-        f"{{'schema_version': {SCHEMA_VERSION},", "{'schema_version': 99,", 1)
+        f"'schema_version': {SCHEMA_VERSION},", "'schema_version': 99,", 1)
     with pytest.raises(PrecompileError, match=f"schema version 99; this torch-precompile reads "
                        f"schema version {OLDEST_READABLE_SCHEMA} to {SCHEMA_VERSION}. Upgrade"):
         precompile.load(future, None)
