@@ -95,11 +95,13 @@ def modules_in(args: tuple[Any, ...]) -> list[torch.nn.Module]:
 def run_python(script: str, *, block_package: bool = False, timeout: float = 300,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``script`` in a fresh interpreter; with ``block_package``, torch_precompile
-    cannot be imported there."""
+    cannot be imported there. An existing PYTHONPATH (a checkout under test) comes first,
+    then this directory (for ``workloads``)."""
     prologue = "import sys\n"
     if block_package:
         prologue += "sys.modules['torch_precompile'] = None  # importing it now fails\n"
-    full_env = {**os.environ, "PYTHONPATH": str(TESTS_DIR), **(env or {})}
+    path = [*filter(None, [os.environ.get("PYTHONPATH")]), str(TESTS_DIR)]
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), **(env or {})}
     return subprocess.run(
         [sys.executable, "-c", prologue + textwrap.dedent(script)],
         capture_output=True, text=True, timeout=timeout, env=full_env,

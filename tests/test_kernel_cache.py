@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import io
+import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +16,6 @@ import torch
 from torch_precompile import precompile
 from torch_precompile.artifact import envelope
 from torch_precompile.artifact import kernel_payload as kernels
-from torch_precompile.internals.inductor import cpp_kernel_calls
 
 from conftest import assert_same, run_python
 from workloads import WORKLOADS
@@ -118,24 +120,32 @@ def test_stale_fingerprint_rebuilds_in_a_fresh_process(artifacts, tmp_path) -> N
 
 @pytest.mark.parametrize("damage", ["corrupt-object", "missing-kernel", "unreadable-payload"])
 def test_damaged_kernels_fall_back_with_a_warning(damage: str, artifacts, caplog) -> None:
+    """Each damage gets a warning that says what is wrong, naming the kernel that will be
+    built; the artifact then builds it and computes what eager computes."""
     code, cache = artifacts.pair("mlp_train", "inductor")
+    damaged_keys: list[str] = []
 
     def corrupt(payload) -> None:
-        entry = next(iter(payload["kernels"].values()))
+        key, entry = next(iter(payload["kernels"].items()))
+        damaged_keys.append(key)
         entry["object"] = entry["object"][:100] + b"\0" * 64 + entry["object"][164:]
 
+    def drop(payload) -> None:
+        damaged_keys.append(payload["kernels"].popitem()[0])
+
     if damage == "corrupt-object":
-        damaged, expected_message = _repacked(code, cache, corrupt), "is unusable"
+        damaged = _repacked(code, cache, corrupt)
+        expected = [f"kernel {damaged_keys[0][:12]}… is unusable", "will be built"]
     elif damage == "missing-kernel":
-        damaged = _repacked(code, cache, lambda p: p["kernels"].popitem())
-        expected_message = None
+        damaged = _repacked(code, cache, drop)
+        expected = ["lacks 1 kernel object", f"{damaged_keys[0][:12]}…", "will be built"]
     else:
         damaged = envelope.pack("inductor", code, b"not a payload")
-        expected_message = "kernel payload unreadable"
+        expected = ["kernel payload unreadable", "kernels will be built"]
     with caplog.at_level(logging.WARNING, logger="torch_precompile"):
         run = precompile.load(code, damaged)
-    if expected_message:
-        assert any(expected_message in r.message for r in caplog.records)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(all(part in w for part in expected) for w in warnings), warnings
     workload = WORKLOADS["mlp_train"]
     assert_same(run(*workload.args()), workload.fn(*workload.args()))
 
@@ -151,9 +161,48 @@ def test_fingerprint_rules() -> None:
     assert "machine" in kernels.fingerprint_mismatch({**here, "machine": "sparc"})
 
 
-def test_cache_holds_every_kernel_of_the_artifact(artifacts) -> None:
+def _kernel_calls(source: str) -> list[tuple[Any, ...]]:
+    """(argtypes, source, options) of every ``async_compile.cpp_pybinding(...)`` call in an
+    artifact, read off its syntax tree."""
+    calls = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "cpp_pybinding" and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "async_compile"):
+            options = sorted((k.arg, repr(ast.literal_eval(k.value))) for k in node.keywords)
+            calls.append((*(repr(ast.literal_eval(a)) for a in node.args), *options))
+    return calls
+
+
+SERVED_PREBUILT = """
+    import json, sys, torch
+    from torch_precompile import precompile
+    from workloads import WORKLOADS
+    code = open({code!r}).read()
+    cache = open({cache!r}, "rb").read()
+    sys.modules["torch._inductor"] = None  # a kernel not served prebuilt cannot be built
+    run = precompile.load(code, cache)
+    torch.testing.assert_close(run(*WORKLOADS[{name!r}].args()), torch.load({expected!r}))
+    print(json.dumps({{"inductor_imported": "torch._inductor" in sys.modules
+                       and sys.modules["torch._inductor"] is not None}}))
+"""
+
+
+def test_cache_holds_every_kernel_of_the_artifact(artifacts, tmp_path) -> None:
+    """The artifact's source says which kernels it needs; the cache holds each one, and a
+    fresh process with no compiler and no Inductor runs them all from it."""
     code, cache = artifacts.pair("mlp_train", "inductor")
+    calls = _kernel_calls(code)
+    assert calls, "the artifact builds no C++ kernel"
+    assert code.count("async_compile.cpp_pybinding(") == len(calls)  # none in another form
     payload = torch.load(io.BytesIO(envelope.unpack(cache, "inductor", code)), weights_only=True)
-    calls = cpp_kernel_calls(code)
-    assert calls and len(payload["kernels"]) == len(calls)
+    held, needed = len(payload["kernels"]), len(set(calls))
+    assert held == needed, f"the cache holds {held} kernel objects, the source calls {needed}"
     assert payload["fingerprint"] == kernels.machine_fingerprint()
+    paths = _write_pair(tmp_path, "mlp_train", code, cache)
+    env, marker = _poisoned_toolchain(tmp_path)
+    proc = run_python(SERVED_PREBUILT.format(name="mlp_train", **paths), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"inductor_imported": False}
+    assert "will be built" not in proc.stderr
+    assert not marker.exists(), marker.read_text()

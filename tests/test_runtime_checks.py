@@ -4,6 +4,8 @@ argument, what was expected and what was given."""
 from __future__ import annotations
 
 import copy
+import re
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torch import nn
 
 from torch_precompile import PrecompileError
 
+from conftest import assert_same, model_state
 from workloads import MLP, WORKLOADS, Encoder, Head, TiedLM
 
 
@@ -117,13 +120,30 @@ def test_weight_tying_must_match(backend: str, artifacts) -> None:
         mlp_run(tied, x)
 
 
+def _bitwise_state(*modules: nn.Module) -> dict[str, Any]:
+    """Every parameter, .grad and buffer of ``modules`` as raw bytes (None for no .grad)."""
+    return {name: None if value is None else value.reshape(-1).view(torch.uint8).tolist()
+            for name, value in model_state(*modules).items()}
+
+
 def test_swapped_models(backend: str, artifacts) -> None:
+    """Models passed in each other's positions are refused with the first parameter that
+    differs, what was expected and what was given; the call touches neither model nor the
+    input; the right call then computes what eager computes."""
     run = artifacts.load("two_models", backend)
     encoder, x, head = WORKLOADS["two_models"].args()
-    with pytest.raises(PrecompileError, match="expected parameter 'm0.proj.weight', got "
-                       "parameter 'm0.out.weight'"):
-        run(Head(), x, Encoder())
-    assert run(encoder, x, head).shape == (3, 2)
+    wrong_first, wrong_last = Head(), Encoder()
+    before, x_before = _bitwise_state(wrong_first, wrong_last), x.clone()
+    with pytest.raises(PrecompileError, match="^" + re.escape(
+            "the runtime model does not match the captured one: at position 0 expected "
+            "parameter 'm0.proj.weight', got parameter 'm0.out.weight'. Pass a model with the "
+            "same parameters and buffers, in the same order.") + "$"):
+        run(wrong_first, x, wrong_last)
+    assert _bitwise_state(wrong_first, wrong_last) == before
+    assert torch.equal(x, x_before)
+    eager_encoder, eager_head = copy.deepcopy(encoder), copy.deepcopy(head)
+    assert_same(run(encoder, x, head), WORKLOADS["two_models"].fn(eager_encoder, x, eager_head))
+    assert_same(model_state(encoder, head), model_state(eager_encoder, eager_head))
 
 
 def test_new_weights_same_structure_are_accepted(backend: str, artifacts) -> None:
