@@ -55,7 +55,7 @@ LOADERS = {
 
 
 @pytest.mark.parametrize("how", list(LOADERS))
-@pytest.mark.parametrize("name", ["mlp_train", "tied", "mask", "literals"])
+@pytest.mark.parametrize("name", ["mlp_train", "tied", "mask", "literals", "pytree"])
 def test_runs_in_a_fresh_process(name: str, how: str, backend: str, artifacts, tmp_path) -> None:
     code, cache = artifacts.pair(name, backend)
     workload = WORKLOADS[name]
