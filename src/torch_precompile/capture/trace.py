@@ -22,6 +22,7 @@ from torch_precompile.capture.inputs import (
     encode_value,
     flatten_user_inputs,
 )
+from torch_precompile.capture.python_state import refuse_changes, take_snapshot
 from torch_precompile.capture.state import (
     ModelState,
     intern_model_state,
@@ -85,7 +86,15 @@ def capture(
     layout = _read_layout(fn, args, backend, on_fakes)
     recorder, outputs = GuardRecorder(), _Outputs()
     flat_fn = _flat_function(fn, layout, recorder, outputs)
-    traced = _trace(flat_fn, layout, recorder, decompositions, on_fakes)
+    before = take_snapshot(
+        [(layout.arg_names[i], args[i]) for i in layout.module_positions],
+        [(name, leaf) for name, leaf in zip(layout.inputs.names, layout.inputs.leaves,
+                                            strict=True)
+         if isinstance(leaf, torch.optim.Optimizer)])
+    try:
+        traced = _trace(flat_fn, layout, recorder, decompositions, on_fakes)
+    finally:
+        refuse_changes(before)
     gm = traced.graph
     check_graph(gm)
     checks.reject_control_flow(gm)
@@ -217,9 +226,15 @@ def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecor
 
 def _trace(flat_fn: Callable[..., list[Any]], layout: _Layout, recorder: GuardRecorder,
            decompositions: Mapping[Any, Callable[..., Any]] | None, on_fakes: bool) -> _Traced:
-    """Trace with every parameter's ``.grad`` cleared, and put the caller's back afterwards."""
+    """Trace with every parameter's ``.grad`` cleared, and put the caller's back afterwards.
+
+    Parameters are traced as themselves, so an optimizer step inside fn would update them for
+    real: with an optimizer among the arguments their values are put back too.
+    """
     params = layout.state.tensors[:layout.num_params]
     saved_grads = [p.grad for p in params]
+    optimizers = any(isinstance(leaf, torch.optim.Optimizer) for leaf in layout.inputs.leaves)
+    saved_values = [p.detach().clone() for p in params] if optimizers and not on_fakes else []
     try:
         for p in params:
             p.grad = None
@@ -238,6 +253,9 @@ def _trace(flat_fn: Callable[..., list[Any]], layout: _Layout, recorder: GuardRe
     finally:
         for p, grad in zip(params, saved_grads, strict=True):
             p.grad = grad
+        with torch.no_grad():
+            for p, value in zip(params, saved_values, strict=False):
+                p.copy_(value)
 
 
 def _examples(layout: _Layout) -> list[torch.Tensor]:

@@ -1,0 +1,145 @@
+"""Python state that ``fn`` changes while it is traced, found by comparing before and after.
+
+A trace records tensor operations. A counter attribute that ``forward`` increments, a list it
+appends to, or an optimizer's lazily created state would change once, at capture, and an
+artifact would replay every call as that first one: a silently wrong result. So capture takes
+a snapshot of the Python state reachable from the arguments (each submodule's attributes, each
+optimizer's param groups and state), compares it after the trace, puts back what changed and
+refuses the capture, naming it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torch_precompile.errors import PrecompileError
+
+# Members of nn.Module that capture lifts or walks itself; the rest are plain Python state.
+_MODULE_MEMBERS = frozenset({"_parameters", "_buffers", "_modules"})
+_MODULE_FIX = ("Keep such state in a tensor the model registers (register_buffer) and update it "
+               "in place, or change it outside fn.")
+_OPTIMIZER_FIX = ("An optimizer step inside fn is carried only while it keeps no state and "
+                  "changes no option (plain SGD without momentum, a fixed learning rate); call "
+                  "opt.step() outside the artifact instead: loss = run(model, x, t); "
+                  "opt.step(); opt.zero_grad().")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One place that holds Python state, ``owner[name]``: described as ``where``, with
+    ``fix`` saying what to do instead."""
+
+    owner: dict[str, Any]
+    name: str
+    where: str
+    fix: str = _MODULE_FIX
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The value in each slot before the trace, a shallow copy of its contents (containers are
+    put back in place, keeping their identity), and what it looked like."""
+
+    slots: tuple[Slot, ...]
+    values: tuple[Any, ...]
+    contents: tuple[Any, ...]
+    looks: tuple[Any, ...]
+    tensors: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # optimizer state, and a copy
+
+
+def take_snapshot(modules: Sequence[tuple[str, torch.nn.Module]],
+                  optimizers: Sequence[tuple[str, torch.optim.Optimizer]]) -> Snapshot:
+    slots = tuple(_slots(modules, optimizers))
+    values = tuple(slot.owner.get(slot.name, _ABSENT) for slot in slots)
+    contents = tuple(copy.copy(v) if isinstance(v, list | dict | set) else None for v in values)
+    # A trace runs the optimizer's step for real: its state tensors are updated in place.
+    tensors = tuple((t, t.detach().clone()) for _, optimizer in optimizers
+                    for entries in optimizer.state.values() for t in entries.values()
+                    if isinstance(t, torch.Tensor))
+    return Snapshot(slots, values, contents, tuple(_look(v) for v in values), tensors)
+
+
+def refuse_changes(snapshot: Snapshot) -> None:
+    """Put the optimizers' state tensors back; raise, naming the first slot the trace
+    changed, after putting every slot back."""
+    with torch.no_grad():
+        for tensor, value in snapshot.tensors:
+            tensor.copy_(value)
+    changed = [slot for slot, value, look in zip(snapshot.slots, snapshot.values,
+                                                 snapshot.looks, strict=True)
+               if slot.owner.get(slot.name, _ABSENT) is not value
+               or _look(slot.owner.get(slot.name, _ABSENT)) != look]
+    if not changed:
+        return
+    for slot, value, content in zip(snapshot.slots, snapshot.values, snapshot.contents,
+                                    strict=True):
+        if value is _ABSENT:
+            slot.owner.pop(slot.name, None)
+            continue
+        slot.owner[slot.name] = value
+        if isinstance(value, list):
+            value[:] = content
+        elif isinstance(value, dict | set):
+            value.clear()
+            value.update(content)
+    more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+    raise PrecompileError(
+        f"fn changed {changed[0].where}{more} while it was traced. An artifact replays "
+        "tensor operations only: this Python state would change once, at capture, and every "
+        f"call would then act like that first one. {changed[0].fix} (Capture put the old "
+        "value back.)"
+    )
+
+
+def _slots(modules: Sequence[tuple[str, torch.nn.Module]],
+           optimizers: Sequence[tuple[str, torch.optim.Optimizer]]) -> Iterator[Slot]:
+    for arg, root in modules:
+        for name, module in root.named_modules(remove_duplicate=False):
+            shown = f"module {name!r} of {arg}" if name else f"model {arg}"
+            for attr in list(vars(module)):
+                if attr not in _MODULE_MEMBERS and not attr.startswith("_"):
+                    yield Slot(vars(module), attr, f"attribute {attr!r} of {shown}")
+    for arg, optimizer in optimizers:
+        yield Slot(vars(optimizer), "state", f"the state of optimizer {arg}", _OPTIMIZER_FIX)
+        for index, group in enumerate(optimizer.param_groups):
+            for key in list(group):
+                if key != "params":
+                    yield Slot(group, key, f"{key!r} of param group {index} of optimizer {arg}",
+                               _OPTIMIZER_FIX)
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT = _Absent()
+
+
+def _look(value: Any) -> Any:
+    """What a value looks like, shallowly: a change of any member shows as a difference."""
+    if isinstance(value, float):  # by its bits: nan equals itself
+        return ("float", value.hex())
+    if isinstance(value, int | str | bytes | bool | type(None) | torch.dtype):
+        return value
+    if isinstance(value, list | tuple):
+        return (type(value), tuple(_member(v) for v in value))
+    if isinstance(value, dict):  # the optimizer's state: each parameter's entries too
+        return (type(value), tuple((_member(k), _member(v), _look(v) if isinstance(v, dict)
+                                    else None) for k, v in value.items()))
+    if isinstance(value, set | frozenset):
+        return (type(value), frozenset(_member(v) for v in value))
+    return id(value)
+
+
+def _member(value: Any) -> Any:
+    if isinstance(value, float):
+        return ("float", value.hex())
+    if isinstance(value, int | str | bytes | bool | type(None)):
+        return value
+    return id(value)
