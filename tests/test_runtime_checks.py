@@ -81,12 +81,15 @@ def test_model_with_other_structure(mlp) -> None:
                        r".*got shape \(9, 4\)"):
         run(bigger, x, t)
     renamed = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
-    with pytest.raises(PrecompileError, match="at position 0 expected parameter 'fc1.weight', "
-                       "got parameter '0.weight'"):
+    with pytest.raises(PrecompileError, match="^model argument m does not match the captured "
+                       "model: where the captured model m has parameter 'fc1.weight', the runtime "
+                       "model has parameter '0.weight'. Pass"):
         run(renamed, x, t)
     extra = copy.deepcopy(model)
     extra.fc2.register_buffer("extra", torch.zeros(1))
-    with pytest.raises(PrecompileError, match="expected nothing more, got buffer 'fc2.extra'"):
+    with pytest.raises(PrecompileError, match="model argument m does not match the captured "
+                       "model: it has buffer 'fc2.extra' beyond the captured model's parameters "
+                       "and buffers"):
         run(extra, x, t)
     missing = copy.deepcopy(model)
     missing.bn.register_buffer("num_batches_tracked", None)
@@ -135,9 +138,10 @@ def test_swapped_models(backend: str, artifacts) -> None:
     wrong_first, wrong_last = Head(), Encoder()
     before, x_before = _bitwise_state(wrong_first, wrong_last), x.clone()
     with pytest.raises(PrecompileError, match="^" + re.escape(
-            "the runtime model does not match the captured one: at position 0 expected "
-            "parameter 'm0.proj.weight', got parameter 'm0.out.weight'. Pass a model with the "
-            "same parameters and buffers, in the same order.") + "$"):
+            "model argument encoder does not match the captured model: where the captured "
+            "model encoder has parameter 'proj.weight', the runtime model has parameter "
+            "'out.weight'. Pass a model with the same parameters and buffers, in the same "
+            "order.") + "$"):
         run(wrong_first, x, wrong_last)
     assert _bitwise_state(wrong_first, wrong_last) == before
     assert torch.equal(x, x_before)

@@ -240,7 +240,7 @@ def walk_models(model: ModelPlan, models: Sequence[Any]) -> WalkedModels:
     records = model.records
     for index, (kind, name, _) in enumerate(members):
         if index >= len(records) or (records[index].kind, records[index].name) != (kind, name):
-            _report_mismatch(records, index, kind, name)
+            _report_mismatch(model, index, kind, name)
     if len(members) < len(records):
         missing = [f"{t.kind} {t.name!r}" for t in records[len(members):]]
         raise PrecompileError(
@@ -260,14 +260,30 @@ def _members(models: Sequence[torch.nn.Module]) -> Any:
                 yield kind, f"m{mi}.{local}" if qualify else local, tensor
 
 
-def _report_mismatch(records: Sequence[Any], index: int, kind: str, name: str) -> None:
-    want = (f"{records[index].kind} {records[index].name!r}" if index < len(records)
-            else "nothing more")
+def _report_mismatch(model: ModelPlan, index: int, kind: str, name: str) -> None:
+    """Name the model argument whose walk first differs, and the member it has instead."""
+    records = model.records
+    argument, local = _owner(model, name)
+    if index < len(records):
+        expected = _owner(model, records[index].name)
+        where = (f"where the captured model {expected[0]} has {records[index].kind} "
+                 f"{expected[1]!r}, the runtime model has {kind} {local!r}"
+                 + (f" (of argument {argument})" if argument != expected[0] else ""))
+    else:
+        where = f"it has {kind} {local!r} beyond the captured model's parameters and buffers"
     raise PrecompileError(
-        f"the runtime model does not match the captured one: at position {index} expected "
-        f"{want}, got {kind} {name!r}. Pass a model with the same parameters and buffers, in "
-        "the same order."
+        f"model argument {argument} does not match the captured model: {where}. Pass a model "
+        "with the same parameters and buffers, in the same order."
     )
+
+
+def _owner(model: ModelPlan, name: str) -> tuple[str, str]:
+    """(argument name, name within that model) of a walk name (``m1.fc.weight`` with several
+    models)."""
+    if len(model.names) == 1:
+        return model.names[0], name
+    head, _, local = name.partition(".")
+    return model.names[int(head[1:])], local
 
 
 def _interned(model: ModelPlan, members: Sequence[Any]) -> list[torch.Tensor]:
