@@ -59,8 +59,8 @@ def take_snapshot(modules: Sequence[tuple[str, torch.nn.Module]],
     contents = tuple(copy.copy(v) if isinstance(v, list | dict | set) else None for v in values)
     # A trace runs the optimizer's step for real: its state tensors are updated in place.
     tensors = tuple((t, t.detach().clone()) for _, optimizer in optimizers
-                    for entries in optimizer.state.values() for t in entries.values()
-                    if isinstance(t, torch.Tensor))
+                    for entries in optimizer.state.values() if isinstance(entries, dict)
+                    for t in entries.values() if isinstance(t, torch.Tensor))
     return Snapshot(slots, values, contents, tuple(_look(v) for v in values), tensors)
 
 
