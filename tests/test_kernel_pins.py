@@ -8,6 +8,7 @@ binds, says which bytes belong to it.
 from __future__ import annotations
 
 import io
+import logging
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ import torch
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.artifact import envelope
 
-from conftest import run_python
+from conftest import assert_same, run_python
+from workloads import WORKLOADS
 
 NAME = "mlp_train"
 
@@ -107,3 +109,16 @@ def test_verify_and_inspect_name_the_swapped_object(artifacts, tmp_path) -> None
     problems, _ = verify(path, None)
     assert any("is not an object the source names" in p for p in problems), problems
     assert "1 NOT named by the source (load refuses the cache)" in render(describe(path))
+
+
+def test_a_malformed_entry_is_skipped_with_a_warning(artifacts, caplog) -> None:
+    code, cache = artifacts.pair(NAME, "inductor")
+    payload = _payload(code, cache)
+    key = next(iter(payload["kernels"]))
+    payload["kernels"][key] = {"object": "not bytes"}
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        run = precompile.load(code, _packed(code, payload))
+    assert any(f"kernel {key[:12]}… is unusable (a malformed entry)" in r.message
+               for r in caplog.records)
+    workload = WORKLOADS[NAME]
+    assert_same(run(*workload.args()), workload.fn(*workload.args()))

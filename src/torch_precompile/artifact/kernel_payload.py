@@ -82,6 +82,8 @@ def load_built_kernels(acceleration: bytes, pinned: Mapping[str, str] | None
         built_for = payload["fingerprint"]
         if payload.get("version") != PAYLOAD_VERSION:
             raise ValueError(f"kernel payload version {payload.get('version')!r}")
+        if not isinstance(kernels, dict):
+            raise ValueError("its kernel table is not a mapping")
     except Exception as e:
         log.warning("precompile cache: kernel payload unreadable (%s); kernels will be built "
                     "from python_code on first use.", e)
@@ -113,6 +115,10 @@ def _checked_objects(kernels: Mapping[str, Any], pinned: Mapping[str, str] | Non
     """The entries whose bytes are intact; raises for one that is intact but not pinned."""
     usable = {}
     for key, entry in kernels.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("object"), bytes)):
+            log.warning("precompile cache: kernel %s… is unusable (a malformed entry); it will "
+                        "be built from python_code on first use.", str(key)[:12])
+            continue
         digest = hashlib.sha256(entry["object"]).hexdigest()
         intact = digest == entry.get("sha256")
         if (pinned is None and intact) or (pinned is not None and pinned.get(key) == digest):
