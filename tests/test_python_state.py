@@ -128,3 +128,14 @@ def test_a_stateless_optimizer_inside_fn_trains_like_eager(backend: str) -> None
         t = torch.tensor([seed % 3, 1])
         assert_same(run(model, opt, x, t), step(eager, eager_opt, x, t))
     assert_same(model.state_dict(), eager.state_dict())
+
+
+def test_fn_failing_after_changing_state_reports_its_own_error(backend: str) -> None:
+    def failing(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        model.calls += 1
+        raise ValueError("fn's own failure")
+
+    model = Counter()
+    with pytest.raises(ValueError, match="fn's own failure"):
+        precompile(failing, model, torch.randn(2, 4), backend=backend)
+    assert model.calls == 0

@@ -106,6 +106,7 @@ def render(spec: ArtifactSpec, lowered: LoweredGraph, tracer: str = "make_fx") -
         lowered.source,
         _section(3, "The driver: forward(*args) checks a call, then runs call()"),
         driver_source,
+        "",
         _RULE,
         "# forward: the driver over this spec and graph.",
         f"forward = Driver(ARTIFACT_SPEC, call{keywords})",
@@ -145,7 +146,7 @@ def _build_date() -> str:
 
 def _structure_notes(spec: ArtifactSpec) -> dict[str, str]:
     """What the pytree specs encode, as comments beside them."""
-    leaves = [leaf.path if leaf.kind == "tensor" else _Shown(repr(leaf.value[1]))
+    leaves = [leaf.path if leaf.kind == "tensor" else core.Shown(repr(leaf.value[1]))
               for leaf in spec.inputs]
     notes = {"out_spec": "fn's result: " + _structure(spec.out_spec, None)}
     if spec.in_spec is not None:
@@ -153,18 +154,10 @@ def _structure_notes(spec: ArtifactSpec) -> dict[str, str]:
     return notes
 
 
-class _Shown:
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
-
-
 def _structure(dumped: str, names: list[object] | None) -> str:
     spec = pytree.treespec_loads(dumped)
-    shown = names if names is not None else [_Shown("Tensor")] * spec.num_leaves
-    text = repr(pytree.tree_unflatten([_Shown(str(n)) if isinstance(n, str) else n
+    shown = names if names is not None else [core.Shown("Tensor")] * spec.num_leaves
+    text = repr(pytree.tree_unflatten([core.Shown(n) if isinstance(n, str) else n
                                        for n in shown], spec))
     return text if len(text) <= 80 else text[:77] + "..."
 

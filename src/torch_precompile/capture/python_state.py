@@ -65,17 +65,28 @@ def take_snapshot(modules: Sequence[tuple[str, torch.nn.Module]],
 
 
 def refuse_changes(snapshot: Snapshot) -> None:
-    """Put the optimizers' state tensors back; raise, naming the first slot the trace
-    changed, after putting every slot back."""
-    with torch.no_grad():
-        for tensor, value in snapshot.tensors:
-            tensor.copy_(value)
+    """Put everything back; then raise, naming the first slot the trace changed."""
     changed = [slot for slot, value, look in zip(snapshot.slots, snapshot.values,
                                                  snapshot.looks, strict=True)
                if slot.owner.get(slot.name, _ABSENT) is not value
                or _look(slot.owner.get(slot.name, _ABSENT)) != look]
+    put_back(snapshot)
     if not changed:
         return
+    more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+    raise PrecompileError(
+        f"fn changed {changed[0].where}{more} while it was traced. An artifact replays "
+        "tensor operations only: this Python state would change once, at capture, and every "
+        f"call would then act like that first one. {changed[0].fix} (Capture put the old "
+        "value back.)"
+    )
+
+
+def put_back(snapshot: Snapshot) -> None:
+    """Every slot and optimizer state tensor as it was before the trace."""
+    with torch.no_grad():
+        for tensor, value in snapshot.tensors:
+            tensor.copy_(value)
     for slot, value, content in zip(snapshot.slots, snapshot.values, snapshot.contents,
                                     strict=True):
         if value is _ABSENT:
@@ -87,13 +98,6 @@ def refuse_changes(snapshot: Snapshot) -> None:
         elif isinstance(value, dict | set):
             value.clear()
             value.update(content)
-    more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
-    raise PrecompileError(
-        f"fn changed {changed[0].where}{more} while it was traced. An artifact replays "
-        "tensor operations only: this Python state would change once, at capture, and every "
-        f"call would then act like that first one. {changed[0].fix} (Capture put the old "
-        "value back.)"
-    )
 
 
 def _slots(modules: Sequence[tuple[str, torch.nn.Module]],

@@ -22,7 +22,7 @@ from torch_precompile.capture.inputs import (
     encode_value,
     flatten_user_inputs,
 )
-from torch_precompile.capture.python_state import refuse_changes, take_snapshot
+from torch_precompile.capture.python_state import put_back, refuse_changes, take_snapshot
 from torch_precompile.capture.state import (
     ModelState,
     intern_model_state,
@@ -93,8 +93,10 @@ def capture(
          if isinstance(leaf, torch.optim.Optimizer)])
     try:
         traced = _trace(flat_fn, layout, recorder, decompositions, on_fakes)
-    finally:
-        refuse_changes(before)
+    except BaseException:
+        put_back(before)  # fn's own error is the one to report
+        raise
+    refuse_changes(before)
     gm = traced.graph
     check_graph(gm)
     checks.reject_control_flow(gm)
