@@ -162,7 +162,8 @@ def test_unserializable_input_structure_falls_back_to_leaf_count(backend: str) -
 
 def test_unrecordable_python_value_is_rejected(backend: str) -> None:
     model, x = WORKLOADS["mlp_infer"].args()
-    with pytest.raises(PrecompileError, match="input cfg is a .*object whose value cannot"):
+    with pytest.raises(PrecompileError, match=r"input cfg is a builtins.object, which is neither "
+                       r"a tensor nor an immutable value.*frozen dataclasses"):
         precompile(lambda m, x, cfg: m(x), model, x, object(), backend=backend)
 
 

@@ -74,9 +74,32 @@ def describe(path: Path) -> dict[str, Any]:
              "shape": list(d.shape), "local_shape": list(d.local_shape)}
             for d in spec.distributed
         ],
+        "optimizers": _describe_optimizers(spec),
         "cache": _describe_cache(code, spec, cache_file, cache),
     }
     return report
+
+
+def _describe_optimizers(spec: ArtifactSpec) -> list[dict[str, Any]]:
+    """Each optimizer argument: class, param groups (options read per call, baked options,
+    how a fresh state starts) and the state tensors per parameter."""
+    described = []
+    for number, optimizer in enumerate(spec.optimizers):
+        state: dict[str, dict[str, str]] = {}
+        for entry in spec.optimizer_state:
+            if entry.optimizer == number:
+                state.setdefault(entry.param, {})[entry.key] = (
+                    f"{tuple(entry.shape)} {entry.dtype.removeprefix('torch.')}")
+        described.append({
+            "argument": optimizer.argument, "class": optimizer.cls,
+            "param_groups": [
+                {"params": list(g.params), "read_at_every_call": list(g.call_time),
+                 "baked": {k: list(v) if isinstance(v, tuple) else v for k, (_, v) in g.baked},
+                 "fresh_start": g.fresh_start or "zero state"}
+                for g in spec.param_groups if g.optimizer == number],
+            "state": state,
+        })
+    return described
 
 
 def _pins(spec: ArtifactSpec) -> dict[str, str] | None:
@@ -179,6 +202,7 @@ def render(report: dict[str, Any]) -> str:
     for d in report["dtensors"]:
         lines.append(f"    {d['name']:<40} ({', '.join(d['placements'])}) on mesh {d['mesh']}, "
                      f"global {tuple(d['shape'])}, local {tuple(d['local_shape'])}")
+    lines.extend(_render_optimizer(o) for o in report.get("optimizers", ()))
     cache = report["cache"]
     if not cache["present"]:
         lines.append(f"  cache     : missing ({Path(cache['path']).name}); loads build kernels")
@@ -196,6 +220,20 @@ def render(report: dict[str, Any]) -> str:
                             if strangers else ""))
         elif "kernels" in cache:
             lines.append(f"  kernels   : {cache['kernels']}")
+    return "\n".join(lines)
+
+
+def _render_optimizer(optimizer: dict[str, Any]) -> str:
+    lines = [f"  optimizer : {optimizer['argument']} ({optimizer['class']}), state updated in "
+             "place"]
+    for index, group in enumerate(optimizer["param_groups"]):
+        baked = ", ".join(f"{k}={v!r}" for k, v in group["baked"].items())
+        lines.append(f"    group {index}: {len(group['params'])} parameters; read at every call: "
+                     f"{', '.join(group['read_at_every_call'])}; baked: {baked}; a fresh "
+                     f"state: {group['fresh_start']}")
+    for param, entries in optimizer["state"].items():
+        shown = ", ".join(f"{k} {v}" for k, v in entries.items())
+        lines.append(f"    {param:<40} {shown}")
     return "\n".join(lines)
 
 

@@ -9,7 +9,8 @@ version changed; the compatibility policy is in ``docs/SPEC_VERSIONS.md``, and
 writes it; a test holds it to these dataclasses).
 
 Flat graph inputs are the model tensors that are not tied to an earlier one (in ``model``
-order), then the tensor leaves of ``inputs``. Graph outputs are ``fn``'s result leaves, then
+order), then the tensor leaves of ``inputs``, then each ``optimizer_state`` tensor, then one
+0-dim float64 learning rate per param group. Graph outputs are ``fn``'s result leaves, then
 one gradient per parameter with ``gets_grad``, then one tensor per value guard. A flat input or
 result leaf that is a DTensor at the call is a plain local tensor in the graph; its
 ``DistributedTensor`` record says how to unwrap and rewrap it.
@@ -46,6 +47,12 @@ SCHEMA_HISTORY = (
                  "depends on it) and distributed (per DTensor flat input or result leaf)."),
     SchemaChange(3, "2026-12-01", "kernels: the SHA-256 of every built kernel object, by "
                  "kernel key, so the source names the exact objects its cache may hold."),
+    SchemaChange(4, "2026-12-01", "Optimizers as arguments: Argument.is_optimizer; optimizers "
+                 "(class per optimizer argument), param_groups (parameters by name, options "
+                 "read at call time, baked options and their values, whether a fresh state may "
+                 "start from zeros) and optimizer_state (one flat input per state tensor). "
+                 "Python values are encoded by kind (const, float, dtype, device, enum, "
+                 "frozen), never by repr."),
 )
 SCHEMA_VERSION = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""
@@ -55,8 +62,9 @@ SPEC_NAME = "ARTIFACT_SPEC"
 """The one top-level name the spec is assigned to in ``python_code``."""
 _NOT_AN_ARTIFACT = "it is not a precompile artifact (python_code from precompile())"
 
-# (kind, value) for a Python value: ("const", 3), ("float", "nan"),
-# ("repr", ("torch.dtype", "torch.float16")).
+# (kind, value) for a Python value: ("const", 3), ("float", "nan"), ("dtype", "float16"),
+# ("device", "cpu"), ("enum", ("pkg.Mode", "FAST")), ("frozen", ("pkg.Cfg", (("n", ("const",
+# 2)),))). Schema 3 and older also wrote ("repr", (type name, repr)).
 EncodedValue = tuple[str, Any]
 Shape = tuple[int | None, ...]
 Layout = tuple[int, ...] | str | None
@@ -72,10 +80,12 @@ class TorchBuild:
 
 @dataclass(frozen=True)
 class Argument:
-    """One positional argument of ``fn``: a model (``nn.Module``) or a runtime input."""
+    """One positional argument of ``fn``: a model (``nn.Module``), an optimizer
+    (``torch.optim.Optimizer``) or a runtime input."""
 
     name: str
     is_model: bool
+    is_optimizer: bool = False
 
 
 @dataclass(frozen=True)
@@ -206,6 +216,46 @@ class DistributedTensor:
 
 
 @dataclass(frozen=True)
+class Optimizer:
+    """An optimizer argument: its class, by qualified name (another class is refused)."""
+
+    argument: str
+    cls: str
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """One param group of optimizer ``optimizer`` (an index into ``optimizers``).
+
+    ``params`` names the model parameters it steps, in group order. Each option in
+    ``call_time`` is read from the group at every call (a flat input); each of ``baked`` is
+    fixed in the graph, so a call must pass the same value. ``fresh_start`` is None when a
+    parameter without state may start from zero state (what its first step creates), else why
+    it may not.
+    """
+
+    optimizer: int
+    params: tuple[str, ...]
+    call_time: tuple[str, ...]
+    baked: tuple[tuple[str, EncodedValue], ...]
+    fresh_start: str | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """One state tensor ``optimizer`` keeps for model parameter ``param``: a flat graph input
+    the graph updates in place (``strides``: the layout the kernels assume; None: any)."""
+
+    optimizer: int
+    param: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    strides: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class KernelObject:
     """A built kernel object the cache may carry: its kernel key and the SHA-256 of its bytes."""
 
@@ -233,12 +283,16 @@ class ArtifactSpec:
     meshes: tuple[Mesh, ...] = ()
     distributed: tuple[DistributedTensor, ...] = ()
     kernels: tuple[KernelObject, ...] = ()
+    optimizers: tuple[Optimizer, ...] = ()
+    param_groups: tuple[ParamGroup, ...] = ()
+    optimizer_state: tuple[OptimizerState, ...] = ()
 
     RECORDS: ClassVar[dict[str, type]] = {
         "torch": TorchBuild, "args": Argument, "model": ModelTensor, "submodules": Submodule,
         "inputs": InputLeaf, "value_guards": ValueGuard, "dynamic_dims": DynamicDim,
         "size_relations": SizeRelation, "output_aliases": OutputAlias, "meshes": Mesh,
-        "distributed": DistributedTensor, "kernels": KernelObject,
+        "distributed": DistributedTensor, "kernels": KernelObject, "optimizers": Optimizer,
+        "param_groups": ParamGroup, "optimizer_state": OptimizerState,
     }
 
     @property
@@ -262,6 +316,10 @@ class ArtifactSpec:
     def model_names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.args if a.is_model)
 
+    @property
+    def optimizer_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.args if a.is_optimizer)
+
     def with_strides(self, strides: Sequence[Layout] | None) -> ArtifactSpec:
         """The spec with the layout a lowering assumes for each flat input (None: any)."""
         if strides is None:
@@ -275,8 +333,9 @@ class ArtifactSpec:
                       for t in self.model)
         inputs = tuple(dataclasses.replace(leaf, strides=next(flat)) if leaf.kind == "tensor"
                        else leaf for leaf in self.inputs)
+        state = tuple(dataclasses.replace(t, strides=next(flat)) for t in self.optimizer_state)
         results = tuple(d for d in self.distributed if d.role != "input")
-        return dataclasses.replace(self, model=model, inputs=inputs,
+        return dataclasses.replace(self, model=model, inputs=inputs, optimizer_state=state,
                                    distributed=(*distributed, *results))
 
     def with_kernels(self, kernels: Sequence[KernelObject]) -> ArtifactSpec:
@@ -331,6 +390,12 @@ def _wrapped(value: Any, indent: str, prefix: str = "") -> str:
     lines, line = [], indent + prefix + "{"
     for i, (key, item) in enumerate(value.items()):
         text = f"{key!r}: {item!r}" + ("}" if i == len(value) - 1 else ",")
+        if len(indent + prefix) + 1 + len(text) > 100:  # a long item gets lines of its own
+            lines.append(line)
+            inner = indent + " " * len(prefix) + " "
+            text = _wrapped(item, inner, f"{key!r}: ").lstrip() + text[len(f"{key!r}: {item!r}"):]
+            line = inner + text
+            continue
         if len(line) + 1 + len(text) > 100 and not line.endswith("{"):
             lines.append(line)
             line = indent + " " * len(prefix) + " " + text

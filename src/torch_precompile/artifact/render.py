@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch_precompile
-from torch_precompile.driver import core, distributed, dynamic, memo, values
+from torch_precompile.driver import core, distributed, dynamic, memo, optimizers, values
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
 from torch_precompile.lower import LoweredGraph
@@ -36,20 +36,29 @@ _HEADER = '''\
 #     exec(open("this_file.py").read(), namespace)
 #     result = namespace["forward"]({call_example})
 #
-# Checked at every call: the number of arguments, the structure of the inputs, each input
-# tensor's shape, dtype and device (and Python values, which are baked), and each model's
-# parameter and buffer names, order, tying, shapes, dtypes and devices.{layout} Yours to keep:
-# control flow and data-dependent decisions follow the example the computation was captured
-# with. Input and buffer mutations land on what you pass in; gradients of a backward inside fn
-# are added to the parameters' .grad, as eager backward does.
+{checks}
 #
 # Sections: 1. the spec (ARTIFACT_SPEC, the calling convention)  2. the compiled graph,
 # call(flat_inputs)  3. the driver: forward's checks, in call order.
 '''
 
+_CHECKS = (
+    "Checked at every call: the number of arguments, the structure of the inputs, each input "
+    "tensor's shape, dtype and device (and Python values, which are baked), and each model's "
+    "parameter and buffer names, order, tying, shapes, dtypes and devices.{optimizers}{layout} "
+    "Yours to keep: control flow and data-dependent decisions follow the example the "
+    "computation was captured with. Input and buffer mutations land on what you pass in; "
+    "gradients of a backward inside fn are added to the parameters' .grad, as eager backward "
+    "does."
+)
 _INDUCTOR_LAYOUT = (
-    " The\n# kernels also assume the memory layout (strides) of every tensor they read; "
-    "another\n# layout is refused before any kernel runs."
+    " The kernels also assume the memory layout (strides) of every tensor they read; another "
+    "layout is refused before any kernel runs."
+)
+_OPTIMIZER_NOTE = (
+    " For each optimizer: its class, param groups, baked options and state tensors; its lr is "
+    "read at every call, and its state tensors are updated in place (a fresh optimizer gets "
+    "zero state first)."
 )
 
 _MAIN = '''
@@ -71,6 +80,7 @@ _VALUES = DriverPart(values, "values", "InputValues")
 _MEMO = DriverPart(memo, "memo", "ModelMemo")
 _SIZES = DriverPart(dynamic, "sizes", "DynamicSizes")
 _DISTRIBUTED = DriverPart(distributed, "distributed", "DistributedCall")
+_OPTIMIZERS = DriverPart(optimizers, "optimizers", "OptimizerSteps")
 
 
 def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
@@ -78,7 +88,8 @@ def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
     return [part for part, needed in ((_VALUES, _has_values(spec)),
                                       (_MEMO, bool(spec.model_names)),
                                       (_SIZES, bool(spec.dynamic_dims)),
-                                      (_DISTRIBUTED, bool(spec.meshes))) if needed]
+                                      (_DISTRIBUTED, bool(spec.meshes)),
+                                      (_OPTIMIZERS, bool(spec.optimizers))) if needed]
 
 
 def _has_values(spec: ArtifactSpec) -> bool:
@@ -98,7 +109,7 @@ def render(spec: ArtifactSpec, lowered: LoweredGraph, tracer: str = "make_fx") -
     sections = [
         _HEADER.format(
             provenance=_provenance(spec, tracer), call_example=call_example,
-            layout=_INDUCTOR_LAYOUT if spec.backend == "inductor" else "",
+            checks=_checks(spec),
         ),
         _section(1, "The spec: the calling convention, read by load() without executing"),
         spec.source(_structure_notes(spec)),
@@ -136,6 +147,12 @@ def _provenance(spec: ArtifactSpec, tracer: str) -> str:
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
 
 
+def _checks(spec: ArtifactSpec) -> str:
+    text = _CHECKS.format(optimizers=_OPTIMIZER_NOTE if spec.optimizers else "",
+                          layout=_INDUCTOR_LAYOUT if spec.backend == "inductor" else "")
+    return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
+
+
 def _build_date() -> str:
     """Today (UTC), or the date of ``SOURCE_DATE_EPOCH`` for reproducible builds."""
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
@@ -150,7 +167,8 @@ def _structure_notes(spec: ArtifactSpec) -> dict[str, str]:
               for leaf in spec.inputs]
     notes = {"out_spec": "fn's result: " + _structure(spec.out_spec, None)}
     if spec.in_spec is not None:
-        notes["in_spec"] = "the inputs (after the models): " + _structure(spec.in_spec, leaves)
+        after = "the models and optimizers" if spec.optimizers else "the models"
+        notes["in_spec"] = f"the inputs (after {after}): " + _structure(spec.in_spec, leaves)
     return notes
 
 

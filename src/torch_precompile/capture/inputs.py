@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import inspect
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,8 +14,6 @@ import torch
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
 from torch_precompile.spec import EncodedValue
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 @dataclass(frozen=True)
@@ -47,20 +46,45 @@ def flatten_user_inputs(args: tuple[Any, ...], arg_names: list[str]) -> UserInpu
 
 
 def encode_value(name: str, value: Any) -> EncodedValue:
-    """Encode a Python leaf so the driver can insist on the same value at every call."""
+    """Encode an immutable Python leaf so the driver can insist on an equal value at every call.
+
+    Numbers, strings, bytes, dtypes, devices, enum members and frozen dataclasses of such are
+    compared by equality; anything else could change after capture without the artifact
+    knowing, so it is refused.
+    """
     if isinstance(value, float) and not math.isfinite(value):
         return ("float", repr(value))
     if type(value) in (bool, int, float, complex, str, bytes):
         return ("const", value)
-    kind = f"{type(value).__module__}.{type(value).__qualname__}"
-    text = repr(value)
-    if _ADDRESS.search(text):
+    if isinstance(value, torch.dtype):
+        return ("dtype", str(value).removeprefix("torch."))
+    if isinstance(value, torch.device):
+        return ("device", str(value))
+    if isinstance(value, enum.Enum):
+        return ("enum", (_qualified(value), value.name))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and (
+            type(value).__dataclass_params__.frozen):  # type: ignore[attr-defined]
+        return ("frozen", (_qualified(value), tuple(
+            (f.name, encode_value(f"{name}.{f.name}", getattr(value, f.name)))
+            for f in dataclasses.fields(value))))
+    if isinstance(value, torch.optim.Optimizer):
         raise PrecompileError(
-            f"input {name} is a {kind} object whose value cannot be recorded (its repr names a "
-            "memory address). Python values are baked into the graph and checked at every "
-            "call; pass tensors, numbers, strings, or objects with a value-based repr."
+            f"input {name} is an optimizer nested inside another argument. Pass each "
+            "optimizer as its own positional argument of fn, as models are passed, so that "
+            "its state and learning rate are read at every call."
         )
-    return ("repr", (kind, text))
+    raise PrecompileError(
+        f"input {name} is a {_qualified(value)}, which is neither a tensor nor an immutable "
+        "value. Python values are baked into the graph and compared at every call, so a "
+        "mutable object would act at every call as it was at capture. Pass tensors, numbers, "
+        "strings, dtypes, devices, enum members, or frozen dataclasses and named tuples of "
+        "those; pass models as nn.Module arguments and optimizers as torch.optim.Optimizer "
+        "arguments."
+    )
+
+
+def _qualified(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
 def arg_names_of(fn: Any, count: int) -> list[str]:

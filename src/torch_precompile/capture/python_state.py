@@ -1,11 +1,12 @@
 """Python state that ``fn`` changes while it is traced, found by comparing before and after.
 
 A trace records tensor operations. A counter attribute that ``forward`` increments, a list it
-appends to, or an optimizer's lazily created state would change once, at capture, and an
-artifact would replay every call as that first one: a silently wrong result. So capture takes
-a snapshot of the Python state reachable from the arguments (each submodule's attributes, each
-optimizer's param groups and state), compares it after the trace, puts back what changed and
-refuses the capture, naming it.
+appends to, or an optimizer option it sets would change once, at capture, and an artifact
+would replay every call as that first one: a silently wrong result. So capture takes a
+snapshot of the Python state reachable from the arguments (each submodule's attributes, each
+optimizer's param groups and state dict), compares it after the trace, puts back what changed
+and refuses the capture, naming it. (An optimizer's state tensors are lifted instead: the
+trace steps copies of them, see ``optimizers``.)
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from torch_precompile.errors import PrecompileError
 _MODULE_MEMBERS = frozenset({"_parameters", "_buffers", "_modules"})
 _MODULE_FIX = ("Keep such state in a tensor the model registers (register_buffer) and update it "
                "in place, or change it outside fn.")
-_OPTIMIZER_FIX = ("An optimizer step inside fn is carried only while it keeps no state and "
-                  "changes no option (plain SGD without momentum, a fixed learning rate); call "
-                  "opt.step() outside the artifact instead: loss = run(model, x, t); "
-                  "opt.step(); opt.zero_grad().")
+_OPTIMIZER_FIX = ("Change optimizer options between calls, outside fn (lr, which an LR "
+                  "scheduler sets, is read at every call); or call opt.step() outside the "
+                  "artifact.")
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,6 @@ class Snapshot:
     values: tuple[Any, ...]
     contents: tuple[Any, ...]
     looks: tuple[Any, ...]
-    tensors: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # optimizer state, and a copy
 
 
 def take_snapshot(modules: Sequence[tuple[str, torch.nn.Module]],
@@ -57,11 +56,7 @@ def take_snapshot(modules: Sequence[tuple[str, torch.nn.Module]],
     slots = tuple(_slots(modules, optimizers))
     values = tuple(slot.owner.get(slot.name, _ABSENT) for slot in slots)
     contents = tuple(copy.copy(v) if isinstance(v, list | dict | set) else None for v in values)
-    # A trace runs the optimizer's step for real: its state tensors are updated in place.
-    tensors = tuple((t, t.detach().clone()) for _, optimizer in optimizers
-                    for entries in optimizer.state.values() if isinstance(entries, dict)
-                    for t in entries.values() if isinstance(t, torch.Tensor))
-    return Snapshot(slots, values, contents, tuple(_look(v) for v in values), tensors)
+    return Snapshot(slots, values, contents, tuple(_look(v) for v in values))
 
 
 def refuse_changes(snapshot: Snapshot) -> None:
@@ -83,10 +78,7 @@ def refuse_changes(snapshot: Snapshot) -> None:
 
 
 def put_back(snapshot: Snapshot) -> None:
-    """Every slot and optimizer state tensor as it was before the trace."""
-    with torch.no_grad():
-        for tensor, value in snapshot.tensors:
-            tensor.copy_(value)
+    """Every slot as it was before the trace."""
     for slot, value, content in zip(snapshot.slots, snapshot.values, snapshot.contents,
                                     strict=True):
         if value is _ABSENT:

@@ -22,6 +22,13 @@ from torch_precompile.capture.inputs import (
     encode_value,
     flatten_user_inputs,
 )
+from torch_precompile.capture.optimizers import (
+    OptimizerArg,
+    kept_entries,
+    optimizer_records,
+    read_optimizers,
+    stepping,
+)
 from torch_precompile.capture.python_state import put_back, refuse_changes, take_snapshot
 from torch_precompile.capture.state import (
     ModelState,
@@ -88,15 +95,14 @@ def capture(
     flat_fn = _flat_function(fn, layout, recorder, outputs)
     before = take_snapshot(
         [(layout.arg_names[i], args[i]) for i in layout.module_positions],
-        [(name, leaf) for name, leaf in zip(layout.inputs.names, layout.inputs.leaves,
-                                            strict=True)
-         if isinstance(leaf, torch.optim.Optimizer)])
+        [(o.name, o.optimizer) for o in layout.optimizers])
     try:
         traced = _trace(flat_fn, layout, recorder, decompositions, on_fakes)
     except BaseException:
         put_back(before)  # fn's own error is the one to report
         raise
     refuse_changes(before)
+    traced = _drop_unstepped_state(traced, layout)
     gm = traced.graph
     check_graph(gm)
     checks.reject_control_flow(gm)
@@ -105,8 +111,7 @@ def capture(
         layout.sharding.name_collectives(gm)
     literals = checks.lift_literals(gm, checks.origin_finder(
         fn, [(layout.arg_names[i], args[i]) for i in layout.module_positions]))
-    _name_placeholders(gm, layout.state,
-                       [layout.inputs.names[i] for i in layout.tensor_positions])
+    _name_placeholders(gm, layout)
     spec = _artifact_spec(backend, layout, recorder, outputs, traced)
     if traced.dynamic_inputs is None:
         return Capture(gm, literals, spec, traced.examples)
@@ -127,6 +132,8 @@ class _Layout:
     tensor_positions: list[int]  # indices into inputs.leaves
     sharding: Distribution | None
     marks: list[dict[int, dynamic.Mark]]
+    optimizer_positions: list[int]
+    optimizers: list[OptimizerArg]
 
     @property
     def num_params(self) -> int:
@@ -135,6 +142,15 @@ class _Layout:
     @property
     def num_state(self) -> int:
         return len(self.state.tensors)
+
+    @property
+    def optimizer_start(self) -> int:
+        """The flat index of the first optimizer state tensor (after the input tensors)."""
+        return self.num_state + len(self.tensor_positions)
+
+    @property
+    def num_optimizer_state(self) -> int:
+        return sum(len(o.entries) for o in self.optimizers)
 
 
 @dataclass
@@ -161,7 +177,11 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
     modules: list[torch.nn.Module] = [args[i] for i in module_positions]
     _refuse_sharding_wrappers(modules, [arg_names[i] for i in module_positions])
     state = intern_model_state(modules)
-    input_positions = [i for i in range(len(args)) if i not in module_positions]
+    optimizer_positions = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
+    optimizers = read_optimizers([args[i] for i in optimizer_positions],
+                                 [arg_names[i] for i in optimizer_positions], state, backend)
+    input_positions = [i for i in range(len(args))
+                       if i not in module_positions and i not in optimizer_positions]
     inputs = flatten_user_inputs(
         tuple(args[i] for i in input_positions), [arg_names[i] for i in input_positions]
     )
@@ -172,6 +192,12 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
          *(f"model buffer {n!r}" for n in state.buffer_names),
          *(f"input {inputs.names[i]}" for i in tensor_positions)])
     marks = dynamic.read_marks(inputs.leaves, inputs.names)
+    if optimizers and (sharding is not None or any(marks)):
+        raise PrecompileError(
+            f"optimizer {optimizers[0].name} steps inside fn, which is carried for plain "
+            "tensors of static shape; with DTensors or dims marked dynamic, call its step "
+            "outside the artifact (loss = run(model, x, t); opt.step(); opt.zero_grad())."
+        )
     if any(marks) and (sharding is not None or on_fakes):
         raise PrecompileError(
             "dims marked with mark_unbacked (dynamic shapes) are not supported together with "
@@ -183,7 +209,7 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
             "backend runs static graphs only."
         )
     return _Layout(args, arg_names, module_positions, modules, state, inputs, tensor_positions,
-                   sharding, marks)
+                   sharding, marks, optimizer_positions, optimizers)
 
 
 def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecorder,
@@ -199,16 +225,19 @@ def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecor
     def flat_fn(*locals_: torch.Tensor) -> list[Any]:
         flat = locals_ if sharding is None else sharding.rebuild(locals_)
         leaves = list(inputs.leaves)
-        for position, tensor in zip(layout.tensor_positions, flat[layout.num_state:],
+        start, lrs = layout.optimizer_start, layout.optimizer_start + layout.num_optimizer_state
+        for position, tensor in zip(layout.tensor_positions, flat[layout.num_state:start],
                                     strict=True):
             leaves[position] = tensor
         user_args = iter(pytree.tree_unflatten(leaves, inputs.spec))
-        call_args = [a if i in layout.module_positions else next(user_args)
-                     for i, a in enumerate(layout.args)]
+        passed = {*layout.module_positions, *layout.optimizer_positions}
+        call_args = [a if i in passed else next(user_args) for i, a in enumerate(layout.args)]
         with contextlib.ExitStack() as stack:
             for module, binding in zip(layout.modules, state.bindings, strict=True):
                 reparam = {name: flat[index] for name, index in binding.items()}
                 stack.enter_context(reparametrize_module(module, reparam, tie_weights=True))
+            stack.enter_context(stepping(layout.optimizers, flat[start:lrs], flat[lrs:],
+                                         flat[:layout.num_params]))
             with recording:
                 result = fn(*call_args)
         _reject_stray_gradients(state, flat, layout.num_params)
@@ -235,8 +264,8 @@ def _trace(flat_fn: Callable[..., list[Any]], layout: _Layout, recorder: GuardRe
     """
     params = layout.state.tensors[:layout.num_params]
     saved_grads = [p.grad for p in params]
-    optimizers = any(isinstance(leaf, torch.optim.Optimizer) for leaf in layout.inputs.leaves)
-    saved_values = [p.detach().clone() for p in params] if optimizers and not on_fakes else []
+    saved_values = ([p.detach().clone() for p in params]
+                    if layout.optimizers and not on_fakes else [])
     try:
         for p in params:
             p.grad = None
@@ -265,12 +294,39 @@ def _examples(layout: _Layout) -> list[torch.Tensor]:
     # restores); buffers and input tensors as copies, so that mutations fn makes while being
     # traced (BatchNorm statistics, in-place input updates) never touch the caller's.
     state = layout.state
+    # Optimizer state is copied for the same reason; each param group's lr is a 0-dim input.
     examples = [
         *state.tensors[:layout.num_params],
         *(_copy(t) for t in state.tensors[layout.num_params:]),
         *(_copy(layout.inputs.leaves[i]) for i in layout.tensor_positions),
+        *(_copy(e.example) for o in layout.optimizers for e in o.entries),
+        *(learning_rate(group) for o in layout.optimizers for group in o.optimizer.param_groups),
     ]
     return examples if layout.sharding is None else layout.sharding.locals(examples)
+
+
+def learning_rate(group: dict[str, Any]) -> torch.Tensor:
+    """A param group's lr as the graph reads it: a 0-dim float64 tensor (a float's exact
+    value)."""
+    return torch.tensor(float(group["lr"]), dtype=torch.float64)
+
+
+def _drop_unstepped_state(traced: _Traced, layout: _Layout) -> _Traced:
+    """Without the state of parameters the optimizer did not step (they had no gradient), as
+    eager creates no state for them."""
+    keep = kept_entries(layout.optimizers)
+    if all(keep):
+        return traced
+    gm = traced.graph
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    start = layout.optimizer_start
+    dropped = {start + i for i, kept in enumerate(keep) if not kept}
+    for index in sorted(dropped, reverse=True):
+        assert not placeholders[index].users  # an unstepped parameter's state is never read
+        gm.graph.erase_node(placeholders[index])
+    gm.recompile()
+    examples = [e for i, e in enumerate(traced.examples) if i not in dropped]
+    return dataclasses.replace(traced, graph=gm, examples=examples)
 
 
 def _artifact_spec(backend: str, layout: _Layout, recorder: GuardRecorder, outputs: _Outputs,
@@ -278,11 +334,12 @@ def _artifact_spec(backend: str, layout: _Layout, recorder: GuardRecorder, outpu
     assert outputs.spec is not None  # the trace called the flat function
     inputs = layout.inputs
     shapes = _input_shapes(layout, traced.dynamic_inputs)
+    optimizers, groups, optimizer_state = optimizer_records(layout.optimizers, layout.state)
     return ArtifactSpec(
         schema_version=SCHEMA_VERSION,
         backend=backend,
         torch=torch_build(),
-        args=tuple(Argument(name, i in layout.module_positions)
+        args=tuple(Argument(name, i in layout.module_positions, i in layout.optimizer_positions)
                    for i, name in enumerate(layout.arg_names)),
         model=model_records(layout.state, outputs.grad_indices),
         submodules=submodule_records(layout.modules),
@@ -301,6 +358,9 @@ def _artifact_spec(backend: str, layout: _Layout, recorder: GuardRecorder, outpu
         dynamic_dims=shapes.dynamic_dims,
         size_relations=shapes.relations,
         output_aliases=outputs.aliases,
+        optimizers=optimizers,
+        param_groups=groups,
+        optimizer_state=optimizer_state,
         **_distribution_records(layout.sharding, traced.coordinate_dependent),
     )
 
@@ -539,13 +599,17 @@ def _shape(leaf: Any) -> tuple[int, ...] | None:
     return tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None
 
 
-def _name_placeholders(gm: torch.fx.GraphModule, state: ModelState, input_names: list[str]
-                       ) -> None:
+def _name_placeholders(gm: torch.fx.GraphModule, layout: _Layout) -> None:
     """Give graph inputs the names of what they hold, so the artifact reads like source."""
+    state = layout.state
     names = [
         *("p_" + n for n in state.param_names),
         *("b_" + n for n in state.buffer_names),
-        *("in_" + n for n in input_names),
+        *("in_" + layout.inputs.names[i] for i in layout.tensor_positions),
+        *(f"{o.name}_{state.param_names[e.param]}_{e.key}"
+          for o in layout.optimizers for e in o.entries if e.param in o.stepped),
+        *(f"{o.name}_lr_{g}" for o in layout.optimizers
+          for g in range(len(o.optimizer.param_groups))),
     ]
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     for node, name in zip(placeholders, names, strict=False):

@@ -25,19 +25,22 @@ class Driver:
 
     The artifact ends with ``forward = Driver(ARTIFACT_SPEC, call, ...)``, naming the optional
     parts its spec needs: ``values`` (nested inputs, Python values, value guards), ``memo``
-    (remembers checked models), ``sizes`` (dynamic dims) and ``distributed`` (DTensors).
+    (remembers checked models), ``sizes`` (dynamic dims), ``distributed`` (DTensors) and
+    ``optimizers`` (optimizer arguments).
     """
 
     def __init__(self, literal: Mapping[str, Any], call: Callable[[list[Any]], list[Any]], *,
                  values: Any = None, memo: Any = None, sizes: Any = None,
-                 distributed: Any = None) -> None:
+                 distributed: Any = None, optimizers: Any = None) -> None:
         spec = self.spec = read_spec(literal)
         self.arity = len(spec.args)
         self.arg_names = [a.name for a in spec.args]
         self.model_positions = [i for i, a in enumerate(spec.args) if a.is_model]
-        self.input_positions = [i for i, a in enumerate(spec.args) if not a.is_model]
+        self.input_positions = [i for i, a in enumerate(spec.args)
+                                if not a.is_model and not a.is_optimizer]
         self.arity_text = ", ".join(
-            f"{a.name} ({'model' if a.is_model else 'input'})" for a in spec.args
+            f"{a.name} ({'model' if a.is_model else 'optimizer' if a.is_optimizer else 'input'})"
+            for a in spec.args
         ) or "no arguments"
         self.out_spec = pytree.treespec_loads(spec.out_spec)
         # A common shape of a call takes a shortcut: one tensor result.
@@ -52,6 +55,7 @@ class Driver:
         self.values = values(self) if values is not None else None
         self.memo = memo(self.model) if memo is not None else None
         self.sizes = sizes(spec) if sizes is not None else None
+        self.optimizers = optimizers(self) if optimizers is not None else None
         self.call = call if distributed is None else distributed(self, call)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -64,16 +68,19 @@ class Driver:
             leaves = self.values.input_leaves(args)
         inputs = checked_inputs(self, leaves)
         state = model_tensors(self, [args[i] for i in self.model_positions])
+        stepped = () if self.optimizers is None else self.optimizers.flat_inputs(args, state)
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            outputs = self.call([*state, *inputs])
+            outputs = self.call([*state, *inputs, *stepped])
             if self.value_guards:
                 self.values.check_guards(outputs[self.guards_start:])
             accumulate_grads(state, self.grad_indices,
                              outputs[self.num_results:self.guards_start])
         finally:
             torch._C._set_grad_enabled(grad_enabled)
+        if self.optimizers is not None:
+            self.optimizers.stepped(args)
         if self.single_result:
             return outputs[0]
         return pytree.tree_unflatten(outputs[:self.num_results], self.out_spec)
@@ -388,9 +395,10 @@ def _dtype(name: str) -> torch.dtype:
 SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "ArtifactSpec": ("schema_version", "backend", "torch", "args", "model", "submodules",
                      "inputs", "in_spec", "out_spec", "value_guards", "dynamic_dims",
-                     "size_relations", "output_aliases", "meshes", "distributed", "kernels"),
+                     "size_relations", "output_aliases", "meshes", "distributed", "kernels",
+                     "optimizers", "param_groups", "optimizer_state"),
     "TorchBuild": ("version", "git"),
-    "Argument": ("name", "is_model"),
+    "Argument": ("name", "is_model", "is_optimizer"),
     "ModelTensor": ("name", "kind", "tied_to", "shape", "dtype", "device", "strides",
                     "requires_grad", "gets_grad"),
     "Submodule": ("name", "training"),
@@ -404,6 +412,9 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "DistributedTensor": ("role", "index", "name", "mesh", "placements", "shape", "strides",
                           "local_shape", "local_strides"),
     "KernelObject": ("key", "sha256"),
+    "Optimizer": ("argument", "cls"),
+    "ParamGroup": ("optimizer", "params", "call_time", "baked", "fresh_start"),
+    "OptimizerState": ("optimizer", "param", "key", "shape", "dtype", "device", "strides"),
 }
 # Which record each list (or, for "torch", the one record) of the spec holds.
 SPEC_LISTS: dict[str, str] = {
@@ -411,7 +422,8 @@ SPEC_LISTS: dict[str, str] = {
     "submodules": "Submodule", "inputs": "InputLeaf", "value_guards": "ValueGuard",
     "dynamic_dims": "DynamicDim", "size_relations": "SizeRelation",
     "output_aliases": "OutputAlias", "meshes": "Mesh", "distributed": "DistributedTensor",
-    "kernels": "KernelObject",
+    "kernels": "KernelObject", "optimizers": "Optimizer", "param_groups": "ParamGroup",
+    "optimizer_state": "OptimizerState",
 }
 _RECORD_TYPES = {name: namedtuple(name, fields) for name, fields in SPEC_RECORDS.items()}
 

@@ -69,18 +69,37 @@ def _value_matches(encoded: Any, value: Any) -> bool:
         return type(value) is float and (
             math.isnan(value) if expected == "nan" else value == float(expected)
         )
-    if kind == "repr":
-        return f"{type(value).__module__}.{type(value).__qualname__}" == expected[0] and (
-            repr(value) == expected[1]
-        )
+    if kind == "dtype":
+        return isinstance(value, torch.dtype) and value == getattr(torch, expected)
+    if kind == "device":
+        return isinstance(value, torch.device) and value == torch.device(expected)
+    if kind == "enum":
+        return _qualified(value) == expected[0] and getattr(value, "name", None) == expected[1]
+    if kind == "frozen":
+        return _qualified(value) == expected[0] and all(
+            hasattr(value, field) and _value_matches(item, getattr(value, field))
+            for field, item in expected[1])
     return type(value) is type(expected) and value == expected
+
+
+def _qualified(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
 def _shown(encoded: Any) -> str:
     kind, expected = encoded
-    if kind == "repr":
-        return expected[1]
-    return repr(float(expected) if kind == "float" else expected)
+    if kind == "float":
+        return repr(float(expected))
+    if kind == "dtype":
+        return f"torch.{expected}"
+    if kind == "device":
+        return f"device({expected!r})"
+    if kind == "enum":
+        return f"{expected[0]}.{expected[1]}"
+    if kind == "frozen":
+        fields = ", ".join(f"{field}={_shown(item)}" for field, item in expected[1])
+        return f"{expected[0]}({fields})"
+    return repr(expected)
 
 
 def _shown_leaf(plan: LeafPlan) -> Shown:

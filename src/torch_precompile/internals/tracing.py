@@ -33,6 +33,7 @@ from torch_precompile.errors import PrecompileError
 __all__ = [
     "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode",
     "GuardOnDataDependentSymNode", "ShapeEnv", "TensorMarks", "TorchDispatchMode", "check",
+    "compiling",
     "deferred_asserts", "differentiable_rnns", "effect_of", "forget_pending_unbacked",
     "fx_builtin_imports", "graph_function_source", "is_operator",
     "is_traceable_wrapper_subclass", "make_fx", "operator_schema", "rename_node",
@@ -41,6 +42,12 @@ __all__ = [
 ]
 
 check = torch._check
+
+
+def compiling() -> contextlib.AbstractContextManager[None]:
+    """``torch.compiler.is_compiling()`` is True inside: torch.optim then keeps its step
+    counts and learning rates as tensors (no ``.item()``), as it does under torch.compile."""
+    return torch.compiler._compile_session_context()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,185 @@
+"""The driver part for optimizer arguments: their state and learning rates as flat inputs.
+
+Each call checks every optimizer against its capture: its class, no step hooks, each param
+group stepping the same model parameters in the same order with the same baked options, no
+gradient left on a parameter from before the call (the captured step starts from none), and
+each state tensor's shape, dtype, device and layout. A parameter without state gets zero state,
+which its first step starts from; it is installed only once every check has passed. The graph
+then updates the optimizer's own state tensors in place, and the optimizer is marked as stepped
+for an LR scheduler.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from torch_precompile.driver.core import Driver, PrecompileError, check_layout
+
+
+class OptimizerSteps:
+    """The captured optimizers of a driver, in argument order."""
+
+    def __init__(self, driver: Driver) -> None:
+        spec = driver.spec
+        index = {t.name: i for i, t in enumerate(driver.model.interned)}
+        positions = [i for i, a in enumerate(spec.args) if a.is_optimizer]
+        self.plans = [OptimizerPlan(number, record, positions[number], spec, index)
+                      for number, record in enumerate(spec.optimizers)]
+
+    def flat_inputs(self, args: Sequence[Any], state: Sequence[torch.Tensor]
+                    ) -> list[torch.Tensor]:
+        """Every optimizer's state tensors, then every param group's lr."""
+        checked = [plan.check(args[plan.position], state) for plan in self.plans]
+        tensors: list[torch.Tensor] = []
+        for plan, (optimizer, fresh) in zip(self.plans, checked, strict=True):
+            for param, entries in fresh.items():
+                optimizer.state[param].update(entries)
+            tensors.extend(optimizer.state[state[e.param]][e.key] for e in plan.entries)
+        for optimizer, _ in checked:
+            tensors.extend(torch.tensor(float(g["lr"]), dtype=torch.float64)
+                           for g in optimizer.param_groups)
+        return tensors
+
+    def stepped(self, args: Sequence[Any]) -> None:
+        """What an eager step leaves for others: an LR scheduler sees the optimizer stepped."""
+        for plan in self.plans:
+            optimizer = args[plan.position]
+            if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+                optimizer._opt_called = True
+
+
+class StatePlan:
+    """One state tensor the graph reads and updates."""
+
+    def __init__(self, record: Any, param: int, fresh_start: Any) -> None:
+        self.param, self.key, self.name = param, record.key, record.param
+        self.shape = torch.Size(record.shape)
+        self.dtype = getattr(torch, record.dtype.removeprefix("torch."))
+        self.device = torch.device(record.device)
+        self.strides = record.strides
+        self.fresh_start = fresh_start
+
+
+class OptimizerPlan:
+    """What one optimizer argument must be at every call."""
+
+    def __init__(self, number: int, record: Any, position: int, spec: Any,
+                 index: dict[str, int]) -> None:
+        self.position, self.name, self.cls = position, record.argument, record.cls
+        self.groups = [g for g in spec.param_groups if g.optimizer == number]
+        self.group_params = [[index[name] for name in g.params] for g in self.groups]
+        group_of = {p: g for g, params in zip(self.groups, self.group_params, strict=True)
+                    for p in params}
+        self.entries = [StatePlan(s, index[s.param], group_of[index[s.param]].fresh_start)
+                        for s in spec.optimizer_state if s.optimizer == number]
+        self.keys: dict[int, int] = {}
+        for entry in self.entries:
+            self.keys[entry.param] = self.keys.get(entry.param, 0) + 1
+
+    def check(self, optimizer: Any, state: Sequence[torch.Tensor]) -> tuple[Any, dict]:
+        """``optimizer`` checked; the zero state to give parameters that have none yet."""
+        cls = type(optimizer)
+        if f"{cls.__module__}.{cls.__qualname__}" != self.cls:
+            raise PrecompileError(
+                f"argument {self.name} was a {self.cls} at capture; got {cls.__module__}."
+                f"{cls.__qualname__}. Pass an optimizer of the captured class."
+            )
+        self._check_hooks(optimizer)
+        self._check_groups(optimizer, state)
+        return optimizer, self._fresh_state(optimizer, state)
+
+    def _check_hooks(self, optimizer: Any) -> None:
+        global_hooks = (_global_optimizer_pre_hooks, _global_optimizer_post_hooks)
+        own = (getattr(optimizer, "_optimizer_step_pre_hooks", None),
+               getattr(optimizer, "_optimizer_step_post_hooks", None))
+        if any(global_hooks) or any(own):
+            raise PrecompileError(
+                f"optimizer {self.name} has step hooks; an eager opt.step() would run them, "
+                "and the artifact's step cannot. Remove them, or call the step outside the "
+                "artifact."
+            )
+
+    def _check_groups(self, optimizer: Any, state: Sequence[torch.Tensor]) -> None:
+        groups = optimizer.param_groups
+        if len(groups) != len(self.groups):
+            raise PrecompileError(
+                f"optimizer {self.name} has {len(groups)} param groups; it had "
+                f"{len(self.groups)} at capture. Build it with the same groups."
+            )
+        for number, (group, record, params) in enumerate(
+                zip(groups, self.groups, self.group_params, strict=True)):
+            given = group["params"]
+            if len(given) != len(params) or any(
+                    p is not state[i] for p, i in zip(given, params, strict=True)):
+                raise PrecompileError(
+                    f"param group {number} of optimizer {self.name} does not step the captured "
+                    f"parameters ({_listed(record.params)}, in this order) of the model "
+                    "passed with it. Build the optimizer over this model's parameters, grouped "
+                    "as at capture."
+                )
+            for option, (_, value) in record.baked:
+                now = group.get(option)
+                if type(now) is not type(value) or now != value:
+                    raise PrecompileError(
+                        f"option {option!r} of param group {number} of optimizer {self.name} "
+                        f"is {now!r}; it was {value!r} at capture, and only lr is read at "
+                        "every call (other options are baked into the graph). Set it back, or "
+                        "precompile again."
+                    )
+            for param, i in zip(given, params, strict=True):
+                if param.grad is not None:
+                    raise PrecompileError(
+                        f"model parameter {record.params[params.index(i)]!r} has a .grad "
+                        f"from before the call; the step of optimizer {self.name} inside fn "
+                        "starts from no gradient, where eager would add the old one. Call "
+                        f"{self.name}.zero_grad() before the call."
+                    )
+
+    def _fresh_state(self, optimizer: Any, state: Sequence[torch.Tensor]) -> dict:
+        fresh: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        for entry in self.entries:
+            param = state[entry.param]
+            held = optimizer.state.get(param)
+            if not held or param in fresh:
+                if entry.fresh_start is not None:
+                    raise PrecompileError(
+                        f"parameter {entry.name!r} has no state in optimizer {self.name} yet: "
+                        + entry.fresh_start
+                    )
+                fresh.setdefault(param, {})[entry.key] = _zeros(entry, param)
+                continue
+            self._check_state(held, entry)
+        return fresh
+
+    def _check_state(self, held: dict, entry: StatePlan) -> None:
+        tensor = held.get(entry.key)
+        what = f"state {entry.key!r} of parameter {entry.name!r} in optimizer {self.name}"
+        if len(held) != self.keys[entry.param] or not isinstance(tensor, torch.Tensor):
+            raise PrecompileError(
+                f"optimizer {self.name} holds state {sorted(held)} for parameter "
+                f"{entry.name!r}; the captured step keeps {entry.key!r} and "
+                f"{self.keys[entry.param]} entries in all, as tensors. Load a state dict saved "
+                "with the captured options."
+            )
+        if (tensor.shape != entry.shape or tensor.dtype != entry.dtype
+                or tensor.device != entry.device):
+            raise PrecompileError(
+                f"{what}: expected shape {tuple(entry.shape)}, dtype {entry.dtype}, device "
+                f"{entry.device}; got shape {tuple(tensor.shape)}, dtype {tensor.dtype}, "
+                f"device {tensor.device}. Load a state dict saved with the captured options."
+            )
+        if entry.strides is not None:
+            check_layout(tensor, entry.strides, what)
+
+
+def _zeros(entry: StatePlan, param: torch.Tensor) -> torch.Tensor:
+    if (entry.shape, entry.dtype, entry.device) == (param.shape, param.dtype, param.device):
+        return torch.zeros_like(param, memory_format=torch.preserve_format)
+    return torch.zeros(entry.shape, dtype=entry.dtype, device=entry.device)
+
+
+def _listed(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:4])
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
