@@ -20,6 +20,11 @@ for eager, calls ``precompile``, writes the pair with ``precompile.save``, loads
 - ``train``: the model in ``train()``; the step runs the forward, a loss, ``loss.backward()`` and
   returns the loss; three SGD steps (lr 0.1) on new inputs, comparing each step's loss and
   gradients, then the final parameters and buffers.
+- ``train_adamw``: the same step with ``AdamW.step()`` and ``zero_grad()`` inside fn, the
+  optimizer passed as an argument (lr 1e-3, eps 1e-3: with the default eps an update is nearly
+  the sign of its gradient, which float32 rounding flips where a gradient is near zero); three
+  steps from a fresh optimizer, comparing each step's loss, parameters, buffers and optimizer
+  state (``exp_avg``, the square root of ``exp_avg_sq``, ``step``).
 
 Both modes also check that capturing left the model untouched (parameters, buffers, ``.grad``).
 Tolerances are rtol 1e-3, atol 1e-4 unless a case says otherwise (with the reason).
@@ -70,7 +75,8 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "ZOO.md"
-MODES = ("infer", "train")
+MODES = ("infer", "train", "train_adamw")
+ADAMW = {"lr": 1e-3, "eps": 1e-3}
 BACKENDS = ("eager", "inductor")
 STATUSES = ("ok", "refused", "wrong", "error", "crash")
 CHILD_TIMEOUT_S = 600
@@ -853,19 +859,78 @@ def compare_train(c: Case, model: nn.Module, call: Callable[..., Any], reference
     check.state("after training: ", model, reference, grads=False)
 
 
+def adamw_step(c: Case) -> Callable[..., torch.Tensor]:
+    def step(m: nn.Module, opt: torch.optim.Optimizer, *inputs: Any) -> torch.Tensor:
+        loss = c.train_loss(m, *inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def optimizer_state(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+    """AdamW's state per parameter name, with exp_avg_sq as its square root (gradient units)."""
+    state = {}
+    for name, p in model.named_parameters():
+        entries = opt.state.get(p, {})
+        state[name] = {k: v.sqrt() if k == "exp_avg_sq" else v for k, v in entries.items()}
+    return state
+
+
+def compare_train_adamw(c: Case, model: nn.Module, call: Callable[..., Any],
+                        reference: nn.Module, check: Compare, result: dict[str, Any], *,
+                        reference_dtype: torch.dtype | None = None) -> None:
+    """TRAIN_STEPS calls of ``call(model, opt, ...)`` and of the eager AdamW step on
+    ``reference``, each from a fresh AdamW: losses, parameters, buffers, optimizer state."""
+    step = adamw_step(c)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    reference_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    for i in range(TRAIN_STEPS):
+        result["phase"] = f"call (step {i + 1})"
+        loss = call(model, opt, *seeded_inputs(c, TRAIN_SEED + i))
+        result["phase"] = f"eager reference (step {i + 1})"
+        expected = step(reference, reference_opt, *seeded_inputs(c, TRAIN_SEED + i,
+                                                                 reference_dtype))
+        check(f"step {i + 1}: loss", loss, expected)
+        check.state(f"step {i + 1}: ", model, reference, grads=False)
+        check(f"step {i + 1}: optimizer state", optimizer_state(opt, model),
+              optimizer_state(reference_opt, reference))
+
+
+@dataclass(frozen=True)
+class Procedure:
+    """How a mode builds fn and its example arguments, and compares the artifact with eager."""
+
+    training: bool
+    fn: Callable[[Case], Callable[..., Any]]
+    compare: Callable[..., None]
+    with_optimizer: bool = False
+
+
+PROCEDURES = {
+    "infer": Procedure(False, lambda c: c.forward, compare_infer),
+    "train": Procedure(True, training_step, compare_train),
+    "train_adamw": Procedure(True, adamw_step, compare_train_adamw, with_optimizer=True),
+}
+
+
 def run_case(c: Case, mode: str, backend: str, path: Path, result: dict[str, Any],
              found: Found) -> Callable[..., Any]:
     from torch_precompile import precompile
 
-    model = seeded_model(c, MODEL_SEED).train(mode == "train")
+    procedure = PROCEDURES[mode]
+    model = seeded_model(c, MODEL_SEED).train(procedure.training)
     eager = copy.deepcopy(model)
-    fn = c.forward if mode == "infer" else training_step(c)
     check = Compare(c, found)
-    capture(result, fn, model, seeded_inputs(c, EXAMPLE_SEED), backend, path)
+    passed = (model, torch.optim.AdamW(model.parameters(), **ADAMW)) if (
+        procedure.with_optimizer) else (model,)
+    capture(result, procedure.fn(c), passed, seeded_inputs(c, EXAMPLE_SEED), backend, path)
     check.state("after capture: ", model, eager)
     result["phase"] = "load"
     run = load_timed(result, path, precompile)
-    (compare_infer if mode == "infer" else compare_train)(c, model, run, eager, check, result)
+    procedure.compare(c, model, run, eager, check, result)
     return run
 
 
@@ -879,13 +944,12 @@ def describe(found: Found) -> str:
 def float64_drift(c: Case, mode: str) -> Found:
     """Where eager float32 and eager float64 differ by the same procedure, at the case's
     tolerance: places where the case itself is too ill-conditioned to compare."""
-    model = seeded_model(c, MODEL_SEED).train(mode == "train")
+    procedure = PROCEDURES[mode]
+    model = seeded_model(c, MODEL_SEED).train(procedure.training)
     wide = copy.deepcopy(model).double()
     found: Found = []
-    call = c.forward if mode == "infer" else training_step(c)
-    compare = compare_infer if mode == "infer" else compare_train
-    compare(c, model, call, wide, Compare(c, found, widen=True), {},
-            reference_dtype=torch.float64)
+    procedure.compare(c, model, procedure.fn(c), wide, Compare(c, found, widen=True), {},
+                      reference_dtype=torch.float64)
     return found
 
 
@@ -919,13 +983,14 @@ def judge(c: Case, mode: str, run: Callable[..., Any], found: Found) -> tuple[st
     return "wrong", f"{message}; {note}"
 
 
-def capture(result: dict[str, Any], fn: Callable[..., Any], model: nn.Module,
+def capture(result: dict[str, Any], fn: Callable[..., Any], passed: tuple[Any, ...],
             example: tuple[Any, ...], backend: str, path: Path) -> None:
+    """Precompile ``fn(*passed, *example)`` (``passed``: the model, and an optimizer)."""
     from torch_precompile import precompile
 
     result["phase"] = "capture"
     start = time.perf_counter()
-    code, cache = precompile(fn, model, *example, backend=backend)
+    code, cache = precompile(fn, *passed, *example, backend=backend)
     result["build_s"] = time.perf_counter() - start
     result["phase"] = "save"
     precompile.save(code, cache, path)

@@ -47,6 +47,16 @@ def clipped_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Te
     return loss.detach()
 
 
+def zeroing_first_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                       t: torch.Tensor) -> torch.Tensor:
+    """zero_grad() first: the gradients of the call before are dropped, this call's stay."""
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), t)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
 FORMS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd_momentum_wd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-2,
                                                  foreach=False),
@@ -193,6 +203,16 @@ def test_two_param_groups_clipping_and_zero_grad_outside(backend: str) -> None:
                                       backend=backend))
     fresh = make_model(6)
     train_side_by_side(run, fresh, grouped(fresh), fn=clipped_step)
+
+
+def test_zero_grad_first_inside_fn_drops_the_gradients_of_the_call_before(backend: str
+                                                                         ) -> None:
+    model = make_model(16)
+    run = precompile.load(*precompile(zeroing_first_step, model, FORMS["adam"](
+        model.parameters()), *batch(0), backend=backend))
+    fresh = make_model(17)
+    train_side_by_side(run, fresh, FORMS["adam"](fresh.parameters()), fn=zeroing_first_step)
+    assert all(p.grad is not None for p in fresh.parameters())  # the last call's
 
 
 def test_each_baked_option_changed_is_refused_by_name(backend: str) -> None:

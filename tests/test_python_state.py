@@ -67,6 +67,31 @@ def test_a_list_appended_to_is_refused_and_put_back(backend: str) -> None:
     assert model.seen is seen and seen == []
 
 
+class LazyTotal(torch.nn.Module):
+    """Keeps a running total in a tensor it creates on the first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "total"):
+            self.total = torch.zeros(())
+        self.total = self.total + x.sum()
+        return self.lin(x) * self.total
+
+
+def test_a_tensor_fn_creates_and_keeps_is_refused_not_taken_for_a_literal(backend: str
+                                                                         ) -> None:
+    """The total carries from one call to the next; as a literal built inside fn, every call
+    would start it from zero again."""
+    model = LazyTotal()
+    with pytest.raises(PrecompileError, match=r"fn changed attribute 'total' of model m \(added "
+                       r"by fn\) while it was traced"):
+        precompile(lambda m, x: m(x), model, torch.randn(2, 4), backend=backend)
+    assert not hasattr(model, "total")
+
+
 class Settings:
     """A mutable object: what fn reads of it could change after capture unseen."""
 

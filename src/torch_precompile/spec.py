@@ -48,11 +48,11 @@ SCHEMA_HISTORY = (
     SchemaChange(3, "2026-12-01", "kernels: the SHA-256 of every built kernel object, by "
                  "kernel key, so the source names the exact objects its cache may hold."),
     SchemaChange(4, "2026-12-01", "Optimizers as arguments: Argument.is_optimizer; optimizers "
-                 "(class per optimizer argument), param_groups (parameters by name, options "
-                 "read at call time, baked options and their values, whether a fresh state may "
-                 "start from zeros) and optimizer_state (one flat input per state tensor). "
-                 "Python values are encoded by kind (const, float, dtype, device, enum, "
-                 "frozen), never by repr."),
+                 "(class per optimizer argument, whether fn clears its gradients first), "
+                 "param_groups (parameters by name, options read at call time, baked options "
+                 "and their values, whether a fresh state may start from zeros) and "
+                 "optimizer_state (one flat input per state tensor). Python values are encoded "
+                 "by kind (const, float, dtype, device, enum, frozen), never by repr."),
 )
 SCHEMA_VERSION = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""
@@ -217,10 +217,13 @@ class DistributedTensor:
 
 @dataclass(frozen=True)
 class Optimizer:
-    """An optimizer argument: its class, by qualified name (another class is refused)."""
+    """An optimizer argument: its class, by qualified name (another class is refused).
+    ``zero_grad_first``: fn calls its ``zero_grad()`` before any gradient exists, so a call
+    drops the gradients its parameters hold, as that ``zero_grad()`` would."""
 
     argument: str
     cls: str
+    zero_grad_first: bool = False
 
 
 @dataclass(frozen=True)

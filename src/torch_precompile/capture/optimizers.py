@@ -107,6 +107,7 @@ class OptimizerArg:
     entries: list[StateEntry]
     inductor: bool
     stepped: set[int] = field(default_factory=set)  # params that had a gradient at its step
+    zero_grad_first: bool = False  # fn called zero_grad() before any gradient existed
 
 
 def read_optimizers(args: Sequence[Any], arg_names: Sequence[str], state: ModelState,
@@ -257,15 +258,25 @@ def _install(arg: OptimizerArg, lifted: defaultdict[torch.Tensor, dict[str, Any]
             for group, options in zip(optimizer.param_groups, saved, strict=True):
                 group.update(options)
 
+    own_zero_grad, inner_zero_grad = vars(optimizer).get("zero_grad"), optimizer.zero_grad
+
+    def traced_zero_grad(*args: Any, **kwargs: Any) -> Any:
+        # The trace starts with no gradients: a zero_grad() seeing none comes before backward.
+        if all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
+            arg.zero_grad_first = True
+        return inner_zero_grad(*args, **kwargs)
+
     optimizer.state = lifted
     optimizer.step = traced_step  # type: ignore[method-assign]
+    optimizer.zero_grad = traced_zero_grad  # type: ignore[method-assign]
 
     def undo() -> None:
         optimizer.state = saved_state
-        if own is None:
-            vars(optimizer).pop("step", None)
-        else:
-            optimizer.step = own  # type: ignore[method-assign]
+        for attribute, value in (("step", own), ("zero_grad", own_zero_grad)):
+            if value is None:
+                vars(optimizer).pop(attribute, None)
+            else:
+                setattr(optimizer, attribute, value)
         _check_unchanged(arg.name, lifted, expected, params)
 
     return undo
@@ -302,7 +313,8 @@ def optimizer_records(optimizers: Sequence[OptimizerArg], state: ModelState
     for number, arg in enumerate(optimizers):
         optimizer = arg.optimizer
         cls = type(optimizer)
-        records.append(Optimizer(arg.name, f"{cls.__module__}.{cls.__qualname__}"))
+        records.append(Optimizer(arg.name, f"{cls.__module__}.{cls.__qualname__}",
+                                 arg.zero_grad_first))
         rule = _RULES[cls]
         index_of = {id(t): i for i, t in enumerate(state.tensors)}
         for group in optimizer.param_groups:

@@ -12,6 +12,7 @@ trace steps copies of them, see ``optimizers``.)
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,9 @@ class Snapshot:
     values: tuple[Any, ...]
     contents: tuple[Any, ...]
     looks: tuple[Any, ...]
+    # Each module's attribute dict, the names it had, and how to show the module: an attribute
+    # fn adds (a tensor it creates on the first call and keeps) is state too.
+    namespaces: tuple[tuple[dict[str, Any], frozenset[str], str], ...] = ()
 
 
 def take_snapshot(modules: Sequence[tuple[str, torch.nn.Module]],
@@ -56,11 +60,25 @@ def take_snapshot(modules: Sequence[tuple[str, torch.nn.Module]],
     slots = tuple(_slots(modules, optimizers))
     values = tuple(slot.owner.get(slot.name, _ABSENT) for slot in slots)
     contents = tuple(copy.copy(v) if isinstance(v, list | dict | set) else None for v in values)
-    return Snapshot(slots, values, contents, tuple(_look(v) for v in values))
+    namespaces = tuple((vars(module), frozenset(vars(module)), shown)
+                       for module, shown in _modules(modules))
+    return Snapshot(slots, values, contents, tuple(_look(v) for v in values), namespaces)
+
+
+def _with_added(snapshot: Snapshot) -> Snapshot:
+    """The snapshot with a slot, absent before, for every attribute fn added to a module."""
+    added = tuple(Slot(owner, name, f"attribute {name!r} of {shown} (added by fn)")
+                  for owner, names, shown in snapshot.namespaces
+                  for name in list(owner) if name not in names and not name.startswith("_"))
+    return dataclasses.replace(
+        snapshot, slots=snapshot.slots + added, values=snapshot.values + (_ABSENT,) * len(added),
+        contents=snapshot.contents + (None,) * len(added),
+        looks=snapshot.looks + (_look(_ABSENT),) * len(added))
 
 
 def refuse_changes(snapshot: Snapshot) -> None:
     """Put everything back; then raise, naming the first slot the trace changed."""
+    snapshot = _with_added(snapshot)
     changed = [slot for slot, value, look in zip(snapshot.slots, snapshot.values,
                                                  snapshot.looks, strict=True)
                if slot.owner.get(slot.name, _ABSENT) is not value
@@ -79,6 +97,7 @@ def refuse_changes(snapshot: Snapshot) -> None:
 
 def put_back(snapshot: Snapshot) -> None:
     """Every slot as it was before the trace."""
+    snapshot = _with_added(snapshot)
     for slot, value, content in zip(snapshot.slots, snapshot.values, snapshot.contents,
                                     strict=True):
         if value is _ABSENT:
@@ -94,12 +113,10 @@ def put_back(snapshot: Snapshot) -> None:
 
 def _slots(modules: Sequence[tuple[str, torch.nn.Module]],
            optimizers: Sequence[tuple[str, torch.optim.Optimizer]]) -> Iterator[Slot]:
-    for arg, root in modules:
-        for name, module in root.named_modules(remove_duplicate=False):
-            shown = f"module {name!r} of {arg}" if name else f"model {arg}"
-            for attr in list(vars(module)):
-                if attr not in _MODULE_MEMBERS and not attr.startswith("_"):
-                    yield Slot(vars(module), attr, f"attribute {attr!r} of {shown}")
+    for module, shown in _modules(modules):
+        for attr in list(vars(module)):
+            if attr not in _MODULE_MEMBERS and not attr.startswith("_"):
+                yield Slot(vars(module), attr, f"attribute {attr!r} of {shown}")
     for arg, optimizer in optimizers:
         yield Slot(vars(optimizer), "state", f"the state of optimizer {arg}", _OPTIMIZER_FIX)
         for index, group in enumerate(optimizer.param_groups):
@@ -107,6 +124,13 @@ def _slots(modules: Sequence[tuple[str, torch.nn.Module]],
                 if key != "params":
                     yield Slot(group, key, f"{key!r} of param group {index} of optimizer {arg}",
                                _OPTIMIZER_FIX)
+
+
+def _modules(modules: Sequence[tuple[str, torch.nn.Module]]
+             ) -> Iterator[tuple[torch.nn.Module, str]]:
+    for arg, root in modules:
+        for name, module in root.named_modules(remove_duplicate=False):
+            yield module, f"module {name!r} of {arg}" if name else f"model {arg}"
 
 
 class _Absent:

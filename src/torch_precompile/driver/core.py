@@ -412,7 +412,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "DistributedTensor": ("role", "index", "name", "mesh", "placements", "shape", "strides",
                           "local_shape", "local_strides"),
     "KernelObject": ("key", "sha256"),
-    "Optimizer": ("argument", "cls"),
+    "Optimizer": ("argument", "cls", "zero_grad_first"),
     "ParamGroup": ("optimizer", "params", "call_time", "baked", "fresh_start"),
     "OptimizerState": ("optimizer", "param", "key", "shape", "dtype", "device", "strides"),
 }

@@ -2,7 +2,8 @@
 
 Each call checks every optimizer against its capture: its class, no step hooks, each param
 group stepping the same model parameters in the same order with the same baked options, no
-gradient left on a parameter from before the call (the captured step starts from none), and
+gradient left on a parameter from before the call (the captured step starts from none; when
+fn itself calls ``zero_grad()`` first, those gradients are dropped as it would), and
 each state tensor's shape, dtype, device and layout. A parameter without state gets zero state,
 which its first step starts from; it is installed only once every check has passed. The graph
 then updates the optimizer's own state tensors in place, and the optimizer is marked as stepped
@@ -34,6 +35,10 @@ class OptimizerSteps:
         checked = [plan.check(args[plan.position], state) for plan in self.plans]
         tensors: list[torch.Tensor] = []
         for plan, (optimizer, fresh) in zip(self.plans, checked, strict=True):
+            if plan.zero_grad_first:  # what fn's own zero_grad() does first in eager
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        param.grad = None
             for param, entries in fresh.items():
                 optimizer.state[param].update(entries)
             tensors.extend(optimizer.state[state[e.param]][e.key] for e in plan.entries)
@@ -68,6 +73,7 @@ class OptimizerPlan:
     def __init__(self, number: int, record: Any, position: int, spec: Any,
                  index: dict[str, int]) -> None:
         self.position, self.name, self.cls = position, record.argument, record.cls
+        self.zero_grad_first = record.zero_grad_first
         self.groups = [g for g in spec.param_groups if g.optimizer == number]
         self.group_params = [[index[name] for name in g.params] for g in self.groups]
         group_of = {p: g for g, params in zip(self.groups, self.group_params, strict=True)
@@ -121,7 +127,7 @@ class OptimizerPlan:
                 )
             for option, (_, value) in record.baked:
                 now = group.get(option)
-                if type(now) is not type(value) or now != value:
+                if not _same_option(now, value):
                     raise PrecompileError(
                         f"option {option!r} of param group {number} of optimizer {self.name} "
                         f"is {now!r}; it was {value!r} at capture, and only lr is read at "
@@ -129,7 +135,7 @@ class OptimizerPlan:
                         "precompile again."
                     )
             for param, i in zip(given, params, strict=True):
-                if param.grad is not None:
+                if param.grad is not None and not self.zero_grad_first:
                     raise PrecompileError(
                         f"model parameter {record.params[params.index(i)]!r} has a .grad "
                         f"from before the call; the step of optimizer {self.name} inside fn "
@@ -172,6 +178,16 @@ class OptimizerPlan:
             )
         if entry.strides is not None:
             check_layout(tensor, entry.strides, what)
+
+
+def _same_option(now: Any, captured: Any) -> bool:
+    """Equal as the step reads them: 0 and 0.0 alike, a list like a tuple, True unlike 1."""
+    if isinstance(captured, tuple):
+        return isinstance(now, tuple | list) and len(now) == len(captured) and all(
+            _same_option(a, b) for a, b in zip(now, captured, strict=True))
+    if isinstance(captured, bool) or captured is None or isinstance(captured, str):
+        return type(now) is type(captured) and now == captured
+    return type(now) in (int, float) and now == captured
 
 
 def _zeros(entry: StatePlan, param: torch.Tensor) -> torch.Tensor:
