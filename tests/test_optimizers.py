@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.decorators import mark_unbacked
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torch_precompile import PrecompileError, precompile
@@ -381,3 +382,12 @@ def test_a_fresh_process_trains_like_eager(backend: str, with_cache: bool,
     for values, p in zip(got["exp_avg"], model.parameters(), strict=True):
         torch.testing.assert_close(torch.tensor(values), opt.state[p]["exp_avg"].flatten(),
                                    **TIGHT)
+
+
+def test_an_optimizer_with_dynamic_dims_is_refused_by_name() -> None:
+    model = make_model(18)
+    x, t = batch(0)
+    mark_unbacked(x, 0)
+    with pytest.raises(PrecompileError, match=r"optimizer opt steps inside fn, which is carried "
+                       r"for plain tensors of static shape.*call its step outside"):
+        precompile(step, model, FORMS["adamw"](model.parameters()), x, t, backend="inductor")

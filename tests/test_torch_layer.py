@@ -25,7 +25,11 @@ SHIPPED = {
     "driver": {"torch._C._set_grad_enabled", "torch.utils._pytree",
                "torch._C._dynamo.guards.TensorGuards", "torch._C._distributed_c10d",
                "._parameters", "._buffers", "._modules", "._base",
-               "._register_process_group", "._unregister_process_group"},
+               "._register_process_group", "._unregister_process_group",
+               "torch.optim.optimizer._global_optimizer_pre_hooks",
+               "torch.optim.optimizer._global_optimizer_post_hooks",
+               "._optimizer_step_pre_hooks", "._optimizer_step_post_hooks", "._opt_called",
+               "._wrapped_by_lr_sched"},
     "kernel_loader": {"torch._inductor.async_compile.AsyncCompile", "torch._inductor.kernel",
                       "torch._inductor.select_algorithm"},
 }

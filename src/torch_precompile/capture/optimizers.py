@@ -23,14 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.optim.optimizer import (
-    _get_scalar_dtype,
-    _global_optimizer_post_hooks,
-    _global_optimizer_pre_hooks,
-)
 
 from torch_precompile.capture.state import ModelState
 from torch_precompile.errors import PrecompileError
+from torch_precompile.internals.optim import step_count_dtype, step_hooks
 from torch_precompile.internals.tracing import compiling
 from torch_precompile.spec import EncodedValue, Optimizer, OptimizerState, ParamGroup
 
@@ -161,17 +157,6 @@ def _check_hooks(optimizer: torch.optim.Optimizer, name: str) -> None:
         )
 
 
-def step_hooks(optimizer: torch.optim.Optimizer) -> str:
-    """What step hooks would run around ``optimizer.step()``, in words ('' for none)."""
-    kinds = [
-        ("step pre-hooks", getattr(optimizer, "_optimizer_step_pre_hooks", {})),
-        ("step post-hooks", getattr(optimizer, "_optimizer_step_post_hooks", {})),
-        ("global step pre-hooks", _global_optimizer_pre_hooks),
-        ("global step post-hooks", _global_optimizer_post_hooks),
-    ]
-    return " and ".join(f"{len(hooks)} {kind}" for kind, hooks in kinds if hooks)
-
-
 def _entries(optimizer: torch.optim.Optimizer, name: str, param_index: dict[int, int],
              state: ModelState) -> Iterator[StateEntry]:
     rule = _RULES[type(optimizer)]
@@ -212,7 +197,7 @@ def _check_held(held: dict[str, Any], keys: tuple[str, ...], name: str, param: s
 def _zeros(key: str, param: torch.Tensor, group: _Group) -> torch.Tensor:
     """The value the optimizer's first step would create for ``key`` before updating it."""
     if key == "step":  # as torch.optim's Adam creates it
-        dtype = _get_scalar_dtype(is_fused=group.get("fused"))
+        dtype = step_count_dtype(group.get("fused"))
         on_param = group.get("capturable") or group.get("fused")
         return torch.zeros((), dtype=dtype, device=param.device if on_param else "cpu")
     return torch.zeros_like(param, memory_format=torch.preserve_format)

@@ -61,7 +61,7 @@ def take_snapshot(modules: Sequence[tuple[str, torch.nn.Module]],
     values = tuple(slot.owner.get(slot.name, _ABSENT) for slot in slots)
     contents = tuple(copy.copy(v) if isinstance(v, list | dict | set) else None for v in values)
     namespaces = tuple((vars(module), frozenset(vars(module)), shown)
-                       for module, shown in _modules(modules))
+                       for module, shown in _walked_modules(modules))
     return Snapshot(slots, values, contents, tuple(_look(v) for v in values), namespaces)
 
 
@@ -113,7 +113,7 @@ def put_back(snapshot: Snapshot) -> None:
 
 def _slots(modules: Sequence[tuple[str, torch.nn.Module]],
            optimizers: Sequence[tuple[str, torch.optim.Optimizer]]) -> Iterator[Slot]:
-    for module, shown in _modules(modules):
+    for module, shown in _walked_modules(modules):
         for attr in list(vars(module)):
             if attr not in _MODULE_MEMBERS and not attr.startswith("_"):
                 yield Slot(vars(module), attr, f"attribute {attr!r} of {shown}")
@@ -126,7 +126,7 @@ def _slots(modules: Sequence[tuple[str, torch.nn.Module]],
                                _OPTIMIZER_FIX)
 
 
-def _modules(modules: Sequence[tuple[str, torch.nn.Module]]
+def _walked_modules(modules: Sequence[tuple[str, torch.nn.Module]]
              ) -> Iterator[tuple[torch.nn.Module, str]]:
     for arg, root in modules:
         for name, module in root.named_modules(remove_duplicate=False):

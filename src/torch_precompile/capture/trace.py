@@ -192,11 +192,12 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
          *(f"model buffer {n!r}" for n in state.buffer_names),
          *(f"input {inputs.names[i]}" for i in tensor_positions)])
     marks = dynamic.read_marks(inputs.leaves, inputs.names)
-    if optimizers and (sharding is not None or any(marks)):
+    if optimizers and (sharding is not None or any(marks) or on_fakes):
         raise PrecompileError(
             f"optimizer {optimizers[0].name} steps inside fn, which is carried for plain "
-            "tensors of static shape; with DTensors or dims marked dynamic, call its step "
-            "outside the artifact (loss = run(model, x, t); opt.step(); opt.zero_grad())."
+            "tensors of static shape traced on every rank; with DTensors, dims marked dynamic "
+            "or compile_on_one_rank, call its step outside the artifact (loss = run(model, x, "
+            "t); opt.step(); opt.zero_grad())."
         )
     if any(marks) and (sharding is not None or on_fakes):
         raise PrecompileError(

@@ -7,7 +7,9 @@ fn itself calls ``zero_grad()`` first, those gradients are dropped as it would),
 each state tensor's shape, dtype, device and layout. A parameter without state gets zero state,
 which its first step starts from; it is installed only once every check has passed. The graph
 then updates the optimizer's own state tensors in place, and the optimizer is marked as stepped
-for an LR scheduler.
+for an LR scheduler. Its touches of torch.optim's private state: the step hooks
+(``_optimizer_step_pre_hooks`` and ``_post_hooks``, per optimizer and global) and the
+``_opt_called`` flag an LR scheduler reads.
 """
 
 from collections.abc import Sequence
