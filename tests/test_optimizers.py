@@ -250,6 +250,12 @@ def test_calls_that_do_not_match_the_captured_optimizer_are_refused(backend: str
         run(model, torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}]),
             *batch(1))
     opt = FORMS["adamw"](model.parameters())
+    opt.param_groups[0]["lr"] = "fast"
+    with pytest.raises(PrecompileError, match=r"lr of param group 0 of optimizer opt is 'fast'; "
+                       r".*Set it to a float"):
+        run(model, opt, *batch(1))
+    assert len(opt.state) == 0
+    opt.param_groups[0]["lr"] = 1e-2
     F.cross_entropy(model(batch(1)[0]), batch(1)[1]).backward()
     with pytest.raises(PrecompileError, match=r"model parameter '0.weight' has a .grad from "
                        r"before the call.*opt.zero_grad\(\)"):

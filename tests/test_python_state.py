@@ -10,8 +10,8 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from test_optimizers import step
 from torch_precompile import PrecompileError, precompile
 
 from conftest import assert_same
@@ -37,15 +37,6 @@ class Recorder(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen.append(x.shape[0])
         return self.lin(x)
-
-
-def step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-         t: torch.Tensor) -> torch.Tensor:
-    loss = F.cross_entropy(model(x), t)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
 
 
 def test_a_counter_attribute_is_refused_and_put_back(backend: str) -> None:

@@ -35,6 +35,10 @@ class OptimizerSteps:
                     ) -> list[torch.Tensor]:
         """Every optimizer's state tensors, then every param group's lr."""
         checked = [plan.check(args[plan.position], state) for plan in self.plans]
+        lrs = [plan.learning_rate(number, group)
+               for plan, (optimizer, _) in zip(self.plans, checked, strict=True)
+               for number, group in enumerate(optimizer.param_groups)]
+        # Every check has passed: only now does anything change.
         tensors: list[torch.Tensor] = []
         for plan, (optimizer, fresh) in zip(self.plans, checked, strict=True):
             if plan.zero_grad_first:  # what fn's own zero_grad() does first in eager
@@ -44,10 +48,7 @@ class OptimizerSteps:
             for param, entries in fresh.items():
                 optimizer.state[param].update(entries)
             tensors.extend(optimizer.state[state[e.param]][e.key] for e in plan.entries)
-        for optimizer, _ in checked:
-            tensors.extend(torch.tensor(float(g["lr"]), dtype=torch.float64)
-                           for g in optimizer.param_groups)
-        return tensors
+        return [*tensors, *lrs]
 
     def stepped(self, args: Sequence[Any]) -> None:
         """What an eager step leaves for others: an LR scheduler sees the optimizer stepped."""
@@ -97,6 +98,17 @@ class OptimizerPlan:
         self._check_hooks(optimizer)
         self._check_groups(optimizer, state)
         return optimizer, self._fresh_state(optimizer, state)
+
+    def learning_rate(self, number: int, group: Any) -> torch.Tensor:
+        """A param group's lr as the graph reads it: a 0-dim float64 tensor."""
+        try:
+            return torch.tensor(float(group["lr"]), dtype=torch.float64)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise PrecompileError(
+                f"lr of param group {number} of optimizer {self.name} is "
+                f"{group.get('lr')!r}; the step reads it as a number at every call. Set it to "
+                "a float (or a 1-element tensor)."
+            ) from e
 
     def _check_hooks(self, optimizer: Any) -> None:
         global_hooks = (_global_optimizer_pre_hooks, _global_optimizer_post_hooks)
