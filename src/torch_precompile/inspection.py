@@ -75,6 +75,7 @@ def describe(path: Path) -> dict[str, Any]:
             for d in spec.distributed
         ],
         "optimizers": _describe_optimizers(spec),
+        "subclasses": _describe_subclasses(spec),
         "cache": _describe_cache(code, spec, cache_file, cache),
     }
     return report
@@ -100,6 +101,39 @@ def _describe_optimizers(spec: ArtifactSpec) -> list[dict[str, Any]]:
             "state": state,
         })
     return described
+
+
+def _describe_subclasses(spec: ArtifactSpec) -> list[dict[str, Any]]:
+    """Each tensor subclass carried by its inner tensors: class, flatten context, inners."""
+    return [
+        {"name": w.name, "class": w.cls, "shape": list(w.shape),
+         "context": _shown_context(w.context),
+         "inner": {t.attr: f"{tuple(t.shape)} {t.dtype.removeprefix('torch.')}"
+                   for t in spec.wrapped_inner if t.wrapper == number}}
+        for number, w in enumerate(spec.wrapped)
+    ]
+
+
+def _shown_context(encoded: Any) -> str:
+    """An encoded flatten context as it reads in Python (nothing is imported to show it)."""
+    kind, value = encoded
+    if kind in ("list", "tuple"):
+        items = [_shown_context(v) for v in value]
+        return (f"[{', '.join(items)}]" if kind == "list"
+                else f"({', '.join(items)}{',' if len(items) == 1 else ''})")
+    if kind == "dict":
+        return "{" + ", ".join(f"{_shown_context(k)}: {_shown_context(v)}"
+                               for k, v in value) + "}"
+    if kind in ("dataclass", "frozen"):
+        fields = ", ".join(f"{name}={_shown_context(v)}" for name, v in value[1])
+        return f"{value[0].rsplit('.', 1)[-1]}({fields})"
+    if kind == "enum":
+        return f"{value[0].rsplit('.', 1)[-1]}.{value[1]}"
+    if kind == "dtype":
+        return f"torch.{value}"
+    if kind in ("device", "size"):
+        return f"{'device' if kind == 'device' else 'Size'}({value!r})"
+    return repr(value) if kind != "float" else value
 
 
 def _pins(spec: ArtifactSpec) -> dict[str, str] | None:
@@ -203,6 +237,10 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"    {d['name']:<40} ({', '.join(d['placements'])}) on mesh {d['mesh']}, "
                      f"global {tuple(d['shape'])}, local {tuple(d['local_shape'])}")
     lines.extend(_render_optimizer(o) for o in report.get("optimizers", ()))
+    for w in report.get("subclasses", ()):
+        inner = ", ".join(f"{attr} {shown}" for attr, shown in w["inner"].items())
+        lines.append(f"  subclass  : {w['name']} is a {w['class']}: {inner}")
+        lines.append(f"    flatten context {w['context']}")
     cache = report["cache"]
     if not cache["present"]:
         lines.append(f"  cache     : missing ({Path(cache['path']).name}); loads build kernels")

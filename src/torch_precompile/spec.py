@@ -13,7 +13,10 @@ order), then the tensor leaves of ``inputs``, then each ``optimizer_state`` tens
 0-dim float64 learning rate per param group. Graph outputs are ``fn``'s result leaves, then
 one gradient per parameter with ``gets_grad``, then one tensor per value guard. A flat input or
 result leaf that is a DTensor at the call is a plain local tensor in the graph; its
-``DistributedTensor`` record says how to unwrap and rewrap it.
+``DistributedTensor`` record says how to unwrap and rewrap it. One that is another tensor
+subclass (torchao's quantized weights) is its inner tensors in the graph: the first in its
+place, the others after every flat input (after the value guards, for a result leaf), in
+``wrapped`` order; its ``WrappedTensor`` record says how to check and rebuild it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ SCHEMA_HISTORY = (
                  "and their values, whether a fresh state may start from zeros) and "
                  "optimizer_state (one flat input per state tensor). Python values are encoded "
                  "by kind (const, float, dtype, device, enum, frozen), never by repr."),
+    SchemaChange(5, "2026-12-01", "Traceable tensor subclasses: wrapped (per subclass flat "
+                 "input or result leaf: class, flatten context, outer shape and strides) and "
+                 "wrapped_inner (per inner tensor: attribute, shape, dtype, device, strides). "
+                 "Encoded values gain the kinds none, list, tuple, dict, size and dataclass "
+                 "(in flatten contexts)."),
 )
 SCHEMA_VERSION = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""
@@ -64,7 +72,9 @@ _NOT_AN_ARTIFACT = "it is not a precompile artifact (python_code from precompile
 
 # (kind, value) for a Python value: ("const", 3), ("float", "nan"), ("dtype", "float16"),
 # ("device", "cpu"), ("enum", ("pkg.Mode", "FAST")), ("frozen", ("pkg.Cfg", (("n", ("const",
-# 2)),))). Schema 3 and older also wrote ("repr", (type name, repr)).
+# 2)),))). Flatten contexts also hold ("none", None), ("list", (items...)), ("tuple", (...)),
+# ("dict", ((key, value), ...)), ("size", (2, 3)) and ("dataclass", like "frozen"). Schema 3
+# and older also wrote ("repr", (type name, repr)).
 EncodedValue = tuple[str, Any]
 Shape = tuple[int | None, ...]
 Layout = tuple[int, ...] | str | None
@@ -259,6 +269,38 @@ class OptimizerState:
 
 
 @dataclass(frozen=True)
+class WrappedTensor:
+    """A traceable tensor subclass (one with ``__tensor_flatten__``) at flat input ``index``
+    (``role`` "input") or result leaf ``index`` ("result"), carried as its inner tensors.
+
+    ``cls`` is its class by qualified name; ``context`` its flatten context, encoded (a call
+    must pass an equal one; a result is rebuilt with it); ``shape`` and ``strides`` are its own
+    (outer) size and strides. Its ``wrapped_inner`` records list the inner tensors.
+    """
+
+    role: str
+    index: int
+    name: str
+    cls: str
+    context: EncodedValue
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class InnerTensor:
+    """One inner tensor of ``wrapped[wrapper]``, by its flatten attribute name, in flatten
+    order (``strides``: the layout the kernels assume; None: any)."""
+
+    wrapper: int
+    attr: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    strides: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class KernelObject:
     """A built kernel object the cache may carry: its kernel key and the SHA-256 of its bytes."""
 
@@ -289,6 +331,8 @@ class ArtifactSpec:
     optimizers: tuple[Optimizer, ...] = ()
     param_groups: tuple[ParamGroup, ...] = ()
     optimizer_state: tuple[OptimizerState, ...] = ()
+    wrapped: tuple[WrappedTensor, ...] = ()
+    wrapped_inner: tuple[InnerTensor, ...] = ()
 
     RECORDS: ClassVar[dict[str, type]] = {
         "torch": TorchBuild, "args": Argument, "model": ModelTensor, "submodules": Submodule,
@@ -296,6 +340,7 @@ class ArtifactSpec:
         "size_relations": SizeRelation, "output_aliases": OutputAlias, "meshes": Mesh,
         "distributed": DistributedTensor, "kernels": KernelObject, "optimizers": Optimizer,
         "param_groups": ParamGroup, "optimizer_state": OptimizerState,
+        "wrapped": WrappedTensor, "wrapped_inner": InnerTensor,
     }
 
     @property
@@ -331,7 +376,9 @@ class ArtifactSpec:
         local = {d.index: d for d in self.distributed if d.role == "input"}
         distributed = [dataclasses.replace(local[i], local_strides=s)
                        for i, s in enumerate(strides) if i in local]
-        flat = iter(None if i in local else s for i, s in enumerate(strides))
+        # So is a subclass's: its inner tensors' layouts are recorded with them.
+        unwrapped = local.keys() | {w.index for w in self.wrapped if w.role == "input"}
+        flat = iter(None if i in unwrapped else s for i, s in enumerate(strides))
         model = tuple(dataclasses.replace(t, strides=next(flat)) if t.tied_to is None else t
                       for t in self.model)
         inputs = tuple(dataclasses.replace(leaf, strides=next(flat)) if leaf.kind == "tensor"
@@ -339,7 +386,28 @@ class ArtifactSpec:
         state = tuple(dataclasses.replace(t, strides=next(flat)) for t in self.optimizer_state)
         results = tuple(d for d in self.distributed if d.role != "input")
         return dataclasses.replace(self, model=model, inputs=inputs, optimizer_state=state,
-                                   distributed=(*distributed, *results))
+                                   distributed=(*distributed, *results),
+                                   wrapped_inner=self._inner_strides(strides))
+
+    def _inner_strides(self, strides: Sequence[Layout]) -> tuple[InnerTensor, ...]:
+        """Inner tensors of subclass inputs take the strides of their graph inputs: the first
+        at the subclass's flat index, the others after every flat input (see the module)."""
+        first = {w: r.index for w, r in enumerate(self.wrapped) if r.role == "input"}
+        extra = len(strides) - sum(1 for t in self.wrapped_inner if t.wrapper in first) + len(
+            first)
+        inner = []
+        for record in self.wrapped_inner:
+            if record.wrapper not in first:
+                inner.append(record)
+                continue
+            if first[record.wrapper] is not None:
+                position, first[record.wrapper] = first[record.wrapper], None
+            else:
+                position, extra = extra, extra + 1
+            layout = strides[position]
+            inner.append(dataclasses.replace(
+                record, strides=layout if isinstance(layout, tuple) else None))
+        return tuple(inner)
 
     def with_kernels(self, kernels: Sequence[KernelObject]) -> ArtifactSpec:
         """The spec naming the kernel objects a lowering built."""

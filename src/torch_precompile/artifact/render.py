@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch_precompile
-from torch_precompile.driver import core, distributed, dynamic, memo, optimizers, values
+from torch_precompile.driver import (
+    core,
+    distributed,
+    dynamic,
+    memo,
+    optimizers,
+    subclasses,
+    values,
+)
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
 from torch_precompile.lower import LoweredGraph
@@ -80,6 +88,7 @@ _VALUES = DriverPart(values, "values", "InputValues")
 _MEMO = DriverPart(memo, "memo", "ModelMemo")
 _SIZES = DriverPart(dynamic, "sizes", "DynamicSizes")
 _DISTRIBUTED = DriverPart(distributed, "distributed", "DistributedCall")
+_SUBCLASSES = DriverPart(subclasses, "subclasses", "WrappedCall")
 _OPTIMIZERS = DriverPart(optimizers, "optimizers", "OptimizerSteps")
 
 
@@ -89,6 +98,7 @@ def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
                                       (_MEMO, bool(spec.model_names)),
                                       (_SIZES, bool(spec.dynamic_dims)),
                                       (_DISTRIBUTED, bool(spec.meshes)),
+                                      (_SUBCLASSES, bool(spec.wrapped)),
                                       (_OPTIMIZERS, bool(spec.optimizers))) if needed]
 
 
@@ -166,6 +176,9 @@ def _structure_notes(spec: ArtifactSpec) -> dict[str, str]:
     leaves = [leaf.path if leaf.kind == "tensor" else core.Shown(repr(leaf.value[1]))
               for leaf in spec.inputs]
     notes = {"out_spec": "fn's result: " + _structure(spec.out_spec, None)}
+    if spec.wrapped:
+        notes["wrapped"] = ("tensor subclasses, each carried as its inner tensors "
+                            "(wrapped_inner); `inspect` shows each context as Python")
     if spec.in_spec is not None:
         after = "the models and optimizers" if spec.optimizers else "the models"
         notes["in_spec"] = f"the inputs (after {after}): " + _structure(spec.in_spec, leaves)

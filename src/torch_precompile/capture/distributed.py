@@ -24,7 +24,6 @@ from torch_precompile.internals.distributed import (
     is_dtensor,
     non_functional_collectives,
 )
-from torch_precompile.internals.tracing import is_traceable_wrapper_subclass
 from torch_precompile.spec import DistributedTensor, Mesh
 
 _PLACEMENTS = ("Shard", "Replicate", "Partial")
@@ -143,14 +142,14 @@ class Distribution:
 
 
 def find_dtensors(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> Distribution | None:
-    """The capture's DTensor flat inputs, or None when it has none; other subclasses are
-    refused by name."""
+    """The capture's DTensor flat inputs, or None when it has none (other subclasses are
+    ``capture.subclasses``'); a DTensor of another subclass is refused by name."""
     inputs: dict[int, Sharded] = {}
     meshes: list[Any] = []
     for index, (tensor, name) in enumerate(zip(tensors, names, strict=True)):
         if not is_dtensor(tensor):
-            _refuse_other_subclass(tensor, name)
             continue
+        _refuse_nested(tensor, name)
         Distribution._check_placements(tensor, name)
         mesh = tensor.device_mesh
         if mesh.get_coordinate() is None:
@@ -193,12 +192,11 @@ def group_names(mesh: Any) -> tuple[str, ...]:
                  for dim in dims)
 
 
-def _refuse_other_subclass(tensor: torch.Tensor, name: str) -> None:
-    plain = type(tensor) is torch.Tensor or isinstance(tensor, torch.nn.Parameter)
-    if plain and not is_traceable_wrapper_subclass(tensor):
-        return
-    raise PrecompileError(
-        f"{name} is a {type(tensor).__module__}.{type(tensor).__qualname__}, a tensor subclass "
-        "precompile cannot carry (it handles plain tensors and DTensor). Convert it to a plain "
-        "tensor or a DTensor before precompiling."
-    )
+def _refuse_nested(tensor: Any, name: str) -> None:
+    local = type(tensor.to_local())
+    if local not in (torch.Tensor, torch.nn.Parameter):
+        raise PrecompileError(
+            f"{name} is a DTensor whose local shard is a {local.__module__}.{local.__qualname__} "
+            "(a quantized DTensor, say); nested tensor subclasses are not carried. Shard plain "
+            "tensors, or quantize an unsharded model."
+        )

@@ -36,6 +36,7 @@ from torch_precompile.capture.state import (
     model_records,
     submodule_records,
 )
+from torch_precompile.capture.subclasses import Wrapping, find_wrapped, refuse_mixed
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree, storage_id, torch_build
 from torch_precompile.internals.distributed import pretend_coordinate, sharding_wrapper
@@ -131,6 +132,7 @@ class _Layout:
     inputs: UserInputs
     tensor_positions: list[int]  # indices into inputs.leaves
     sharding: Distribution | None
+    wrapping: Wrapping
     marks: list[dict[int, dynamic.Mark]]
     optimizer_positions: list[int]
     optimizers: list[OptimizerArg]
@@ -186,11 +188,13 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
         tuple(args[i] for i in input_positions), [arg_names[i] for i in input_positions]
     )
     tensor_positions = inputs.tensor_positions
-    sharding = find_dtensors(
-        [*state.tensors, *(inputs.leaves[i] for i in tensor_positions)],
-        [*(f"model parameter {n!r}" for n in state.param_names),
-         *(f"model buffer {n!r}" for n in state.buffer_names),
-         *(f"input {inputs.names[i]}" for i in tensor_positions)])
+    flat = [*state.tensors, *(inputs.leaves[i] for i in tensor_positions)]
+    flat_names = [*(f"model parameter {n!r}" for n in state.param_names),
+                  *(f"model buffer {n!r}" for n in state.buffer_names),
+                  *(f"input {inputs.names[i]}" for i in tensor_positions)]
+    wrapping = find_wrapped(flat, flat_names)
+    sharding = find_dtensors(flat, flat_names)
+    refuse_mixed(wrapping, sharding is not None)
     marks = dynamic.read_marks(inputs.leaves, inputs.names)
     if optimizers and (sharding is not None or any(marks) or on_fakes):
         raise PrecompileError(
@@ -210,7 +214,7 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
             "backend runs static graphs only."
         )
     return _Layout(args, arg_names, module_positions, modules, state, inputs, tensor_positions,
-                   sharding, marks, optimizer_positions, optimizers)
+                   sharding, wrapping, marks, optimizer_positions, optimizers)
 
 
 def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecorder,
@@ -220,11 +224,13 @@ def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecor
     It returns result leaves, then gradients, then value guards, and fills ``outputs``.
     """
     state, inputs, sharding = layout.state, layout.inputs, layout.sharding
+    wrapping = layout.wrapping
     # A symbolic trace reads no values, so it has no guards to record.
     recording = contextlib.nullcontext() if any(layout.marks) else recorder
 
     def flat_fn(*locals_: torch.Tensor) -> list[Any]:
-        flat = locals_ if sharding is None else sharding.rebuild(locals_)
+        flat = wrapping.rebuild(locals_)
+        flat = flat if sharding is None else sharding.rebuild(flat)
         leaves = list(inputs.leaves)
         start, lrs = layout.optimizer_start, layout.optimizer_start + layout.num_optimizer_state
         for position, tensor in zip(layout.tensor_positions, flat[layout.num_state:start],
@@ -249,9 +255,11 @@ def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecor
         if sharding is not None:
             result_leaves = sharding.local_results(result_leaves)
             grads = [(i, sharding.local_grad(i, g)) for i, g in grads]
+        result_leaves, inner = wrapping.flat_results(result_leaves)
         outputs.grad_indices = [i for i, _ in grads]
         outputs.aliases = _output_aliases(result_leaves, locals_)
-        return [*result_leaves, *(g for _, g in grads), *(g.tensor for g in recorder.guards)]
+        return [*result_leaves, *(g for _, g in grads), *(g.tensor for g in recorder.guards),
+                *inner]
 
     return flat_fn
 
@@ -273,6 +281,8 @@ def _trace(flat_fn: Callable[..., list[Any]], layout: _Layout, recorder: GuardRe
         if any(layout.marks):
             dynamic_inputs = dynamic.fake_inputs(layout.state.tensors, layout.inputs.leaves,
                                                  layout.inputs.names, layout.marks)
+            dynamic_inputs = dataclasses.replace(
+                dynamic_inputs, fakes=layout.wrapping.expand(dynamic_inputs.fakes))
             gm = _trace_symbolic(flat_fn, dynamic_inputs.fakes, dynamic_inputs, decompositions)
             return _Traced(gm, dynamic_inputs.fakes, dynamic_inputs, False)
         examples = _examples(layout)
@@ -294,16 +304,18 @@ def _examples(layout: _Layout) -> list[torch.Tensor]:
     # Parameters are traced as themselves (a backward writes their .grad, which _trace
     # restores); buffers and input tensors as copies, so that mutations fn makes while being
     # traced (BatchNorm statistics, in-place input updates) never touch the caller's.
-    state = layout.state
+    state, wrapped = layout.state, layout.wrapping.inputs
     # Optimizer state is copied for the same reason; each param group's lr is a 0-dim input.
+    # A subclass's inner tensors are copied instead of it (see Wrapping.expand).
+    flat = [*state.tensors, *(layout.inputs.leaves[i] for i in layout.tensor_positions)]
     examples = [
-        *state.tensors[:layout.num_params],
-        *(_copy(t) for t in state.tensors[layout.num_params:]),
-        *(_copy(layout.inputs.leaves[i]) for i in layout.tensor_positions),
+        *(t if i < layout.num_params or i in wrapped else _copy(t) for i, t in enumerate(flat)),
         *(_copy(e.example) for o in layout.optimizers for e in o.entries),
         *(learning_rate(group) for o in layout.optimizers for group in o.optimizer.param_groups),
     ]
-    return examples if layout.sharding is None else layout.sharding.locals(examples)
+    if layout.sharding is not None:
+        return layout.sharding.locals(examples)
+    return layout.wrapping.expand(examples, _copy, layout.num_params)
 
 
 def learning_rate(group: dict[str, Any]) -> torch.Tensor:
@@ -363,6 +375,7 @@ def _artifact_spec(backend: str, layout: _Layout, recorder: GuardRecorder, outpu
         param_groups=groups,
         optimizer_state=optimizer_state,
         **_distribution_records(layout.sharding, traced.coordinate_dependent),
+        **layout.wrapping.spec_records(),
     )
 
 
@@ -506,8 +519,9 @@ def _trace_symbolic(
         raise PrecompileError(
             "fn branches on, or needs a fixed value of, a dim marked with mark_unbacked (or a "
             "value computed from one), so no single artifact can serve every size. Marked dims "
-            "that must be equal should share one shape_id; otherwise leave the dim static or "
-            "write fn without the size-dependent decision. The trace stopped at: "
+            "that must be equal should share one shape_id; a decision on whether a size is 1 "
+            "is settled by declaring min=2 (mark_unbacked(x, dim, min=2)); otherwise leave the "
+            "dim static or write fn without the size-dependent decision. The trace stopped at: "
             f"{str(e).splitlines()[0]}"
         ) from e
 
@@ -612,6 +626,7 @@ def _name_placeholders(gm: torch.fx.GraphModule, layout: _Layout) -> None:
         *(f"{o.name}_lr_{g}" for o in layout.optimizers
           for g in range(len(o.optimizer.param_groups))),
     ]
+    names = layout.wrapping.graph_names(names)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     for node, name in zip(placeholders, names, strict=False):
         rename_node(node, _identifier(name))

@@ -25,13 +25,14 @@ class Driver:
 
     The artifact ends with ``forward = Driver(ARTIFACT_SPEC, call, ...)``, naming the optional
     parts its spec needs: ``values`` (nested inputs, Python values, value guards), ``memo``
-    (remembers checked models), ``sizes`` (dynamic dims), ``distributed`` (DTensors) and
-    ``optimizers`` (optimizer arguments).
+    (remembers checked models), ``sizes`` (dynamic dims), ``distributed`` (DTensors),
+    ``subclasses`` (other tensor subclasses) and ``optimizers`` (optimizer arguments).
     """
 
     def __init__(self, literal: Mapping[str, Any], call: Callable[[list[Any]], list[Any]], *,
                  values: Any = None, memo: Any = None, sizes: Any = None,
-                 distributed: Any = None, optimizers: Any = None) -> None:
+                 distributed: Any = None, subclasses: Any = None,
+                 optimizers: Any = None) -> None:
         spec = self.spec = read_spec(literal)
         self.arity = len(spec.args)
         self.arg_names = [a.name for a in spec.args]
@@ -46,8 +47,14 @@ class Driver:
         # A common shape of a call takes a shortcut: one tensor result.
         self.single_result = self.out_spec == pytree.tree_flatten(0)[1]
         training = any(t.gets_grad for t in spec.model)
+        # Flat inputs a driver part unwraps; every other one must be a plain tensor.
+        carried = {d.index for d in (*spec.distributed, *spec.wrapped) if d.role == "input"}
         self.leaves = [LeafPlan(leaf, training) for leaf in spec.inputs]
-        self.model = ModelPlan(spec, [self.arg_names[i] for i in self.model_positions], training)
+        num_model = len([t for t in spec.model if t.tied_to is None])
+        for index, plan in enumerate(p for p in self.leaves if p.is_tensor):
+            plan.subclass = num_model + index in carried
+        self.model = ModelPlan(spec, [self.arg_names[i] for i in self.model_positions], training,
+                               carried)
         self.grad_indices = [i for i, t in enumerate(self.model.interned) if t.gets_grad]
         self.value_guards = [(g.description, g.expected) for g in spec.value_guards]
         self.num_results = self.out_spec.num_leaves
@@ -56,6 +63,7 @@ class Driver:
         self.memo = memo(self.model) if memo is not None else None
         self.sizes = sizes(spec) if sizes is not None else None
         self.optimizers = optimizers(self) if optimizers is not None else None
+        call = call if subclasses is None else subclasses(self, call)
         self.call = call if distributed is None else distributed(self, call)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -149,6 +157,7 @@ class LeafPlan:
         self.device = torch.device(leaf.device) if self.is_tensor else None
         self.strides = leaf.strides
         self.bounds = leaf.bounds or {}
+        self.subclass = False  # whether a driver part unwraps it (DTensor, other subclasses)
         # With a backward inside fn, requires_grad decides which gradients eager would produce.
         self.requires_grad = leaf.requires_grad if training else None
 
@@ -182,6 +191,8 @@ def check_tensor_leaf(driver: Driver, plan: LeafPlan, leaf: Any) -> None:
         )
     if leaf.dtype != plan.dtype:
         raise PrecompileError(f"input {name}: expected dtype {plan.dtype}, got {leaf.dtype}.")
+    if type(leaf) not in PLAIN and not plan.subclass:
+        raise subclass_error(f"input {name}", leaf)
     if leaf.device != plan.device:
         raise PrecompileError(f"input {name}: expected device {plan.device}, got {leaf.device}.")
     if plan.requires_grad is not None and leaf.requires_grad != plan.requires_grad:
@@ -190,6 +201,19 @@ def check_tensor_leaf(driver: Driver, plan: LeafPlan, leaf: Any) -> None:
         driver.sizes.check_memory_format(leaf, plan.strides, f"input {name}")
     elif plan.strides is not None:
         check_layout(leaf, plan.strides, f"input {name}")
+
+
+PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def subclass_error(what: str, tensor: torch.Tensor) -> PrecompileError:
+    """A tensor subclass where the artifact was captured with a plain tensor: the kernels
+    would read its wrapper as if it held the data."""
+    return PrecompileError(
+        f"{what} is a {type(tensor).__module__}.{type(tensor).__qualname__}, but was a plain "
+        "tensor at capture. Pass a plain tensor (the checkpoint unquantized, as at capture), "
+        "or precompile again with this one."
+    )
 
 
 def check_layout(tensor: torch.Tensor, strides: Sequence[int], name: str) -> None:
@@ -210,10 +234,12 @@ def check_layout(tensor: torch.Tensor, strides: Sequence[int], name: str) -> Non
 class ModelPlan:
     """The captured models' structure: what the full walk over a call's models compares."""
 
-    def __init__(self, spec: Any, model_names: Sequence[str], training: bool) -> None:
+    def __init__(self, spec: Any, model_names: Sequence[str], training: bool,
+                 carried: set[int]) -> None:
         self.names = list(model_names)
         self.records = spec.model
         self.interned = [t for t in self.records if t.tied_to is None]
+        self.carried = {self.interned[i].name for i in carried if i < len(self.interned)}
         self.training = training
         self.submodules = [(s.name, s.training) for s in spec.submodules]
 
@@ -328,6 +354,8 @@ def _check_model_tensor(model: ModelPlan, record: Any, tensor: torch.Tensor) -> 
         )
     if model.training and tensor.requires_grad != record.requires_grad:
         raise PrecompileError(_requires_grad_message(what, record.requires_grad))
+    if type(tensor) not in PLAIN and record.name not in model.carried:
+        raise subclass_error(what, tensor)
     if record.strides is not None:
         check_layout(tensor, record.strides, what)
 
@@ -396,7 +424,8 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "ArtifactSpec": ("schema_version", "backend", "torch", "args", "model", "submodules",
                      "inputs", "in_spec", "out_spec", "value_guards", "dynamic_dims",
                      "size_relations", "output_aliases", "meshes", "distributed", "kernels",
-                     "optimizers", "param_groups", "optimizer_state"),
+                     "optimizers", "param_groups", "optimizer_state", "wrapped",
+                     "wrapped_inner"),
     "TorchBuild": ("version", "git"),
     "Argument": ("name", "is_model", "is_optimizer"),
     "ModelTensor": ("name", "kind", "tied_to", "shape", "dtype", "device", "strides",
@@ -415,6 +444,8 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "Optimizer": ("argument", "cls", "zero_grad_first"),
     "ParamGroup": ("optimizer", "params", "call_time", "baked", "fresh_start"),
     "OptimizerState": ("optimizer", "param", "key", "shape", "dtype", "device", "strides"),
+    "WrappedTensor": ("role", "index", "name", "cls", "context", "shape", "strides"),
+    "InnerTensor": ("wrapper", "attr", "shape", "dtype", "device", "strides"),
 }
 # Which record each list (or, for "torch", the one record) of the spec holds.
 SPEC_LISTS: dict[str, str] = {
@@ -423,7 +454,8 @@ SPEC_LISTS: dict[str, str] = {
     "dynamic_dims": "DynamicDim", "size_relations": "SizeRelation",
     "output_aliases": "OutputAlias", "meshes": "Mesh", "distributed": "DistributedTensor",
     "kernels": "KernelObject", "optimizers": "Optimizer", "param_groups": "ParamGroup",
-    "optimizer_state": "OptimizerState",
+    "optimizer_state": "OptimizerState", "wrapped": "WrappedTensor",
+    "wrapped_inner": "InnerTensor",
 }
 _RECORD_TYPES = {name: namedtuple(name, fields) for name, fields in SPEC_RECORDS.items()}
 

@@ -84,8 +84,10 @@ def _eager_layout_cat(inductor_cat: Any, tensors: list[torch.Tensor], dim: int =
 
 
 def compile_to_wrapper(graph: torch.fx.GraphModule, fake_mode: FakeTensorMode | None,
-                       options: dict[str, Any]) -> str:
-    """Compile ``graph`` with Inductor; return the generated wrapper module's source."""
+                       options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Compile ``graph`` with Inductor; return the generated wrapper module's source and the
+    tensor constants it names (``constant0 = None`` in the source; Inductor sets them on the
+    loaded module)."""
     import torch._inductor.config as inductor_config
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx_inner
@@ -102,7 +104,7 @@ def compile_to_wrapper(graph: torch.fx.GraphModule, fake_mode: FakeTensorMode | 
         raise PrecompileError(
             "Inductor produced no Python wrapper for this graph; use backend='eager'."
         )
-    return source
+    return source, dict(getattr(compiled, "constants", None) or {})
 
 
 def data_dependent_condition(error: BaseException) -> str | None:

@@ -17,7 +17,7 @@ import torch.fx
 
 from torch_precompile import kernel_loader
 from torch_precompile.capture import Capture
-from torch_precompile.capture.checks import literal_source
+from torch_precompile.capture.checks import MAX_LITERAL_ELEMENTS, literal_source
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.inductor import (
     asserted_inputs,
@@ -26,7 +26,11 @@ from torch_precompile.internals.inductor import (
     retrace_for_inductor,
     wrapper_with_stand_ins,
 )
-from torch_precompile.internals.tracing import DynamicOutputShapeException, operator_schema
+from torch_precompile.internals.tracing import (
+    DynamicOutputShapeException,
+    FakeTensor,
+    operator_schema,
+)
 from torch_precompile.lower import LoweredGraph
 from torch_precompile.lower.kernels import collect_built_kernels
 from torch_precompile.shipped import import_block, shipped_source
@@ -190,7 +194,7 @@ def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str
         # hold for unbacked sizes (see _prepared_graph).
         options["layout_optimization"] = False
     try:
-        return compile_to_wrapper(graph, fake_mode, options)
+        source, constants = compile_to_wrapper(graph, fake_mode, options)
     except Exception as e:
         guard = data_dependent_condition(e)
         if guard is None:
@@ -203,6 +207,25 @@ def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str
             "example mark_unbacked(x, dim, min=2) when a size of 1 is what Inductor asks "
             "about), or leave that dim static."
         ) from e
+    return _with_constants(source, constants)
+
+
+def _with_constants(source: str, constants: dict[str, Any]) -> str:
+    """The wrapper with each tensor constant Inductor made (a scalar argument it turned into
+    a tensor, say) written as source, where the generated module leaves a placeholder."""
+    for name, value in constants.items():
+        placeholder = re.search(rf"^{re.escape(name)} = None  # .*$", source, re.MULTILINE)
+        if not isinstance(value, torch.Tensor) or placeholder is None:
+            continue
+        if value.numel() > MAX_LITERAL_ELEMENTS or isinstance(value, FakeTensor):
+            raise PrecompileError(
+                f"Inductor made a tensor constant of shape {tuple(value.shape)} for this graph, "
+                "which the artifact cannot write as source; use backend='eager'."
+            )
+        source = (source[:placeholder.start()]
+                  + f"{name} = {literal_source(value)}  # a constant Inductor made"
+                  + source[placeholder.end():])
+    return source
 
 
 class _NodeRecorder(torch.fx.Interpreter):
