@@ -463,6 +463,15 @@ def refusals(backend: str) -> dict[str, Any]:
     messages["in_place_collective"] = message(
         lambda: precompile(lambda m, x: dist.all_reduce(m(x)), model, x, backend=backend))
     messages["dynamic"] = message(lambda: _dynamic(model, x, backend))
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    pair = TwoTensor(torch.ones(4, 8), torch.ones(4, 8))
+    messages["beside_dtensors"] = message(
+        lambda: precompile(lambda m, x, y: train_step(m, x + y), model, x, pair,
+                           backend=backend))
+    nested = DTensor.from_local(TwoTensor(torch.ones(4, 8), torch.ones(4, 8)), mesh,
+                                [Replicate()], run_check=False)
+    messages["nested"] = message(lambda: precompile(lambda x: x * 2, nested, backend=backend))
     return messages
 
 

@@ -193,6 +193,10 @@ REFUSALS = {
     "closed_over": r"variable 'closed' closed over by fn",
     "in_place_collective": r"in-place collectives \(c10d.allreduce_",
     "dynamic": r"mark_unbacked .* not supported together with DTensors",
+    "beside_dtensors": r"input y is a torch.testing._internal.two_tensor.TwoTensor and other "
+                       r"tensors are DTensors",
+    "nested": r"input x is a DTensor whose local shard is a .*TwoTensor .*nested tensor "
+              r"subclasses are not carried",
 }
 
 

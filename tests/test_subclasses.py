@@ -24,7 +24,7 @@ from torch_precompile.inspection import describe, render
 from torch_precompile.spec import parse_spec
 
 from conftest import run_python
-from scaled_tensor import Blocks, ScaledTensor, quantized_linear
+from scaled_tensor import Blocks, Rounding, ScaledTensor, quantized_linear
 
 
 def run(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -113,6 +113,24 @@ def test_a_call_is_refused_for_another_context_inner_shape_class_or_a_plain_tens
     with pytest.raises(PrecompileError, match=r"model parameter 'weight' is a scaled_tensor"
                        r".ScaledTensor, but was a plain tensor at capture"):
         plain(scaled_model(0)[0], x)
+
+
+def test_a_tensor_changed_after_a_call_that_passed_is_checked_again() -> None:
+    """A call remembers tensors that passed; changing one's attributes or inner layout in
+    place is caught all the same."""
+    forward, model, x = precompile.load(*scaled_pair("eager")), scaled_model(3), torch.randn(3, 8)
+    assert_like_eager(forward, model, x, rtol=0, atol=0)
+    weight = model[0].weight
+    weight.blocks = Blocks((1, 8), rounding=Rounding.DOWN)
+    with pytest.raises(PrecompileError, match=r"'blocks' = Blocks\(size=\(1, 8\), rounding="
+                       r"<Rounding.DOWN"):
+        forward(model, x)
+    weight.blocks = Blocks((1, 8))
+    assert_like_eager(forward, model, x, rtol=0, atol=0)
+    weight.scale.resize_(8, 2)
+    with pytest.raises(PrecompileError, match=r"its inner tensor 'scale'\): expected shape "
+                       r"\(16, 1\).*got shape \(8, 2\)"):
+        forward(model, x)
 
 
 class _Tagged(torch.Tensor):

@@ -53,7 +53,8 @@ _HEADER = '''\
 _CHECKS = (
     "Checked at every call: the number of arguments, the structure of the inputs, each input "
     "tensor's shape, dtype and device (and Python values, which are baked), and each model's "
-    "parameter and buffer names, order, tying, shapes, dtypes and devices.{optimizers}{layout} "
+    "parameter and buffer names, order, tying, shapes, dtypes and devices.{optimizers}"
+    "{subclasses}{layout} "
     "Yours to keep: control flow and data-dependent decisions follow the example the "
     "computation was captured with. Input and buffer mutations land on what you pass in; "
     "gradients of a backward inside fn are added to the parameters' .grad, as eager backward "
@@ -67,6 +68,11 @@ _OPTIMIZER_NOTE = (
     " For each optimizer: its class, param groups, baked options and state tensors; its lr is "
     "read at every call, and its state tensors are updated in place (a fresh optimizer gets "
     "zero state first)."
+)
+
+_SUBCLASS_NOTE = (
+    " For each tensor subclass (a quantized weight): its class, flatten context and inner "
+    "tensors; the graph runs on the inner tensors."
 )
 
 _MAIN = '''
@@ -159,6 +165,7 @@ def _provenance(spec: ArtifactSpec, tracer: str) -> str:
 
 def _checks(spec: ArtifactSpec) -> str:
     text = _CHECKS.format(optimizers=_OPTIMIZER_NOTE if spec.optimizers else "",
+                          subclasses=_SUBCLASS_NOTE if spec.wrapped else "",
                           layout=_INDUCTOR_LAYOUT if spec.backend == "inductor" else "")
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
 

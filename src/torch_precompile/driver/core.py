@@ -405,6 +405,21 @@ def accumulate_grads(state: Sequence[torch.Tensor], indices: Sequence[int],
             param.grad.add_(grad)
 
 
+def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
+    """A check, in C++, that tensors keep the type, dtype, device, sizes, strides and
+    requires_grad they have now (None where this torch has none). It is stricter than the
+    capture's contract (exact strides everywhere): a call it refuses takes the full check,
+    which decides."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+                            tensor_check_names=[f"t{i}" for i in range(len(tensors))])
+    except (ImportError, RuntimeError, TypeError):
+        return None
+
+
 def _requires_grad_message(what: str, captured: bool) -> str:
     return (
         f"{what} has requires_grad={not captured}, but was captured with requires_grad="

@@ -7,15 +7,21 @@ and replaced by its inner tensors: the first in its place, the others after the 
 Result leaves that were subclasses at capture are rebuilt with ``__tensor_unflatten__``. A
 subclass's module (and those its flatten context names) is imported at the first call, by
 then the caller has imported it to make the tensors it passes.
+
+A tensor that passed is remembered: while its attributes are the same objects (its inner
+tensors and everything its flatten context is made of live there) and its inner tensors keep
+their shapes and strides, a later call takes its inner tensors without flattening it again.
 """
 
 import importlib
+import operator
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from torch_precompile.driver.core import Driver, PrecompileError, check_layout
+from torch_precompile.driver.core import Driver, PrecompileError, check_layout, tensor_guard
 
 
 class WrappedCall:
@@ -64,6 +70,8 @@ class Wrapped:
         self.shape = torch.Size(record.shape)
         self.cls: Any = None
         self.context: Any = None
+        # id -> (the tensor, weakly; its attribute values; its inner tensors; their check)
+        self.passed: dict[int, tuple[Any, list[Any], list[torch.Tensor], Any]] = {}
 
     def resolve(self) -> None:
         if self.cls is None:
@@ -72,6 +80,28 @@ class Wrapped:
 
     def unwrap(self, tensor: Any) -> list[torch.Tensor]:
         """``tensor``'s inner tensors, after checking it against the record."""
+        passed = self.passed.get(id(tensor))
+        if passed is not None and passed[0]() is tensor and self.unchanged(tensor, passed):
+            return passed[2]
+        inner = self.checked(tensor)
+        guard = tensor_guard(inner)
+        if hasattr(tensor, "__dict__") and guard is not None:
+            if len(self.passed) >= 8:
+                self.passed.clear()
+            self.passed[id(tensor)] = (weakref.ref(tensor), list(vars(tensor).values()), inner,
+                                       guard)
+        return inner
+
+    @staticmethod
+    def unchanged(tensor: Any, passed: tuple[Any, list[Any], list[torch.Tensor], Any]) -> bool:
+        """Whether a tensor that passed still holds the same attributes, and its inner tensors
+        their layouts."""
+        now = vars(tensor)
+        return (len(now) == len(passed[1]) and all(map(operator.is_, now.values(), passed[1]))
+                and passed[3].check(*passed[2]))
+
+    def checked(self, tensor: Any) -> list[torch.Tensor]:
+        """The full check of a tensor against the record; its inner tensors."""
         record = self.record
         if type(tensor).__module__ + "." + type(tensor).__qualname__ != record.cls:
             given = "a plain tensor" if type(tensor) in (torch.Tensor, torch.nn.Parameter) \
