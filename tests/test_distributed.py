@@ -232,11 +232,3 @@ def test_compile_on_one_rank_needs_a_process_group() -> None:
     with pytest.raises(precompile.PrecompileError, match="init_process_group"):
         precompile(lambda m, x: m(x), torch.nn.Linear(2, 2), torch.ones(1, 2),
                    backend="eager", compile_on_one_rank=True)
-
-
-def test_other_tensor_subclasses_are_refused_by_name() -> None:
-    from torch.testing._internal.two_tensor import TwoTensor
-
-    x = TwoTensor(torch.ones(2, 2), torch.ones(2, 2))
-    with pytest.raises(precompile.PrecompileError, match=r"input x is a .*TwoTensor"):
-        precompile(lambda m, x: m(x), torch.nn.Linear(2, 2), x, backend="eager")

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._dynamo.decorators import mark_unbacked
 
+from test_optimizers import step
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.inspection import describe, render
 from torch_precompile.spec import parse_spec
@@ -250,14 +250,6 @@ def test_a_quantized_body_with_a_trainable_head_trains_like_eager(backend: str) 
         model = torch.nn.Sequential(quantized("int8_weight_only", seed), torch.nn.ReLU(),
                                     torch.nn.Linear(16, 5))
         return model.train()
-
-    def step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-             t: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(model(x), t)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
 
     def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model[2].parameters(), lr=1e-2)

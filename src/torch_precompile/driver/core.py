@@ -231,6 +231,29 @@ def check_layout(tensor: torch.Tensor, strides: Sequence[int], name: str) -> Non
         )
 
 
+class TensorPlan:
+    """A plain tensor the graph reads: its shape, dtype, device, and the layout the kernels
+    assume (None: any)."""
+
+    def __init__(self, record: Any) -> None:
+        self.shape = torch.Size(record.shape)
+        self.dtype = _dtype(record.dtype)
+        self.device = torch.device(record.device)
+        self.strides = record.strides
+
+
+def check_planned(tensor: torch.Tensor, plan: TensorPlan, what: str, fix: str) -> None:
+    """``tensor`` must be as planned; ``fix`` ends the message, saying what to do."""
+    if tensor.shape != plan.shape or tensor.dtype != plan.dtype or tensor.device != plan.device:
+        raise PrecompileError(
+            f"{what}: expected shape {tuple(plan.shape)}, dtype {plan.dtype}, device "
+            f"{plan.device}; got shape {tuple(tensor.shape)}, dtype {tensor.dtype}, device "
+            f"{tensor.device}. {fix}"
+        )
+    if plan.strides is not None:
+        check_layout(tensor, plan.strides, what)
+
+
 class ModelPlan:
     """The captured models' structure: what the full walk over a call's models compares."""
 

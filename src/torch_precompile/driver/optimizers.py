@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from torch_precompile.driver.core import Driver, PrecompileError, check_layout
+from torch_precompile.driver.core import Driver, PrecompileError, TensorPlan, check_planned
 
 
 class OptimizerSteps:
@@ -58,15 +58,12 @@ class OptimizerSteps:
                 optimizer._opt_called = True
 
 
-class StatePlan:
+class StatePlan(TensorPlan):
     """One state tensor the graph reads and updates."""
 
     def __init__(self, record: Any, param: int, fresh_start: Any) -> None:
+        super().__init__(record)
         self.param, self.key, self.name = param, record.key, record.param
-        self.shape = torch.Size(record.shape)
-        self.dtype = getattr(torch, record.dtype.removeprefix("torch."))
-        self.device = torch.device(record.device)
-        self.strides = record.strides
         self.fresh_start = fresh_start
 
 
@@ -183,15 +180,7 @@ class OptimizerPlan:
                 f"{self.keys[entry.param]} entries in all, as tensors. Load a state dict saved "
                 "with the captured options."
             )
-        if (tensor.shape != entry.shape or tensor.dtype != entry.dtype
-                or tensor.device != entry.device):
-            raise PrecompileError(
-                f"{what}: expected shape {tuple(entry.shape)}, dtype {entry.dtype}, device "
-                f"{entry.device}; got shape {tuple(tensor.shape)}, dtype {tensor.dtype}, "
-                f"device {tensor.device}. Load a state dict saved with the captured options."
-            )
-        if entry.strides is not None:
-            check_layout(tensor, entry.strides, what)
+        check_planned(tensor, entry, what, "Load a state dict saved with the captured options.")
 
 
 def _same_option(now: Any, captured: Any) -> bool:

@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from torch_precompile.driver.core import Driver, PrecompileError, check_layout, tensor_guard
+from torch_precompile.driver.core import (
+    Driver,
+    PrecompileError,
+    TensorPlan,
+    check_planned,
+    tensor_guard,
+)
 
 
 class WrappedCall:
@@ -65,7 +71,7 @@ class Wrapped:
 
     def __init__(self, record: Any, inner: Sequence[Any]) -> None:
         self.record = record
-        self.inner = list(inner)
+        self.inner = [TensorPlan(t) for t in inner]
         self.attrs = [t.attr for t in inner]
         self.shape = torch.Size(record.shape)
         self.cls: Any = None
@@ -127,8 +133,8 @@ class Wrapped:
                 f"shape {tuple(tensor.shape)}."
             )
         inner = [getattr(tensor, attr) for attr in attrs]
-        for plan, part in zip(self.inner, inner, strict=True):
-            check_inner(record.name, plan, part)
+        for attr, plan, part in zip(self.attrs, self.inner, inner, strict=True):
+            check_inner(f"{record.name} (its inner tensor {attr!r})", plan, part)
         return inner
 
     def rebuild(self, inner: Sequence[torch.Tensor]) -> Any:
@@ -137,22 +143,13 @@ class Wrapped:
                                              self.context, self.shape, self.record.strides)
 
 
-def check_inner(name: str, plan: Any, tensor: Any) -> None:
-    what = f"{name} (its inner tensor {plan.attr!r})"
+def check_inner(what: str, plan: TensorPlan, tensor: Any) -> None:
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         raise PrecompileError(
             f"{what} is a {_qualified(tensor)}; the artifact was captured with a plain tensor "
             "there (nested tensor subclasses are not carried)."
         )
-    if (tuple(tensor.shape), str(tensor.dtype), str(tensor.device)) != (
-            tuple(plan.shape), plan.dtype, plan.device):
-        raise PrecompileError(
-            f"{what}: expected shape {tuple(plan.shape)}, dtype {plan.dtype}, device "
-            f"{plan.device}; got shape {tuple(tensor.shape)}, dtype {tensor.dtype}, device "
-            f"{tensor.device}. Prepare it as at capture, or precompile again."
-        )
-    if plan.strides is not None:
-        check_layout(tensor, plan.strides, what)
+    check_planned(tensor, plan, what, "Prepare it as at capture, or precompile again.")
 
 
 def decode_context(encoded: Any) -> Any:
