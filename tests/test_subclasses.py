@@ -9,6 +9,7 @@ with its message, at capture and at the call.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -137,6 +138,13 @@ class _Tagged(torch.Tensor):
     """A subclass without __tensor_flatten__."""
 
 
+@dataclasses.dataclass(eq=False)
+class _ByIdentity:
+    """Compares by identity, so a copy rebuilt from source is never equal to it."""
+
+    rows: int = 1
+
+
 def test_subclasses_the_artifact_cannot_rebuild_are_refused_at_capture() -> None:
     x = torch.randn(3, 8)
     tagged = torch.Tensor._make_subclass(_Tagged, torch.randn(4, 8))
@@ -148,6 +156,10 @@ def test_subclasses_the_artifact_cannot_rebuild_are_refused_at_capture() -> None
                        r"context holds a builtins.object, which the artifact cannot write as "
                        r"source"):
         precompile(lambda x: x * 2, odd)
+    unequal = ScaledTensor(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, 1), _ByIdentity())
+    with pytest.raises(PrecompileError, match=r"input x is a scaled_tensor.ScaledTensor whose "
+                       r"flatten context does not come back equal when rebuilt from source"):
+        precompile(lambda x: x * 2, unequal)
     from torch.testing._internal.two_tensor import TwoTensor
 
     nested = ScaledTensor(torch.zeros(4, 8, dtype=torch.int8),

@@ -167,7 +167,11 @@ def refuse_mixed(wrapping: Wrapping, sharded: bool) -> None:
 def _record(flattened: Flattened, role: str, index: int, name: str) -> WrappedTensor:
     cls = f"{flattened.cls.__module__}.{flattened.cls.__qualname__}"
     context = encode_context(flattened.context, name)
-    if decode_context(context) != flattened.context:
+    try:
+        rebuilt = decode_context(context) == flattened.context
+    except Exception:  # a class that cannot be rebuilt from its fields, say
+        rebuilt = False
+    if not rebuilt:
         raise PrecompileError(
             f"{name} is a {cls} whose flatten context does not come back equal when rebuilt "
             "from source, so the artifact could not check it at a call. Precompile carries "
