@@ -331,3 +331,33 @@ def test_copies_of_the_model_are_unaffected(backend: str) -> None:
     for key, (qdata, scale) in before.items():
         assert torch.equal(model.state_dict()[key].qdata, qdata)
         assert torch.equal(model.state_dict()[key].scale, scale)
+
+
+def tiny_llama(config: str, seed: int) -> torch.nn.Module:
+    """A real architecture from transformers (random init, nothing downloaded), quantized."""
+    transformers = pytest.importorskip("transformers")
+    from torchao.quantization import quantize_
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
+    quantize_(model, _torchao_configs()[config]())
+    return model
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize(("config", "backend"), [("int8_dynamic", "eager"),
+                                                 ("int8_weight_only", "inductor")])
+def test_a_quantized_llama_runs_like_eager(config: str, backend: str) -> None:
+    """(With Inductor, int8 dynamic activations round a few activations differently from
+    eager, exactly as torch.compile does; weight-only agrees to float rounding.)"""
+    ids = torch.randint(0, 128, (2, 16))
+    forward = precompile.load(*precompile(logits, tiny_llama(config, 0), ids, backend=backend))
+    model, ids = tiny_llama(config, 1), torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(forward(model, ids), logits(model, ids), rtol=1e-5,
+                                   atol=1e-5)

@@ -184,8 +184,7 @@ def _structure_notes(spec: ArtifactSpec) -> dict[str, str]:
               for leaf in spec.inputs]
     notes = {"out_spec": "fn's result: " + _structure(spec.out_spec, None)}
     if spec.wrapped:
-        notes["wrapped"] = ("tensor subclasses, each carried as its inner tensors "
-                            "(wrapped_inner); `inspect` shows each context as Python")
+        notes["wrapped"] = "tensor subclasses, carried as their inner tensors (wrapped_inner)"
     if spec.in_spec is not None:
         after = "the models and optimizers" if spec.optimizers else "the models"
         notes["in_spec"] = f"the inputs (after {after}): " + _structure(spec.in_spec, leaves)
