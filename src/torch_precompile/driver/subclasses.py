@@ -110,13 +110,10 @@ class Wrapped:
         """The full check of a tensor against the record; its inner tensors."""
         record = self.record
         if type(tensor).__module__ + "." + type(tensor).__qualname__ != record.cls:
-            given = "a plain tensor" if type(tensor) in (torch.Tensor, torch.nn.Parameter) \
-                else f"a {_qualified(tensor)}" if isinstance(tensor, torch.Tensor) \
-                else f"a {type(tensor).__name__}"
             raise PrecompileError(
                 f"{record.name}: expected a {record.cls} (a tensor subclass the artifact "
-                f"carries by its inner tensors), got {given}. Prepare it as at capture (the "
-                "same quantization config), or precompile again."
+                f"carries by its inner tensors), got {_kind_of(tensor)}. Prepare it as at "
+                "capture (the same quantization config), or precompile again."
             )
         self.resolve()
         attrs, context = tensor.__tensor_flatten__()
@@ -209,6 +206,13 @@ def _difference(attrs: list[str], context: Any, given_attrs: list[str], given: A
                 return (f"{key!r} = {given.get(key)!r} in its flatten context, where the "
                         f"captured one had {context.get(key)!r}")
     return f"flatten context {given!r}, where the captured one had {context!r}"
+
+
+def _kind_of(value: Any) -> str:
+    if type(value) in (torch.Tensor, torch.nn.Parameter):
+        return "a plain tensor"
+    return f"a {_qualified(value)}" if isinstance(value, torch.Tensor) else (
+        f"a {type(value).__name__}")
 
 
 def _qualified(value: Any) -> str:
