@@ -21,6 +21,7 @@ from torch_precompile.driver import (
     dynamic,
     memo,
     optimizers,
+    planned,
     subclasses,
     values,
 )
@@ -86,8 +87,8 @@ class DriverPart:
     """An optional driver module, and the keyword of ``Driver`` that takes its class."""
 
     module: ModuleType
-    keyword: str
-    factory: str
+    keyword: str | None  # None: a part other parts use, not one Driver takes
+    factory: str | None
 
 
 _VALUES = DriverPart(values, "values", "InputValues")
@@ -95,13 +96,16 @@ _MEMO = DriverPart(memo, "memo", "ModelMemo")
 _SIZES = DriverPart(dynamic, "sizes", "DynamicSizes")
 _DISTRIBUTED = DriverPart(distributed, "distributed", "DistributedCall")
 _SUBCLASSES = DriverPart(subclasses, "subclasses", "WrappedCall")
+_PLANNED = DriverPart(planned, None, None)
 _OPTIMIZERS = DriverPart(optimizers, "optimizers", "OptimizerSteps")
 
 
 def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
     """The optional parts ``spec`` needs, in the order the artifact holds them."""
+    # memo's tensor guard also serves the subclass part; planned serves it and optimizers.
     return [part for part, needed in ((_VALUES, _has_values(spec)),
-                                      (_MEMO, bool(spec.model_names)),
+                                      (_MEMO, bool(spec.model_names or spec.wrapped)),
+                                      (_PLANNED, bool(spec.optimizers or spec.wrapped)),
                                       (_SIZES, bool(spec.dynamic_dims)),
                                       (_DISTRIBUTED, bool(spec.meshes)),
                                       (_SUBCLASSES, bool(spec.wrapped)),
@@ -121,7 +125,8 @@ def render(spec: ArtifactSpec, lowered: LoweredGraph, tracer: str = "make_fx") -
     parts = driver_parts(spec)
     driver_source = _driver_source([core, *(p.module for p in parts)], lowered.source)
     _check_no_clash(lowered.source, driver_source)
-    keywords = "".join(f", {p.keyword}={p.factory}" for p in parts)
+    keywords = "".join(f", {p.keyword}={p.factory}" for p in parts
+                       if p.keyword and (p is not _MEMO or spec.model_names))
     sections = [
         _HEADER.format(
             provenance=_provenance(spec, tracer), call_example=call_example,

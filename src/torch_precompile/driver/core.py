@@ -231,29 +231,6 @@ def check_layout(tensor: torch.Tensor, strides: Sequence[int], name: str) -> Non
         )
 
 
-class TensorPlan:
-    """A plain tensor the graph reads: its shape, dtype, device, and the layout the kernels
-    assume (None: any)."""
-
-    def __init__(self, record: Any) -> None:
-        self.shape = torch.Size(record.shape)
-        self.dtype = _dtype(record.dtype)
-        self.device = torch.device(record.device)
-        self.strides = record.strides
-
-
-def check_planned(tensor: torch.Tensor, plan: TensorPlan, what: str, fix: str) -> None:
-    """``tensor`` must be as planned; ``fix`` ends the message, saying what to do."""
-    if tensor.shape != plan.shape or tensor.dtype != plan.dtype or tensor.device != plan.device:
-        raise PrecompileError(
-            f"{what}: expected shape {tuple(plan.shape)}, dtype {plan.dtype}, device "
-            f"{plan.device}; got shape {tuple(tensor.shape)}, dtype {tensor.dtype}, device "
-            f"{tensor.device}. {fix}"
-        )
-    if plan.strides is not None:
-        check_layout(tensor, plan.strides, what)
-
-
 class ModelPlan:
     """The captured models' structure: what the full walk over a call's models compares."""
 
@@ -426,21 +403,6 @@ def accumulate_grads(state: Sequence[torch.Tensor], indices: Sequence[int],
                 param.grad = torch.empty_like(param).copy_(grad)
         else:
             param.grad.add_(grad)
-
-
-def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
-    """A check, in C++, that tensors keep the type, dtype, device, sizes, strides and
-    requires_grad they have now (None where this torch has none). It is stricter than the
-    capture's contract (exact strides everywhere): a call it refuses takes the full check,
-    which decides."""
-    try:
-        from torch._C._dynamo.guards import TensorGuards
-
-        return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                            dynamic_dims_strides=[list(t.stride()) for t in tensors],
-                            tensor_check_names=[f"t{i}" for i in range(len(tensors))])
-    except (ImportError, RuntimeError, TypeError):
-        return None
 
 
 def _requires_grad_message(what: str, captured: bool) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torch_precompile.driver.core import ModelPlan, WalkedModels, tensor_guard
+from torch_precompile.driver.core import ModelPlan, WalkedModels
 
 
 class RememberedModels:
@@ -70,6 +70,21 @@ class ModelMemo:
             if len(self.entries) >= self.SIZE:
                 self.entries.pop(next(iter(self.entries), None), None)
             self.entries[tuple([id(m) for m in models])] = entry
+
+
+def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
+    """A check, in C++, that tensors keep the type, dtype, device, sizes, strides and
+    requires_grad they have now (None where this torch has none). It is stricter than the
+    capture's contract (exact strides everywhere): a call it refuses takes the full check,
+    which decides."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+                            tensor_check_names=[f"t{i}" for i in range(len(tensors))])
+    except (ImportError, RuntimeError, TypeError):
+        return None
 
 
 _TRAINING = operator.attrgetter("training")

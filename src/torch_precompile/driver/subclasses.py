@@ -21,13 +21,9 @@ from typing import Any
 
 import torch
 
-from torch_precompile.driver.core import (
-    Driver,
-    PrecompileError,
-    TensorPlan,
-    check_planned,
-    tensor_guard,
-)
+from torch_precompile.driver.core import Driver, PrecompileError
+from torch_precompile.driver.memo import tensor_guard
+from torch_precompile.driver.planned import TensorPlan, check_planned
 
 
 class WrappedCall:
