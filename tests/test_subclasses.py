@@ -134,6 +134,20 @@ def test_a_tensor_changed_after_a_call_that_passed_is_checked_again() -> None:
         forward(model, x)
 
 
+def test_a_class_or_context_that_cannot_be_rebuilt_at_the_call_is_a_precompile_error() -> None:
+    from torch_precompile.driver.subclasses import Wrapped, named
+
+    with pytest.raises(PrecompileError, match=r"names no_such_package.Tensor, which cannot be "
+                       r"imported here; install the package"):
+        named("no_such_package.Tensor")
+    record = parse_spec(scaled_pair("eager")[0]).wrapped[0]
+    changed = dataclasses.replace(record, context=("dataclass", ("scaled_tensor.Blocks", (
+        ("size", ("tuple", (("const", 1),))), ("columns", ("const", 8))))))
+    with pytest.raises(PrecompileError, match=r"flatten context the artifact was captured with "
+                       r"cannot be rebuilt here \(TypeError: .*install the release"):
+        Wrapped(changed, []).resolve()
+
+
 class _Tagged(torch.Tensor):
     """A subclass without __tensor_flatten__."""
 

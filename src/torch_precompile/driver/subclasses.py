@@ -77,8 +77,19 @@ class Wrapped:
 
     def resolve(self) -> None:
         if self.cls is None:
-            self.cls = named(self.record.cls)
-            self.context = decode_context(self.record.context)
+            cls = named(self.record.cls)
+            try:
+                self.context = decode_context(self.record.context)
+            except PrecompileError:
+                raise
+            except Exception as e:  # its classes changed since capture (another release)
+                raise PrecompileError(
+                    f"{self.record.name}: the {self.record.cls} flatten context the artifact "
+                    f"was captured with cannot be rebuilt here ({type(e).__name__}: {e}); "
+                    "install the release of its package the artifact was made with, or "
+                    "precompile again."
+                ) from e
+            self.cls = cls
 
     def unwrap(self, tensor: Any) -> list[torch.Tensor]:
         """``tensor``'s inner tensors, after checking it against the record."""
