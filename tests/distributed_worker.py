@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.nn.parallel import DistributedDataParallel
 
 from torch_precompile import precompile
 
@@ -388,6 +389,170 @@ def data_parallel(backend: str) -> dict[str, Any]:
     return worst
 
 
+def ddp_case(backend: str, one_rank: bool = False) -> dict[str, Any]:
+    """A DDP model as users pass it: the artifact averages gradients over the ranks as DDP
+    does, so each rank's .grad equals single-process eager's on the full batch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = DistributedDataParallel(make_mlp())
+    data = batches(4 * world, 8)
+    step = precompile.load(*precompile(train_step, model, data[0].chunk(world)[rank],
+                                       backend=backend, compile_on_one_rank=one_rank))
+    ref_losses, ref_grads, ref_params = eager_reference(make_mlp, data)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for x, ref_loss, ref_grad in zip(data, ref_losses, ref_grads, strict=True):
+        loss = step(model, x.chunk(world)[rank]).detach().clone()
+        dist.all_reduce(loss)
+        worst["loss"] = max(worst["loss"], abs(float(loss) / world - ref_loss))
+        for name, p in model.module.named_parameters():
+            worst["grad"] = max(worst["grad"], max_diff(p.grad, ref_grad[name]))
+        sgd(model)
+    worst["param"] = max(max_diff(p, ref_params[n]) for n, p in model.module.named_parameters())
+    return worst
+
+
+def ddp_no_sync(backend: str) -> dict[str, Any]:
+    """Gradient accumulation: one artifact captured inside no_sync() for the first batch of
+    each step, one outside for the second; .grad after the second equals eager's on both
+    full batches. The synced artifact is refused inside no_sync()."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = DistributedDataParallel(make_mlp())
+    data = batches(4 * world, 8, count=2 * STEPS)
+    first = data[0].chunk(world)[rank]
+    sync = precompile.load(*precompile(train_step, model, first, backend=backend,
+                                       compile_on_one_rank=True))
+    with model.no_sync():
+        local = precompile.load(*precompile(train_step, model, first, backend=backend,
+                                            compile_on_one_rank=True))
+    _, ref_grads, ref_params = eager_reference(make_mlp, data, accumulate=2)
+    worst: dict[str, Any] = {"grad": 0.0, "param": 0.0}
+    for i, x in enumerate(data):
+        mine = x.chunk(world)[rank]
+        if i % 2 == 0:
+            with model.no_sync():
+                local(model, mine)
+                if i == 0:
+                    worst["refused"] = _message(lambda m=mine: sync(model, m))
+            continue
+        sync(model, mine)
+        for name, p in model.module.named_parameters():
+            worst["grad"] = max(worst["grad"], max_diff(p.grad, ref_grads[i][name]))
+        sgd(model)
+    worst["param"] = max(max_diff(p, ref_params[n]) for n, p in model.module.named_parameters())
+    return worst
+
+
+def ddp_adamw(backend: str) -> dict[str, Any]:
+    """A whole DDP training step inside fn: zero_grad, forward, backward, AdamW step; the LR
+    follows a schedule outside. Parameters equal single-process eager's on the full batch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, reference = DistributedDataParallel(make_mlp()), make_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    schedules = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (opt, ref_opt)]
+    data = batches(4 * world, 8)
+    step = precompile.load(*precompile(adamw_step, model, opt, data[0].chunk(world)[rank],
+                                       backend=backend))
+    worst = {"loss": 0.0, "param": 0.0}
+    for x in data:
+        loss = step(model, opt, x.chunk(world)[rank]).detach().clone()
+        ref_loss = adamw_step(reference, ref_opt, x)
+        dist.all_reduce(loss)
+        worst["loss"] = max(worst["loss"], abs(float(loss) / world - float(ref_loss)))
+        for schedule in schedules:
+            schedule.step()
+    worst["param"] = max(max_diff(p, q) for p, q in zip(model.module.parameters(),
+                                                         reference.parameters(), strict=True))
+    return worst
+
+
+def adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
+               ) -> torch.Tensor:
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+class NormMLP(torch.nn.Module):
+    """An MLP with BatchNorm: buffers DDP broadcasts from rank 0 before every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP()
+        self.norm = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.mlp(x))
+
+
+def ddp_buffers(backend: str) -> dict[str, Any]:
+    """BatchNorm under DDP against eager DDP itself (per-rank batch statistics are what DDP
+    computes): losses, gradients, parameters and the broadcast running statistics."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return DistributedDataParallel(NormMLP())
+
+    model, reference = make(), make()
+    data = batches(4 * world, 8)
+    step = precompile.load(*precompile(train_step, model, data[0].chunk(world)[rank],
+                                       backend=backend))
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "buffer": 0.0}
+    for x in data:
+        mine = x.chunk(world)[rank]
+        worst["loss"] = max(worst["loss"], abs(float(step(model, mine))
+                                               - float(train_step(reference, mine))))
+        worst["grad"] = max(worst["grad"], *(max_diff(p.grad, q.grad) for p, q in zip(
+            model.parameters(), reference.parameters(), strict=True)))
+        sgd(model)
+        sgd(reference)
+    worst["param"] = max(max_diff(p, q) for p, q in zip(model.parameters(),
+                                                         reference.parameters(), strict=True))
+    worst["buffer"] = max(max_diff(b.float(), c.float()) for b, c in zip(
+        model.buffers(), reference.buffers(), strict=True))
+    return worst
+
+
+def ddp_refusals(backend: str) -> dict[str, Any]:
+    """DDP options a precompiled step cannot reproduce, and calls it cannot serve."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    x = batches(4, 8)[0]
+    messages: dict[str, Any] = {}
+    for option, kwargs in (("find_unused_parameters", {"find_unused_parameters": True}),
+                           ("static_graph", {"static_graph": True})):
+        wrapped = DistributedDataParallel(make_mlp(), **kwargs)
+        messages[option] = _message(lambda m=wrapped: precompile(train_step, m, x,
+                                                                 backend=backend))
+    hooked = DistributedDataParallel(make_mlp())
+    hooked.register_comm_hook(None, default_hooks.allreduce_hook)
+    messages["comm_hook"] = _message(lambda: precompile(train_step, hooked, x, backend=backend))
+    model = DistributedDataParallel(make_mlp())
+
+    def no_sync_inside(m: Any, x: torch.Tensor) -> torch.Tensor:
+        with m.no_sync():
+            return train_step(m, x)
+
+    messages["no_sync_inside_fn"] = _message(lambda: precompile(no_sync_inside, model, x,
+                                                                backend=backend))
+    step = precompile.load(*precompile(train_step, model, x, backend=backend))
+    messages["plain_module"] = _message(lambda: step(model.module, x))
+    messages["after_refusals"] = _message(lambda: step(model, x))
+    return messages
+
+
+def _message(thunk: Callable[[], Any]) -> str:
+    try:
+        thunk()
+    except precompile.PrecompileError as e:
+        return f"PrecompileError: {e}"
+    except Exception as e:
+        return f"RAW {type(e).__name__}: {e}"
+    return "no error"
+
+
 def tp_dp_2d(backend: str) -> dict[str, Any]:
     """A (dp, tp) mesh: tensor parallelism inside each replica, then an all_reduce of each
     gradient's local shard across replicas; one rank compiles for all four."""
@@ -442,8 +607,6 @@ def refusals(backend: str) -> dict[str, Any]:
                                       mesh_dim_names=("dp", "tp"))
         sub = parallelize_module(make_mlp(), other_mesh["tp"], tp_plan_mlp())
         messages["other_mesh"] = message(lambda: step(sub, x))
-    ddp = torch.nn.parallel.DistributedDataParallel(make_mlp())
-    messages["ddp"] = message(lambda: precompile(train_step, ddp, x, backend=backend))
     from torch.distributed.device_mesh import DeviceMesh
 
     only_rank_zero = DeviceMesh("cpu", [0])  # every rank creates it; rank 0 alone is in it
@@ -543,6 +706,17 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "tp_block_sp_eager": lambda: tp_block("eager", sequence_parallel=True),
     "tp_block_sp_inductor": lambda: tp_block("inductor", sequence_parallel=True),
     "data_parallel_eager": lambda: data_parallel("eager"),
+    "ddp_eager": lambda: ddp_case("eager"),
+    "ddp_inductor": lambda: ddp_case("inductor"),
+    "ddp_eager_one_rank": lambda: ddp_case("eager", one_rank=True),
+    "ddp_inductor_one_rank": lambda: ddp_case("inductor", one_rank=True),
+    "ddp_no_sync_eager": lambda: ddp_no_sync("eager"),
+    "ddp_no_sync_inductor": lambda: ddp_no_sync("inductor"),
+    "ddp_adamw_eager": lambda: ddp_adamw("eager"),
+    "ddp_adamw_inductor": lambda: ddp_adamw("inductor"),
+    "ddp_buffers_eager": lambda: ddp_buffers("eager"),
+    "ddp_buffers_inductor": lambda: ddp_buffers("inductor"),
+    "ddp_refusals": lambda: ddp_refusals("eager"),
     "data_parallel_inductor": lambda: data_parallel("inductor"),
     "loss_parallel_eager": lambda: loss_parallel_case("eager"),
     "loss_parallel_inductor": lambda: loss_parallel_case("inductor"),

@@ -31,12 +31,15 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
 CASES_2 = ["tp_mlp_inductor_one_rank", "linear_eager", "linear_inductor", "tp_mlp_eager",
            "tp_mlp_eager_one_rank", "tp_mlp_infer_eager", "tp_mlp_infer_inductor",
            "tp_block_eager", "tp_block_sp_eager", "tp_block_sp_inductor",
-           "data_parallel_eager", "data_parallel_inductor", "loss_parallel_eager",
+           "data_parallel_eager", "data_parallel_inductor", "ddp_eager", "ddp_inductor",
+           "ddp_inductor_one_rank", "ddp_no_sync_eager", "ddp_no_sync_inductor",
+           "ddp_adamw_eager", "ddp_adamw_inductor", "ddp_buffers_eager", "ddp_buffers_inductor",
+           "ddp_refusals", "loss_parallel_eager",
            "loss_parallel_inductor", "buffers_eager", "buffers_inductor", "refusals",
            "uneven_one_rank",
            "rank_zero_artifact", "save_and_inspect"]
 CASES_4 = ["tp_mlp_inductor_one_rank", "tp_mlp_eager", "tp_dp_2d_eager", "tp_dp_2d_inductor",
-           "refusals"]
+           "ddp_eager_one_rank", "ddp_inductor", "refusals"]
 
 
 def _free_port() -> int:
@@ -183,12 +186,58 @@ def test_two_dimensional_mesh_one_artifact_for_all_replicas(four_ranks, backend:
     _matches_eager(_case(four_ranks, f"tp_dp_2d_{backend}"))
 
 
+@pytest.mark.parametrize(("world", "case"), [(2, "ddp_eager"), (2, "ddp_inductor"),
+                                            (2, "ddp_inductor_one_rank"),
+                                            (4, "ddp_eager_one_rank"), (4, "ddp_inductor")])
+def test_ddp_model_gradients_are_ddps(two_ranks, four_ranks, world: int, case: str) -> None:
+    """A DistributedDataParallel model passed as is: .grad after each call equals eager's on
+    the full batch (DDP's average), three SGD steps."""
+    _matches_eager(_case(two_ranks if world == 2 else four_ranks, case))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_ddp_no_sync_accumulation(two_ranks, backend: str) -> None:
+    results = _case(two_ranks, f"ddp_no_sync_{backend}")
+    _matches_eager(results, ("grad", "param"))
+    for result in results:
+        assert re.search(r"^PrecompileError: argument model: this call is inside no_sync\(\), "
+                         r"but the artifact was captured outside it", result["refused"])
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_ddp_adamw_step_inside_fn(two_ranks, backend: str) -> None:
+    _matches_eager(_case(two_ranks, f"ddp_adamw_{backend}"), ("loss", "param"))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_ddp_broadcasts_buffers_like_ddp(two_ranks, backend: str) -> None:
+    _matches_eager(_case(two_ranks, f"ddp_buffers_{backend}"),
+                   ("loss", "grad", "param", "buffer"))
+
+
+DDP_REFUSALS = {
+    "find_unused_parameters": r"DistributedDataParallel with find_unused_parameters=True",
+    "static_graph": r"DistributedDataParallel with static_graph=True",
+    "comm_hook": r"DistributedDataParallel with a communication hook",
+    "no_sync_inside_fn": r"fn enters no_sync\(\) of model argument m",
+    "plain_module": r"argument model was a DistributedDataParallel at capture.*got Sequential|"
+                    r"argument model was a DistributedDataParallel at capture.*got MLP",
+}
+
+
+def test_ddp_refusals_name_the_option(two_ranks) -> None:
+    for messages in _case(two_ranks, "ddp_refusals"):
+        for name, pattern in DDP_REFUSALS.items():
+            assert messages[name].startswith("PrecompileError: "), (name, messages[name])
+            assert re.search(pattern, messages[name]), (name, messages[name])
+        assert messages["after_refusals"] == "no error"
+
+
 REFUSALS = {
     "plain_model": r"model parameter .up.weight.: expected a DTensor .*\(Shard\(0\)\) .*got a "
                    r"plain tensor",
     "other_placements": r"expected a DTensor .* placements \(Shard\(0\)\).*got shape \(16, 8\) "
                         r"with placements \(Shard\(1\)\)",
-    "ddp": r"wrapped in DistributedDataParallel.*ddp.module.*all_reduce",
     "fully_shard": r"wrapped in fully_shard.*without fully_shard",
     "closed_over": r"variable 'closed' closed over by fn",
     "in_place_collective": r"in-place collectives \(c10d.allreduce_",

@@ -5,7 +5,7 @@
     result = run(model, x)
 """
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 from torch_precompile.api import precompile
 from torch_precompile.errors import PrecompileError

@@ -61,6 +61,10 @@ SCHEMA_HISTORY = (
                  "wrapped_inner (per inner tensor: attribute, shape, dtype, device, strides). "
                  "Encoded values gain the kinds none, list, tuple, dict, size and dataclass "
                  "(in flatten contexts)."),
+    SchemaChange(6, "2026-12-01", "DistributedDataParallel models: data_parallel (per DDP model "
+                 "argument: the graph's name for its process group, the world size its "
+                 "gradients are averaged over, whether they are (no_sync), and DDP's "
+                 "forward-sync flag before and after the call when it broadcasts buffers)."),
 )
 SCHEMA_VERSION = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""
@@ -301,6 +305,25 @@ class InnerTensor:
 
 
 @dataclass(frozen=True)
+class DataParallel:
+    """A model argument wrapped in DistributedDataParallel; ``model`` is its index among the
+    model arguments.
+
+    The graph averages its parameters' gradients over the process group it names ``group``
+    (of ``world_size`` ranks) when ``sync_grads`` (False: captured inside ``no_sync()``), and
+    broadcasts its buffers from rank 0 first when ``forward_sync`` is given: DDP's
+    ``require_forward_param_sync`` before the call (which must match) and after it.
+    """
+
+    argument: str
+    model: int
+    group: str
+    world_size: int
+    sync_grads: bool
+    forward_sync: tuple[bool, bool] | None = None
+
+
+@dataclass(frozen=True)
 class KernelObject:
     """A built kernel object the cache may carry: its kernel key and the SHA-256 of its bytes."""
 
@@ -333,6 +356,7 @@ class ArtifactSpec:
     optimizer_state: tuple[OptimizerState, ...] = ()
     wrapped: tuple[WrappedTensor, ...] = ()
     wrapped_inner: tuple[InnerTensor, ...] = ()
+    data_parallel: tuple[DataParallel, ...] = ()
 
     RECORDS: ClassVar[dict[str, type]] = {
         "torch": TorchBuild, "args": Argument, "model": ModelTensor, "submodules": Submodule,
@@ -340,7 +364,7 @@ class ArtifactSpec:
         "size_relations": SizeRelation, "output_aliases": OutputAlias, "meshes": Mesh,
         "distributed": DistributedTensor, "kernels": KernelObject, "optimizers": Optimizer,
         "param_groups": ParamGroup, "optimizer_state": OptimizerState,
-        "wrapped": WrappedTensor, "wrapped_inner": InnerTensor,
+        "wrapped": WrappedTensor, "wrapped_inner": InnerTensor, "data_parallel": DataParallel,
     }
 
     @property

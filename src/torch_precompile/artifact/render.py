@@ -17,6 +17,7 @@ from types import ModuleType
 import torch_precompile
 from torch_precompile.driver import (
     core,
+    data_parallel,
     distributed,
     dynamic,
     memo,
@@ -55,7 +56,7 @@ _CHECKS = (
     "Checked at every call: the number of arguments, the structure of the inputs, each input "
     "tensor's shape, dtype and device (and Python values, which are baked), and each model's "
     "parameter and buffer names, order, tying, shapes, dtypes and devices.{optimizers}"
-    "{subclasses}{layout} "
+    "{subclasses}{data_parallel}{layout} "
     "Yours to keep: control flow and data-dependent decisions follow the example the "
     "computation was captured with. Input and buffer mutations land on what you pass in; "
     "gradients of a backward inside fn are added to the parameters' .grad, as eager backward "
@@ -74,6 +75,11 @@ _OPTIMIZER_NOTE = (
 _SUBCLASS_NOTE = (
     " For each tensor subclass (a quantized weight): its class, flatten context and inner "
     "tensors; the graph runs on the inner tensors."
+)
+
+_DATA_PARALLEL_NOTE = (
+    " For each DistributedDataParallel model: its process group's size and no_sync() state; "
+    "the graph averages gradients over that group as DDP does."
 )
 
 _MAIN = '''
@@ -98,6 +104,7 @@ _DISTRIBUTED = DriverPart(distributed, "distributed", "DistributedCall")
 _SUBCLASSES = DriverPart(subclasses, "subclasses", "WrappedCall")
 _PLANNED = DriverPart(planned, None, None)
 _OPTIMIZERS = DriverPart(optimizers, "optimizers", "OptimizerSteps")
+_DATA_PARALLEL = DriverPart(data_parallel, "data_parallel", "DataParallelSteps")
 
 
 def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
@@ -109,7 +116,8 @@ def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
                                       (_SIZES, bool(spec.dynamic_dims)),
                                       (_DISTRIBUTED, bool(spec.meshes)),
                                       (_SUBCLASSES, bool(spec.wrapped)),
-                                      (_OPTIMIZERS, bool(spec.optimizers))) if needed]
+                                      (_OPTIMIZERS, bool(spec.optimizers)),
+                                      (_DATA_PARALLEL, bool(spec.data_parallel))) if needed]
 
 
 def _has_values(spec: ArtifactSpec) -> bool:
@@ -171,6 +179,7 @@ def _provenance(spec: ArtifactSpec, tracer: str) -> str:
 def _checks(spec: ArtifactSpec) -> str:
     text = _CHECKS.format(optimizers=_OPTIMIZER_NOTE if spec.optimizers else "",
                           subclasses=_SUBCLASS_NOTE if spec.wrapped else "",
+                          data_parallel=_DATA_PARALLEL_NOTE if spec.data_parallel else "",
                           layout=_INDUCTOR_LAYOUT if spec.backend == "inductor" else "")
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
 

@@ -101,24 +101,15 @@ class Distribution:
                  coordinate=tuple(mesh.get_coordinate()) if coordinate_dependent else None)
             for mesh in self.meshes)
 
-    def name_collectives(self, gm: torch.fx.GraphModule) -> None:
-        """Rename the graph's process groups after their mesh and dim, and bind those names
-        to this process's groups (lowering and a same-process call resolve them)."""
+    def group_names(self) -> dict[str, str]:
+        """This process's name of each mesh dim's group -> the graph's name for it, and those
+        names bound to this process's groups (lowering and a same-process call resolve them)."""
         stable: dict[str, str] = {}
         for mesh in self.meshes:
             names = group_names(mesh)
             bind_groups(mesh, names)
             stable.update({mesh.get_group(d).group_name: name for d, name in enumerate(names)})
-        for node, position, name in collective_group_names(gm):
-            if name not in stable and name not in stable.values():
-                raise PrecompileError(
-                    f"fn runs the collective {node.target} over process group {name!r}, which "
-                    "is no dimension of the device meshes of the model's or inputs' DTensors. "
-                    "Collectives inside fn must come from DTensor operations on those meshes; "
-                    "run other communication outside fn."
-                )
-            node.update_arg(position, stable.get(name, name))
-        gm.recompile()
+        return stable
 
     def _mesh_index(self, mesh: Any, what: str) -> int:
         for index, known in enumerate(self.meshes):
@@ -170,6 +161,22 @@ def find_dtensors(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> Dist
     return Distribution(inputs, meshes) if inputs else None
 
 
+def name_collectives(gm: torch.fx.GraphModule, stable: dict[str, str]) -> None:
+    """Rename the graph's process groups after what they are (``stable``: this process's
+    name -> the artifact's), refusing a collective over any other group."""
+    for node, position, name in collective_group_names(gm):
+        if name not in stable and name not in stable.values():
+            raise PrecompileError(
+                f"fn runs the collective {node.target} over process group {name!r}, which "
+                "is neither a dimension of the device meshes of the model's or inputs' "
+                "DTensors nor the group of a DistributedDataParallel model. Collectives "
+                "inside fn must come from DTensor operations or DDP; run other communication "
+                "outside fn."
+            )
+        node.update_arg(position, stable.get(name, name))
+    gm.recompile()
+
+
 def check_graph(gm: torch.fx.GraphModule) -> None:
     """Collectives that mutate in place (``dist.all_reduce`` inside fn) are refused."""
     found = non_functional_collectives(gm)
@@ -177,8 +184,8 @@ def check_graph(gm: torch.fx.GraphModule) -> None:
         raise PrecompileError(
             f"fn calls in-place collectives ({', '.join(found)}), such as "
             "torch.distributed.all_reduce, which a precompiled graph does not replay. Run them "
-            "outside fn (for data parallelism: all_reduce each .grad after the call), or use "
-            "DTensor."
+            "outside fn, or let the package communicate: pass the model wrapped in "
+            "DistributedDataParallel (data parallelism), or shard it with DTensor."
         )
 
 

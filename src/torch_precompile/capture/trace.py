@@ -6,15 +6,21 @@ import contextlib
 import dataclasses
 import keyword
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 
-from torch_precompile.capture import checks, dynamic
-from torch_precompile.capture.distributed import Distribution, check_graph, find_dtensors
+from torch_precompile.capture import checks, data_parallel, dynamic
+from torch_precompile.capture.data_parallel import DataParallelArg
+from torch_precompile.capture.distributed import (
+    Distribution,
+    check_graph,
+    find_dtensors,
+    name_collectives,
+)
 from torch_precompile.capture.guards import GuardRecorder
 from torch_precompile.capture.inputs import (
     UserInputs,
@@ -108,8 +114,11 @@ def capture(
     check_graph(gm)
     checks.reject_control_flow(gm)
     checks.reject_effects(gm)
-    if layout.sharding is not None:
-        layout.sharding.name_collectives(gm)
+    if layout.sharding is not None or layout.data_parallel:
+        stable = data_parallel.stable_group_names(layout.data_parallel)
+        if layout.sharding is not None:
+            stable.update(layout.sharding.group_names())
+        name_collectives(gm, stable)
     literals = checks.lift_literals(gm, checks.origin_finder(
         fn, [(layout.arg_names[i], args[i]) for i in layout.module_positions]))
     _name_placeholders(gm, layout)
@@ -136,6 +145,7 @@ class _Layout:
     marks: list[dict[int, dynamic.Mark]]
     optimizer_positions: list[int]
     optimizers: list[OptimizerArg]
+    data_parallel: list[DataParallelArg]
 
     @property
     def num_params(self) -> int:
@@ -178,6 +188,7 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
     module_positions = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
     modules: list[torch.nn.Module] = [args[i] for i in module_positions]
     _refuse_sharding_wrappers(modules, [arg_names[i] for i in module_positions])
+    ddp = data_parallel.find_data_parallel(modules, [arg_names[i] for i in module_positions])
     state = intern_model_state(modules)
     optimizer_positions = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
     optimizers = read_optimizers([args[i] for i in optimizer_positions],
@@ -195,6 +206,7 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
     wrapping = find_wrapped(flat, flat_names)
     sharding = find_dtensors(flat, flat_names)
     refuse_mixed(wrapping, sharding is not None)
+    data_parallel.refuse_with_dtensors(ddp, sharding is not None)
     marks = dynamic.read_marks(inputs.leaves, inputs.names)
     if optimizers and (sharding is not None or any(marks) or on_fakes):
         raise PrecompileError(
@@ -214,7 +226,7 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
             "backend runs static graphs only."
         )
     return _Layout(args, arg_names, module_positions, modules, state, inputs, tensor_positions,
-                   sharding, wrapping, marks, optimizer_positions, optimizers)
+                   sharding, wrapping, marks, optimizer_positions, optimizers, ddp)
 
 
 def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecorder,
@@ -245,6 +257,8 @@ def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecor
                 stack.enter_context(reparametrize_module(module, reparam, tie_weights=True))
             stack.enter_context(stepping(layout.optimizers, flat[start:lrs], flat[lrs:],
                                          flat[:layout.num_params]))
+            stack.enter_context(data_parallel.tracing(
+                layout.data_parallel, _trained(layout, flat)))
             with recording:
                 result = fn(*call_args)
         _reject_stray_gradients(state, flat, layout.num_params)
@@ -262,6 +276,14 @@ def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecor
                 *inner]
 
     return flat_fn
+
+
+def _trained(layout: _Layout, flat: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Each DDP model's traced parameters that require grad, once each."""
+    bindings = layout.state.bindings
+    return [[flat[i] for i in sorted(set(bindings[arg.model].values()))
+             if i < layout.num_params and flat[i].requires_grad]
+            for arg in layout.data_parallel]
 
 
 def _trace(flat_fn: Callable[..., list[Any]], layout: _Layout, recorder: GuardRecorder,
@@ -376,6 +398,7 @@ def _artifact_spec(backend: str, layout: _Layout, recorder: GuardRecorder, outpu
         optimizer_state=optimizer_state,
         **_distribution_records(layout.sharding, traced.coordinate_dependent),
         **layout.wrapping.spec_records(),
+        data_parallel=tuple(arg.record() for arg in layout.data_parallel),
     )
 
 
@@ -485,16 +508,14 @@ def _distribution_records(sharding: Distribution | None, coordinate_dependent: b
 def _refuse_sharding_wrappers(modules: list[torch.nn.Module], names: list[str]) -> None:
     for name, module in zip(names, modules, strict=True):
         wrapper = sharding_wrapper(module)
-        if wrapper is None:
+        if wrapper is None or wrapper == "DistributedDataParallel":
             continue
         raise PrecompileError(
-            f"model argument {name} is wrapped in {wrapper}, whose communication runs in "
-            "autograd and module hooks around the computation, which a precompiled graph does "
-            "not replay. Precompile the unwrapped module ("
-            + ("ddp.module" if wrapper == "DistributedDataParallel"
-               else f"the model built without {wrapper}")
-            + ") and all_reduce each parameter's .grad after every call (data parallelism), "
-            "or shard parameters with DTensor (parallelize_module)."
+            f"model argument {name} is wrapped in {wrapper}, whose parameters are gathered and "
+            "gradients reduce-scattered in module and autograd hooks, which a precompiled "
+            f"graph does not replay yet. Precompile the model built without {wrapper}: "
+            "wrapped in DistributedDataParallel (data parallelism, carried), or with its "
+            "parameters sharded as DTensors (parallelize_module)."
         )
 
 

@@ -26,13 +26,14 @@ class Driver:
     The artifact ends with ``forward = Driver(ARTIFACT_SPEC, call, ...)``, naming the optional
     parts its spec needs: ``values`` (nested inputs, Python values, value guards), ``memo``
     (remembers checked models), ``sizes`` (dynamic dims), ``distributed`` (DTensors),
-    ``subclasses`` (other tensor subclasses) and ``optimizers`` (optimizer arguments).
+    ``subclasses`` (other tensor subclasses), ``optimizers`` (optimizer arguments) and
+    ``data_parallel`` (DistributedDataParallel models).
     """
 
     def __init__(self, literal: Mapping[str, Any], call: Callable[[list[Any]], list[Any]], *,
                  values: Any = None, memo: Any = None, sizes: Any = None,
                  distributed: Any = None, subclasses: Any = None,
-                 optimizers: Any = None) -> None:
+                 optimizers: Any = None, data_parallel: Any = None) -> None:
         spec = self.spec = read_spec(literal)
         self.arity = len(spec.args)
         self.arg_names = [a.name for a in spec.args]
@@ -63,6 +64,7 @@ class Driver:
         self.memo = memo(self.model) if memo is not None else None
         self.sizes = sizes(spec) if sizes is not None else None
         self.optimizers = optimizers(self) if optimizers is not None else None
+        self.data_parallel = data_parallel(self) if data_parallel is not None else None
         call = call if subclasses is None else subclasses(self, call)
         self.call = call if distributed is None else distributed(self, call)
 
@@ -75,8 +77,12 @@ class Driver:
         else:
             leaves = self.values.input_leaves(args)
         inputs = checked_inputs(self, leaves)
+        if self.data_parallel is not None:
+            self.data_parallel.check(args)
         state = model_tensors(self, [args[i] for i in self.model_positions])
         stepped = () if self.optimizers is None else self.optimizers.flat_inputs(args, state)
+        if self.data_parallel is not None:
+            self.data_parallel.average_left_gradients(args, state)
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
@@ -89,6 +95,8 @@ class Driver:
             torch._C._set_grad_enabled(grad_enabled)
         if self.optimizers is not None:
             self.optimizers.stepped(args)
+        if self.data_parallel is not None:
+            self.data_parallel.finished(args)
         if self.single_result:
             return outputs[0]
         return pytree.tree_unflatten(outputs[:self.num_results], self.out_spec)
@@ -425,7 +433,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
                      "inputs", "in_spec", "out_spec", "value_guards", "dynamic_dims",
                      "size_relations", "output_aliases", "meshes", "distributed", "kernels",
                      "optimizers", "param_groups", "optimizer_state", "wrapped",
-                     "wrapped_inner"),
+                     "wrapped_inner", "data_parallel"),
     "TorchBuild": ("version", "git"),
     "Argument": ("name", "is_model", "is_optimizer"),
     "ModelTensor": ("name", "kind", "tied_to", "shape", "dtype", "device", "strides",
@@ -446,6 +454,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "OptimizerState": ("optimizer", "param", "key", "shape", "dtype", "device", "strides"),
     "WrappedTensor": ("role", "index", "name", "cls", "context", "shape", "strides"),
     "InnerTensor": ("wrapper", "attr", "shape", "dtype", "device", "strides"),
+    "DataParallel": ("argument", "model", "group", "world_size", "sync_grads", "forward_sync"),
 }
 # Which record each list (or, for "torch", the one record) of the spec holds.
 SPEC_LISTS: dict[str, str] = {
@@ -455,7 +464,7 @@ SPEC_LISTS: dict[str, str] = {
     "output_aliases": "OutputAlias", "meshes": "Mesh", "distributed": "DistributedTensor",
     "kernels": "KernelObject", "optimizers": "Optimizer", "param_groups": "ParamGroup",
     "optimizer_state": "OptimizerState", "wrapped": "WrappedTensor",
-    "wrapped_inner": "InnerTensor",
+    "wrapped_inner": "InnerTensor", "data_parallel": "DataParallel",
 }
 _RECORD_TYPES = {name: namedtuple(name, fields) for name, fields in SPEC_RECORDS.items()}
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 
 __all__ = [
-    "collective_group_names", "is_dtensor", "non_functional_collectives", "pretend_coordinate",
+    "DataParallelOptions", "all_reduce_sum", "broadcast_from", "collective_group_names",
+    "data_parallel_options", "is_dtensor", "non_functional_collectives", "pretend_coordinate",
     "sharding_wrapper",
 ]
 
@@ -74,3 +76,45 @@ def sharding_wrapper(module: torch.nn.Module) -> str | None:
         if fsdp is not None and isinstance(sub, getattr(fsdp, "FullyShardedDataParallel", ())):
             return "FullyShardedDataParallel"
     return None
+
+
+@dataclass(frozen=True)
+class DataParallelOptions:
+    """What a DistributedDataParallel was built with, as far as its communication goes."""
+
+    find_unused_parameters: bool
+    static_graph: bool
+    comm_hook: bool  # register_comm_hook, or the python reducer
+    mixed_precision: bool
+    ignored_parameters: bool
+    join: bool  # inside the Join context manager (uneven inputs)
+    delayed_all_reduce: bool
+    buffer_hook: bool
+
+
+def data_parallel_options(ddp: Any) -> DataParallelOptions:
+    """Read off DDP's attributes (several private, which is why this lives here)."""
+    return DataParallelOptions(
+        find_unused_parameters=bool(ddp.find_unused_parameters),
+        static_graph=bool(ddp.static_graph),
+        comm_hook=bool(ddp._comm_hooks) or bool(getattr(ddp, "_use_python_reducer", False)),
+        mixed_precision=getattr(ddp, "mixed_precision", None) is not None,
+        ignored_parameters=bool(ddp.parameters_to_ignore),
+        join=bool(ddp._join_config.enable),
+        delayed_all_reduce=bool(ddp._delay_all_reduce_all_params),
+        buffer_hook=hasattr(ddp, "buffer_hook"),
+    )
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """A functional (traceable) all_reduce summing over ``group``."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_reduce(tensor, "sum", group)
+
+
+def broadcast_from(tensor: torch.Tensor, src: int, group: Any) -> torch.Tensor:
+    """A functional (traceable) broadcast from group rank ``src``."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.broadcast(tensor, src, group)
