@@ -61,10 +61,12 @@ SCHEMA_HISTORY = (
                  "wrapped_inner (per inner tensor: attribute, shape, dtype, device, strides). "
                  "Encoded values gain the kinds none, list, tuple, dict, size and dataclass "
                  "(in flatten contexts)."),
-    SchemaChange(6, "2026-12-01", "DistributedDataParallel models: data_parallel (per DDP model "
-                 "argument: the graph's name for its process group, the world size its "
+    SchemaChange(6, "2026-12-01", "Data parallelism: data_parallel (per DistributedDataParallel "
+                 "model argument: the graph's name for its process group, the world size its "
                  "gradients are averaged over, whether they are (no_sync), and DDP's "
-                 "forward-sync flag before and after the call when it broadcasts buffers)."),
+                 "forward-sync flag before and after the call when it broadcasts buffers) and "
+                 "fully_sharded (per FSDP2 param group: its module, whether it reshards after "
+                 "forward, its mixed-precision dtypes)."),
 )
 SCHEMA_VERSION = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""
@@ -324,6 +326,23 @@ class DataParallel:
 
 
 @dataclass(frozen=True)
+class FullyShardedGroup:
+    """An FSDP2 param group: the module of model argument ``model`` (by index among the model
+    arguments) whose forward gathers it, ``module`` its path ("" for the model itself).
+
+    The graph gathers the group's parameters before that module's forward (in ``param_dtype``
+    when given), reduce-scatters their gradients' average (in ``reduce_dtype``) and, with
+    ``reshard_after_forward``, gathers them again for backward.
+    """
+
+    model: int
+    module: str
+    reshard_after_forward: bool
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+
+
+@dataclass(frozen=True)
 class KernelObject:
     """A built kernel object the cache may carry: its kernel key and the SHA-256 of its bytes."""
 
@@ -357,6 +376,7 @@ class ArtifactSpec:
     wrapped: tuple[WrappedTensor, ...] = ()
     wrapped_inner: tuple[InnerTensor, ...] = ()
     data_parallel: tuple[DataParallel, ...] = ()
+    fully_sharded: tuple[FullyShardedGroup, ...] = ()
 
     RECORDS: ClassVar[dict[str, type]] = {
         "torch": TorchBuild, "args": Argument, "model": ModelTensor, "submodules": Submodule,
@@ -365,6 +385,7 @@ class ArtifactSpec:
         "distributed": DistributedTensor, "kernels": KernelObject, "optimizers": Optimizer,
         "param_groups": ParamGroup, "optimizer_state": OptimizerState,
         "wrapped": WrappedTensor, "wrapped_inner": InnerTensor, "data_parallel": DataParallel,
+        "fully_sharded": FullyShardedGroup,
     }
 
     @property

@@ -117,7 +117,9 @@ def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
                                       (_DISTRIBUTED, bool(spec.meshes)),
                                       (_SUBCLASSES, bool(spec.wrapped)),
                                       (_OPTIMIZERS, bool(spec.optimizers)),
-                                      (_DATA_PARALLEL, bool(spec.data_parallel))) if needed]
+                                      (_DATA_PARALLEL,
+                                       bool(spec.data_parallel or spec.fully_sharded)))
+            if needed]
 
 
 def _has_values(spec: ArtifactSpec) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from torch_precompile.capture import checks, data_parallel, dynamic
+from torch_precompile.capture import checks, data_parallel, dynamic, fully_shard
 from torch_precompile.capture.data_parallel import DataParallelArg
 from torch_precompile.capture.distributed import (
     Distribution,
@@ -46,6 +46,7 @@ from torch_precompile.capture.subclasses import Wrapping, find_wrapped, refuse_m
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree, storage_id, torch_build
 from torch_precompile.internals.distributed import pretend_coordinate, sharding_wrapper
+from torch_precompile.internals.fsdp import ShardedGroup
 from torch_precompile.internals.tracing import (
     FakeTensorMode,
     GuardOnDataDependentSymNode,
@@ -146,6 +147,7 @@ class _Layout:
     optimizer_positions: list[int]
     optimizers: list[OptimizerArg]
     data_parallel: list[DataParallelArg]
+    fully_sharded: list[tuple[int, str, ShardedGroup]]
 
     @property
     def num_params(self) -> int:
@@ -188,7 +190,9 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
     module_positions = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
     modules: list[torch.nn.Module] = [args[i] for i in module_positions]
     _refuse_sharding_wrappers(modules, [arg_names[i] for i in module_positions])
-    ddp = data_parallel.find_data_parallel(modules, [arg_names[i] for i in module_positions])
+    model_names = [arg_names[i] for i in module_positions]
+    ddp = data_parallel.find_data_parallel(modules, model_names)
+    sharded_groups = fully_shard.find_fully_sharded(modules, model_names)
     state = intern_model_state(modules)
     optimizer_positions = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
     optimizers = read_optimizers([args[i] for i in optimizer_positions],
@@ -226,7 +230,8 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
             "backend runs static graphs only."
         )
     return _Layout(args, arg_names, module_positions, modules, state, inputs, tensor_positions,
-                   sharding, wrapping, marks, optimizer_positions, optimizers, ddp)
+                   sharding, wrapping, marks, optimizer_positions, optimizers, ddp,
+                   sharded_groups)
 
 
 def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecorder,
@@ -259,6 +264,7 @@ def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecor
                                          flat[:layout.num_params]))
             stack.enter_context(data_parallel.tracing(
                 layout.data_parallel, _trained(layout, flat)))
+            stack.enter_context(fully_shard.tracing(layout.fully_sharded, state.tensors, flat))
             with recording:
                 result = fn(*call_args)
         _reject_stray_gradients(state, flat, layout.num_params)
@@ -399,6 +405,7 @@ def _artifact_spec(backend: str, layout: _Layout, recorder: GuardRecorder, outpu
         **_distribution_records(layout.sharding, traced.coordinate_dependent),
         **layout.wrapping.spec_records(),
         data_parallel=tuple(arg.record() for arg in layout.data_parallel),
+        fully_sharded=fully_shard.group_records(layout.fully_sharded),
     )
 
 
@@ -508,7 +515,7 @@ def _distribution_records(sharding: Distribution | None, coordinate_dependent: b
 def _refuse_sharding_wrappers(modules: list[torch.nn.Module], names: list[str]) -> None:
     for name, module in zip(names, modules, strict=True):
         wrapper = sharding_wrapper(module)
-        if wrapper is None or wrapper == "DistributedDataParallel":
+        if wrapper in (None, "DistributedDataParallel", "fully_shard"):
             continue
         raise PrecompileError(
             f"model argument {name} is wrapped in {wrapper}, whose parameters are gathered and "

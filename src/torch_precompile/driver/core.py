@@ -433,7 +433,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
                      "inputs", "in_spec", "out_spec", "value_guards", "dynamic_dims",
                      "size_relations", "output_aliases", "meshes", "distributed", "kernels",
                      "optimizers", "param_groups", "optimizer_state", "wrapped",
-                     "wrapped_inner", "data_parallel"),
+                     "wrapped_inner", "data_parallel", "fully_sharded"),
     "TorchBuild": ("version", "git"),
     "Argument": ("name", "is_model", "is_optimizer"),
     "ModelTensor": ("name", "kind", "tied_to", "shape", "dtype", "device", "strides",
@@ -455,6 +455,8 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "WrappedTensor": ("role", "index", "name", "cls", "context", "shape", "strides"),
     "InnerTensor": ("wrapper", "attr", "shape", "dtype", "device", "strides"),
     "DataParallel": ("argument", "model", "group", "world_size", "sync_grads", "forward_sync"),
+    "FullyShardedGroup": ("model", "module", "reshard_after_forward", "param_dtype",
+                          "reduce_dtype"),
 }
 # Which record each list (or, for "torch", the one record) of the spec holds.
 SPEC_LISTS: dict[str, str] = {
@@ -465,6 +467,7 @@ SPEC_LISTS: dict[str, str] = {
     "kernels": "KernelObject", "optimizers": "Optimizer", "param_groups": "ParamGroup",
     "optimizer_state": "OptimizerState", "wrapped": "WrappedTensor",
     "wrapped_inner": "InnerTensor", "data_parallel": "DataParallel",
+    "fully_sharded": "FullyShardedGroup",
 }
 _RECORD_TYPES = {name: namedtuple(name, fields) for name, fields in SPEC_RECORDS.items()}
 

@@ -1,4 +1,4 @@
-"""The driver part for DistributedDataParallel models: DDP's state checked, its group bound.
+"""The driver part for data-parallel models: DDP's and FSDP2's state checked, DDP's group bound.
 
 The graph averages each gradient over the DDP model's process group, as DDP does, under a
 group name that says which argument it serves. At each call this part checks that the model
@@ -7,6 +7,10 @@ binds the name to the model's group; and, on the first call, has every rank agre
 call is servable before any rank enters the graph's collectives. A gradient already on
 ``.grad`` (left by calls inside ``no_sync()``) is averaged here before the call's own is
 added, so the sum equals the average DDP takes of the accumulated gradient.
+
+For a ``fully_shard`` model (whose parameters are DTensors, unwrapped by the distributed part)
+each captured param group's module must still be ``fully_shard``-ed with gradient sync on:
+the graph reduce-scatters every gradient.
 """
 
 import contextlib
@@ -35,7 +39,9 @@ class DataParallelSteps:
             grads = [i for i in driver.grad_indices
                      if not qualify or interned[i].name.startswith(prefix)]
             self.entries.append((record, driver.model_positions[record.model], grads))
-        self.agreed = False
+        self.sharded = [(record, driver.model_positions[record.model])
+                        for record in driver.spec.fully_sharded]
+        self.agreed = not self.entries  # only DDP's checks need agreeing on here
 
     def check(self, args: Sequence[Any]) -> None:
         """Each DDP argument checked and its group bound; all ranks agree on the first call."""
@@ -43,6 +49,8 @@ class DataParallelSteps:
         try:
             for record, position, _ in self.entries:
                 self.check_one(record, args[position])
+            for record, position in self.sharded:
+                check_sharded(record, args[position])
         except PrecompileError as e:
             error = e
         if self.agreed:
@@ -128,6 +136,26 @@ class DataParallelSteps:
         for record, position, _ in self.entries:
             if record.forward_sync is not None:
                 args[position].require_forward_param_sync = record.forward_sync[1]
+
+
+def check_sharded(record: Any, model: Any) -> None:
+    """The module of a captured FSDP2 param group is still ``fully_shard``-ed, syncing."""
+    where = f"module {record.module or '(the model itself)'}"
+    try:
+        module = model.get_submodule(record.module) if record.module else model
+        groups = module._get_fsdp_state()._fsdp_param_groups
+    except (AttributeError, TypeError) as e:
+        raise PrecompileError(
+            f"{where} was fully_shard-ed at capture, and the artifact gathers and "
+            f"reduce-scatters its parameters; this model's is not ({type(e).__name__}). Pass "
+            "the model sharded as at capture."
+        ) from None
+    if not all(group.reduce_grads for group in groups):
+        raise PrecompileError(
+            f"{where} has set_requires_gradient_sync(False), under which FSDP2 keeps "
+            "unsharded gradients aside; the artifact reduce-scatters every gradient. Call it "
+            "with gradient sync on."
+        )
 
 
 # Graph group name -> the process group it resolves to in this process now.

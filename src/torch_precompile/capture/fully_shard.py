@@ -1,0 +1,183 @@
+"""FSDP2 (``fully_shard``) in a capture: each param group gathered where its module runs.
+
+A ``fully_shard`` model's parameters are DTensors sharded ``Shard(0)`` over the data-parallel
+mesh, and the graph takes their local shards like any DTensor's. FSDP2's own hooks gather
+and reduce with in-place collectives, so while fn is traced they are set aside and the same
+schedule is written with DTensor operations instead (as torchtitan's SimpleFSDP does):
+
+- before a sharded module's forward, each of its parameters is ``redistribute``d to
+  ``Replicate()`` (an all-gather, in the policy's ``param_dtype``) and the module runs on the
+  full tensor; after it, the sharded parameter is back in place;
+- the full tensor's gradient is declared ``Partial`` over the mesh and scaled by 1 / world
+  size, so backward reduce-scatters it (in ``reduce_dtype``) into the average over the ranks,
+  a ``Shard(0)`` gradient like FSDP2's;
+- with ``reshard_after_forward``, autograd saves no gathered parameter for backward: it
+  saves where it came from, and backward gathers it again, so between a module's forward
+  and its backward the rank holds only its shards, as FSDP2 does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torch_precompile.errors import PrecompileError
+from torch_precompile.internals import pytree
+from torch_precompile.internals.fsdp import ShardedGroup, fsdp_groups, without_fsdp_hooks
+from torch_precompile.spec import FullyShardedGroup
+
+
+def find_fully_sharded(modules: Sequence[torch.nn.Module], names: Sequence[str]
+                       ) -> list[tuple[int, str, ShardedGroup]]:
+    """(model index, module path, group) of every FSDP2 param group; each setting the graph
+    cannot hold is refused by name."""
+    found = []
+    for index, (model, name) in enumerate(zip(modules, names, strict=True)):
+        paths = {id(m): path for path, m in model.named_modules()}
+        for group in fsdp_groups(model):
+            path = paths[id(group.modules[0])] or "(the root)"
+            where = f"model argument {name}, module {path}"
+            if group.unsupported:
+                raise PrecompileError(
+                    f"{where} is fully_shard-ed with {group.unsupported[0]}, which a "
+                    "precompiled step does not reproduce yet. Shard it with fully_shard's "
+                    "defaults (a 1-D mesh, MixedPrecisionPolicy allowed)."
+                )
+            if not isinstance(group.reshard_after_forward, bool):
+                raise PrecompileError(
+                    f"{where} reshards after forward to a mesh of {group.reshard_after_forward} "
+                    "ranks; precompiled steps reshard fully or not at all "
+                    "(reshard_after_forward=True or False)."
+                )
+            if not group.reduce_grads:
+                raise PrecompileError(
+                    f"{where} has set_requires_gradient_sync(False): FSDP2 then keeps "
+                    "unsharded gradients outside .grad, which an artifact does not hold. "
+                    "Precompile the step that syncs, and accumulate by adding the loss of "
+                    "several batches inside fn."
+                )
+            if path == "(the root)" and group.auto_reshard:
+                # What fully_shard does at the first forward: the root keeps its parameters.
+                group = dataclasses.replace(group, reshard_after_forward=False)
+            found.append((index, path, group))
+    return found
+
+
+def group_records(found: Sequence[tuple[int, str, ShardedGroup]]
+                  ) -> tuple[FullyShardedGroup, ...]:
+    return tuple(FullyShardedGroup(
+        model=index, module="" if path == "(the root)" else path,
+        reshard_after_forward=bool(group.reshard_after_forward),
+        param_dtype=None if group.param_dtype is None else str(group.param_dtype),
+        reduce_dtype=None if group.reduce_dtype is None else str(group.reduce_dtype))
+        for index, path, group in found)
+
+
+@dataclass(frozen=True)
+class _Regather:
+    """What autograd saved instead of (a view of) a gathered parameter."""
+
+    leaf: torch.Tensor
+    group: ShardedGroup
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@contextlib.contextmanager
+def tracing(found: Sequence[tuple[int, str, ShardedGroup]],
+            originals: Sequence[torch.Tensor], flat: Sequence[torch.Tensor]) -> Iterator[None]:
+    """While fn is traced: FSDP2's hooks set aside, gathers and reduce-scatters written in.
+
+    ``originals`` are the model tensors in flat order (the parameters FSDP2 holds) and
+    ``flat`` the traced flat inputs, DTensors rebuilt.
+    """
+    if not found:
+        yield
+        return
+    index_of = {id(t): i for i, t in enumerate(originals)}
+    gathered: dict[int, tuple[torch.Tensor, torch.Tensor, ShardedGroup]] = {}
+    groups = [group for _, _, group in found]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(without_fsdp_hooks([m for g in groups for m in g.modules]))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
+            lambda t: _pack(t, gathered), _unpack))
+        for group in groups:
+            leaves = [(owner, attr, flat[index_of[id(sharded)]])
+                      for owner, attr, sharded in group.params]
+            for module in group.modules:
+                stack.callback(module.register_forward_pre_hook(
+                    _before(group, leaves, gathered), with_kwargs=True).remove)
+                stack.callback(module.register_forward_hook(_after(group, leaves)).remove)
+        yield
+
+
+def _before(group: ShardedGroup, leaves: list[tuple[torch.nn.Module, str, torch.Tensor]],
+            gathered: dict[int, tuple[torch.Tensor, torch.Tensor, ShardedGroup]]) -> Any:
+    def gather_group(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        for owner, attr, leaf in leaves:
+            full = _gather(leaf, group, differentiable=True)
+            owner._parameters[attr] = full
+            if group.reshard_after_forward:
+                base = full if full._base is None else full._base
+                gathered[id(base)] = (base, leaf, group)
+        if group.param_dtype is not None and group.cast_forward_inputs:
+            return _cast_floating((args, kwargs), group.param_dtype)
+        return None
+
+    return gather_group
+
+
+def _after(group: ShardedGroup, leaves: list[tuple[torch.nn.Module, str, torch.Tensor]]
+           ) -> Any:
+    def reshard_group(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        for owner, attr, leaf in leaves:
+            owner._parameters[attr] = leaf
+        if group.output_dtype is not None:
+            return _cast_floating(output, group.output_dtype)
+        return None
+
+    return reshard_group
+
+
+def _gather(leaf: torch.Tensor, group: ShardedGroup, differentiable: bool) -> torch.Tensor:
+    """The full parameter on every rank; backward reduce-scatters its gradient's average."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    full = leaf.redistribute(group.mesh, [Replicate()], forward_dtype=group.param_dtype,
+                             backward_dtype=group.reduce_dtype)
+    if not differentiable:
+        return full.to_local()
+    local = full.to_local(grad_placements=[Partial("sum")])
+    scale = 1.0 / group.mesh.size()
+    local.register_hook(lambda grad: grad * scale)
+    return local
+
+
+def _pack(tensor: torch.Tensor, gathered: dict[int, tuple[torch.Tensor, torch.Tensor,
+                                                          ShardedGroup]]) -> Any:
+    base = tensor if tensor._base is None else tensor._base
+    entry = gathered.get(id(base))
+    if entry is None or entry[0] is not base:
+        return tensor
+    return _Regather(entry[1], entry[2], tuple(tensor.shape), tuple(tensor.stride()),
+                     tensor.storage_offset() - base.storage_offset())
+
+
+def _unpack(saved: Any) -> Any:
+    if not isinstance(saved, _Regather):
+        return saved
+    with torch.no_grad():
+        full = _gather(saved.leaf, saved.group, differentiable=False)
+    return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    return pytree.tree_map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+        tree)

@@ -1,0 +1,114 @@
+"""Torch internals for FSDP2 (``fully_shard``): its param groups, settings and forward hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ShardedGroup", "fsdp_groups", "fsdp_module_class", "without_fsdp_hooks"]
+
+
+@dataclass(frozen=True)
+class ShardedGroup:
+    """One FSDP2 param group: the modules whose forward gathers it, and what it holds.
+
+    ``params`` are (owning module, attribute name, sharded DTensor parameter).
+    ``reshard_after_forward`` is True, False, or the size of a smaller mesh to reshard to;
+    ``auto_reshard`` says fully_shard chose it (then a root module keeps its parameters).
+    ``unsupported`` names each setting whose effect a traced graph does not hold.
+    """
+
+    modules: tuple[torch.nn.Module, ...]
+    params: tuple[tuple[torch.nn.Module, str, torch.Tensor], ...]
+    mesh: Any
+    reshard_after_forward: bool | int
+    auto_reshard: bool
+    reduce_grads: bool
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    output_dtype: torch.dtype | None
+    cast_forward_inputs: bool
+    unsupported: tuple[str, ...]
+
+
+def fsdp_module_class() -> Any:
+    """``FSDPModule`` if anything imported FSDP2 (else nothing can be one)."""
+    module = sys.modules.get("torch.distributed.fsdp._fully_shard._fully_shard")
+    return None if module is None else module.FSDPModule
+
+
+def fsdp_groups(root: torch.nn.Module) -> list[ShardedGroup]:
+    """Every FSDP2 param group under ``root``, in module order."""
+    fsdp_class = fsdp_module_class()
+    if fsdp_class is None:
+        return []
+    groups = []
+    for module in root.modules():
+        if not isinstance(module, fsdp_class):
+            continue
+        state = module._get_fsdp_state()
+        if state._modules[0] is not module:
+            continue  # a grouped fully_shard([a, b]): read once, at its first module
+        for group in state._fsdp_param_groups:
+            groups.append(_read_group(state, group))
+    return groups
+
+
+def _read_group(state: Any, group: Any) -> ShardedGroup:
+    after = group.post_forward_mesh_info
+    reshard: bool | int = after is not None
+    if after is not None and after.mesh is not group.mesh_info.mesh:
+        reshard = after.mesh.size()
+    policy = group.mp_policy
+    unsupported = [name for name, present in (
+        ("offload_policy (CPU offload)", type(group.offload_policy).__name__ != "OffloadPolicy"),
+        ("a 2-D (HSDP) mesh", group.mesh_info.mesh.ndim != 1),
+        ("parameters on a tensor-parallel mesh too (FSDP x TP)",
+         any(p.sharded_param.device_mesh.ndim != 1 for p in group.fsdp_params)),
+        ("set_custom_all_gather", type(group._all_gather_comm).__name__ != "DefaultAllGather"),
+        ("set_custom_reduce_scatter",
+         type(group._reduce_scatter_comm).__name__ != "DefaultReduceScatter"),
+        ("set_all_reduce_hook", group._all_reduce_hook is not None),
+        ("set_gradient_divide_factor", group.gradient_divide_factor is not None),
+        ("set_force_sum_reduction_for_comms", bool(group.force_sum_reduction_for_comms)),
+        ("set_reshard_after_backward(False)", not group.reshard_after_backward),
+        ("fully_shard over a list of modules", len(state._modules) != 1),
+    ) if present]
+    return ShardedGroup(
+        modules=tuple(state._modules),
+        params=tuple((p._module_info.module, p._module_info.param_name, p.sharded_param)
+                     for p in group.fsdp_params),
+        mesh=group.mesh_info.mesh, reshard_after_forward=reshard,
+        auto_reshard=bool(getattr(state, "_auto_reshard_after_forward", False)),
+        reduce_grads=bool(group.reduce_grads), param_dtype=policy.param_dtype,
+        reduce_dtype=policy.reduce_dtype, output_dtype=policy.output_dtype,
+        cast_forward_inputs=bool(policy.cast_forward_inputs), unsupported=tuple(unsupported))
+
+
+@contextlib.contextmanager
+def without_fsdp_hooks(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Run ``modules`` without FSDP2's forward hooks (they gather and reduce with in-place
+    collectives, outside any trace); hooks registered meanwhile are dropped afterwards."""
+    fsdp_class = fsdp_module_class()
+    saved = []
+    for module in modules:
+        if fsdp_class is None or not isinstance(module, fsdp_class):
+            continue
+        state = module._get_fsdp_state()
+        own = {state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id}
+        saved.append((module, module._forward_pre_hooks, module._forward_hooks))
+        module._forward_pre_hooks = OrderedDict(
+            (k, v) for k, v in module._forward_pre_hooks.items() if k not in own)
+        module._forward_hooks = OrderedDict(
+            (k, v) for k, v in module._forward_hooks.items() if k not in own)
+    try:
+        yield
+    finally:
+        for module, pre, post in saved:
+            module._forward_pre_hooks, module._forward_hooks = pre, post
