@@ -543,6 +543,119 @@ def ddp_refusals(backend: str) -> dict[str, Any]:
     return messages
 
 
+def fully_sharded(make: Callable[[], torch.nn.Module], mesh: Any,
+                  **options: Any) -> torch.nn.Module:
+    """``make()`` with fully_shard on each Linear child, then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make()
+    for child in model.children():
+        fully_shard(child, mesh=mesh, **options)
+    return fully_shard(model, mesh=mesh, **options)
+
+
+def mean_over_ranks(loss: torch.Tensor) -> float:
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    return float(loss) / dist.get_world_size()
+
+
+def fsdp_case(backend: str, one_rank: bool = False, reshard: bool = True) -> dict[str, Any]:
+    """fully_shard on each layer and the root; each rank passes its slice of the batch. Two
+    batches per SGD step (the second call adds to the sharded .grad), against single-process
+    eager on the full batches; .grad stays a Shard(0) DTensor."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = fully_sharded(make_mlp, mesh, reshard_after_forward=reshard)
+    data = batches(2 * world, 8, count=2 * STEPS)
+
+    def mine(x: torch.Tensor) -> torch.Tensor:
+        return x.chunk(world)[rank]
+
+    step = precompile.load(*precompile(train_step, model, mine(data[0]), backend=backend,
+                                       compile_on_one_rank=one_rank))
+    result: dict[str, Any] = compare_training(step, model, make_mlp, data, mine,
+                                              loss_of=mean_over_ranks, accumulate=2)
+    step(model, mine(data[0]))
+    result["grad_placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
+    result["local_shapes"] = [list(p.to_local().shape) for p in model.parameters()]
+    return result
+
+
+def fsdp_mixed_precision(backend: str) -> dict[str, Any]:
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) against eager FSDP2 with the
+    same policy (single-process eager has no bf16 gathers to compare with)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model, reference = (fully_sharded(make_mlp, mesh, mp_policy=policy) for _ in range(2))
+    data = [x.chunk(world)[rank] for x in batches(2 * world, 8)]
+    step = precompile.load(*precompile(train_step, model, data[0], backend=backend))
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for x in data:
+        worst["loss"] = max(worst["loss"], abs(float(step(model, x))
+                                               - float(train_step(reference, x))))
+        worst["grad"] = max(worst["grad"], *(max_diff(p.grad, q.grad) for p, q in zip(
+            model.parameters(), reference.parameters(), strict=True)))
+        worst["grad_dtype"] = str(next(model.parameters()).grad.dtype)
+        sgd(model)
+        sgd(reference)
+    worst["param"] = max(max_diff(p, q) for p, q in zip(model.parameters(),
+                                                         reference.parameters(), strict=True))
+    return worst
+
+
+def fsdp_divide_factor(backend: str) -> dict[str, Any]:
+    """set_gradient_divide_factor(3.0) on one layer: its gradients are the ranks' sum over
+    3 (eager's full-batch gradient times world / 3), the others' the average; changing the
+    factor after capture is refused."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = fully_sharded(make_mlp, mesh)
+    model.up.set_gradient_divide_factor(3.0)
+    data = batches(2 * world, 8)
+    mine = data[0].chunk(world)[rank]
+    step = precompile.load(*precompile(train_step, model, mine, backend=backend))
+    step(model, mine)
+    _, ref_grads, _ = eager_reference(make_mlp, data[:1])
+    result: dict[str, Any] = {"grad": max(
+        max_diff(p.grad, ref_grads[0][n] * (world / 3 if n.startswith("up.") else 1))
+        for n, p in model.named_parameters())}
+    model.up.set_gradient_divide_factor(2.0)
+    result["other_factor"] = _message(lambda: step(model, mine))
+    return result
+
+
+def fsdp_refusals(backend: str) -> dict[str, Any]:
+    """FSDP2 settings a precompiled step cannot reproduce, and calls it cannot serve."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    x = batches(2, 8)[0]
+    messages: dict[str, Any] = {}
+    unsynced = fully_sharded(make_mlp, mesh)
+    unsynced.set_requires_gradient_sync(False)
+    messages["no_gradient_sync"] = _message(lambda: precompile(train_step, unsynced, x,
+                                                               backend=backend))
+    hooked = fully_sharded(make_mlp, mesh)
+    hooked.up.set_all_reduce_hook(lambda grad: None)
+    messages["all_reduce_hook"] = _message(lambda: precompile(train_step, hooked, x,
+                                                              backend=backend))
+    if world == 4:
+        hybrid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        hsdp = fully_sharded(make_mlp, hybrid)
+        messages["hsdp"] = _message(lambda: precompile(train_step, hsdp, x, backend=backend))
+    model = fully_sharded(make_mlp, mesh)
+    step = precompile.load(*precompile(train_step, model, x, backend=backend))
+    model.set_requires_gradient_sync(False)
+    messages["call_without_sync"] = _message(lambda: step(model, x))
+    model.set_requires_gradient_sync(True)
+    messages["plain_model"] = _message(lambda: step(make_mlp(), x))
+    messages["after_refusals"] = _message(lambda: step(model, x))
+    return messages
+
+
 def _message(thunk: Callable[[], Any]) -> str:
     try:
         thunk()
@@ -615,11 +728,6 @@ def refusals(backend: str) -> dict[str, Any]:
         distribute_tensor(outside.weight.detach(), only_rank_zero, [Replicate()]))
     messages["outside_mesh"] = message(lambda: precompile(
         lambda m, x: m.weight.sum(), outside, x, backend=backend))
-    from torch.distributed.fsdp import fully_shard
-
-    sharded = fully_shard(make_mlp(), mesh=mesh)
-    messages["fully_shard"] = message(lambda: precompile(train_step, sharded, x,
-                                                         backend=backend))
     closed = torch.ones(8)
     messages["closed_over"] = message(
         lambda: precompile(lambda m, x: train_step(m, x + closed), model, x, backend=backend))
@@ -717,6 +825,14 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "ddp_buffers_eager": lambda: ddp_buffers("eager"),
     "ddp_buffers_inductor": lambda: ddp_buffers("inductor"),
     "ddp_refusals": lambda: ddp_refusals("eager"),
+    "fsdp_eager": lambda: fsdp_case("eager"),
+    "fsdp_inductor": lambda: fsdp_case("inductor"),
+    "fsdp_eager_one_rank": lambda: fsdp_case("eager", one_rank=True),
+    "fsdp_inductor_one_rank": lambda: fsdp_case("inductor", one_rank=True),
+    "fsdp_keep_after_forward": lambda: fsdp_case("inductor", reshard=False),
+    "fsdp_mixed_precision": lambda: fsdp_mixed_precision("eager"),
+    "fsdp_refusals": lambda: fsdp_refusals("eager"),
+    "fsdp_divide_factor": lambda: fsdp_divide_factor("eager"),
     "data_parallel_inductor": lambda: data_parallel("inductor"),
     "loss_parallel_eager": lambda: loss_parallel_case("eager"),
     "loss_parallel_inductor": lambda: loss_parallel_case("inductor"),

@@ -34,12 +34,15 @@ CASES_2 = ["tp_mlp_inductor_one_rank", "linear_eager", "linear_inductor", "tp_ml
            "data_parallel_eager", "data_parallel_inductor", "ddp_eager", "ddp_inductor",
            "ddp_inductor_one_rank", "ddp_no_sync_eager", "ddp_no_sync_inductor",
            "ddp_adamw_eager", "ddp_adamw_inductor", "ddp_buffers_eager", "ddp_buffers_inductor",
-           "ddp_refusals", "loss_parallel_eager",
+           "ddp_refusals", "fsdp_eager", "fsdp_inductor", "fsdp_eager_one_rank",
+           "fsdp_inductor_one_rank", "fsdp_keep_after_forward", "fsdp_mixed_precision",
+           "fsdp_divide_factor", "fsdp_refusals", "loss_parallel_eager",
            "loss_parallel_inductor", "buffers_eager", "buffers_inductor", "refusals",
            "uneven_one_rank",
            "rank_zero_artifact", "save_and_inspect"]
 CASES_4 = ["tp_mlp_inductor_one_rank", "tp_mlp_eager", "tp_dp_2d_eager", "tp_dp_2d_inductor",
-           "ddp_eager_one_rank", "ddp_inductor", "refusals"]
+           "ddp_eager_one_rank", "ddp_inductor", "fsdp_inductor_one_rank", "fsdp_eager",
+           "fsdp_refusals", "refusals"]
 
 
 def _free_port() -> int:
@@ -233,12 +236,64 @@ def test_ddp_refusals_name_the_option(two_ranks) -> None:
         assert messages["after_refusals"] == "no error"
 
 
+@pytest.mark.parametrize(("world", "case"), [
+    (2, "fsdp_eager"), (2, "fsdp_inductor"), (2, "fsdp_eager_one_rank"),
+    (2, "fsdp_inductor_one_rank"), (2, "fsdp_keep_after_forward"), (4, "fsdp_eager"),
+    (4, "fsdp_inductor_one_rank")])
+def test_fully_shard_model_trains_like_eager(two_ranks, four_ranks, world: int,
+                                             case: str) -> None:
+    """fully_shard on each layer and the root: two batches per SGD step, each rank on its
+    slice; losses, full gradients and parameters equal single-process eager's on the full
+    batches, and .grad stays sharded like FSDP2's."""
+    results = _case(two_ranks if world == 2 else four_ranks, case)
+    _matches_eager(results)
+    for result in results:
+        assert result["accumulating_calls"] == 3  # every second call added to .grad
+        assert result["grad_placements"] == ["(Shard(dim=0),)"]
+        assert result["local_shapes"] == [[16 // world, 8], [16 // world], [8 // world, 16],
+                                          [8 // world]]
+
+
+def test_fully_shard_mixed_precision_matches_fsdp2(two_ranks) -> None:
+    """bf16 gathers and fp32 reduce-scatters: exactly eager FSDP2's numbers."""
+    results = _case(two_ranks, "fsdp_mixed_precision")
+    _matches_eager(results)
+    assert all(r["grad_dtype"] == "torch.float32" for r in results)
+
+
+def test_fully_shard_divide_factor(two_ranks) -> None:
+    for result in _case(two_ranks, "fsdp_divide_factor"):
+        assert result["grad"] <= TOLERANCE
+        assert re.search(r"^PrecompileError: module up divides gradients by 2.0 .*captured "
+                         r"dividing by 3.0", result["other_factor"]), result["other_factor"]
+
+
+FSDP_REFUSALS = {
+    "no_gradient_sync": r"module up has set_requires_gradient_sync\(False\): FSDP2 then "
+                        r"keeps unsharded gradients",
+    "all_reduce_hook": r"module up is fully_shard-ed with set_all_reduce_hook",
+    "call_without_sync": r"module up has set_requires_gradient_sync\(False\).*Call it with "
+                         r"gradient sync on",
+    "plain_model": r"module up was fully_shard-ed at capture",
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fully_shard_refusals_name_the_setting(two_ranks, four_ranks, world: int) -> None:
+    for messages in _case(two_ranks if world == 2 else four_ranks, "fsdp_refusals"):
+        patterns = {**FSDP_REFUSALS, **({"hsdp": r"fully_shard-ed with a 2-D \(HSDP\) mesh"}
+                                        if world == 4 else {})}
+        for name, pattern in patterns.items():
+            assert messages[name].startswith("PrecompileError: "), (name, messages[name])
+            assert re.search(pattern, messages[name]), (name, messages[name])
+        assert messages["after_refusals"] == "no error"
+
+
 REFUSALS = {
     "plain_model": r"model parameter .up.weight.: expected a DTensor .*\(Shard\(0\)\) .*got a "
                    r"plain tensor",
     "other_placements": r"expected a DTensor .* placements \(Shard\(0\)\).*got shape \(16, 8\) "
                         r"with placements \(Shard\(1\)\)",
-    "fully_shard": r"wrapped in fully_shard.*without fully_shard",
     "closed_over": r"variable 'closed' closed over by fn",
     "in_place_collective": r"in-place collectives \(c10d.allreduce_",
     "dynamic": r"mark_unbacked .* not supported together with DTensors",

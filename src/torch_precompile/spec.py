@@ -332,7 +332,8 @@ class FullyShardedGroup:
 
     The graph gathers the group's parameters before that module's forward (in ``param_dtype``
     when given), reduce-scatters their gradients' average (in ``reduce_dtype``) and, with
-    ``reshard_after_forward``, gathers them again for backward.
+    ``reshard_after_forward``, gathers them again for backward. Gradients are divided by
+    ``divide_factor`` (``set_gradient_divide_factor``; None: the world size) before the sum.
     """
 
     model: int
@@ -340,6 +341,7 @@ class FullyShardedGroup:
     reshard_after_forward: bool
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    divide_factor: float | None = None
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ schedule is written with DTensor operations instead (as torchtitan's SimpleFSDP 
   ``Replicate()`` (an all-gather, in the policy's ``param_dtype``) and the module runs on the
   full tensor; after it, the sharded parameter is back in place;
 - the full tensor's gradient is declared ``Partial`` over the mesh and scaled by 1 / world
-  size, so backward reduce-scatters it (in ``reduce_dtype``) into the average over the ranks,
-  a ``Shard(0)`` gradient like FSDP2's;
+  size (or ``set_gradient_divide_factor``'s factor), so backward reduce-scatters it (in
+  ``reduce_dtype``) into the average over the ranks, a ``Shard(0)`` gradient like FSDP2's;
 - with ``reshard_after_forward``, autograd saves no gathered parameter for backward: it
   saves where it came from, and backward gathers it again, so between a module's forward
   and its backward the rank holds only its shards, as FSDP2 does.
@@ -28,14 +28,37 @@ import torch
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
-from torch_precompile.internals.fsdp import ShardedGroup, fsdp_groups, without_fsdp_hooks
+from torch_precompile.internals.fsdp import (
+    ShardedGroup,
+    fsdp_groups,
+    fsdp_modules,
+    without_fsdp_hooks,
+)
 from torch_precompile.spec import FullyShardedGroup
 
 
+@dataclass(frozen=True)
+class FullySharded:
+    """The FSDP2 state of a capture's models: every ``fully_shard``-ed module (whose hooks are
+    set aside while tracing) and each param group as (model index, module path, group)."""
+
+    modules: tuple[torch.nn.Module, ...] = ()
+    groups: tuple[tuple[int, str, ShardedGroup], ...] = ()
+
+    def records(self) -> tuple[FullyShardedGroup, ...]:
+        return tuple(FullyShardedGroup(
+            model=index, module="" if path == "(the root)" else path,
+            reshard_after_forward=bool(group.reshard_after_forward),
+            param_dtype=None if group.param_dtype is None else str(group.param_dtype),
+            reduce_dtype=None if group.reduce_dtype is None else str(group.reduce_dtype),
+            divide_factor=group.divide_factor)
+            for index, path, group in self.groups)
+
+
 def find_fully_sharded(modules: Sequence[torch.nn.Module], names: Sequence[str]
-                       ) -> list[tuple[int, str, ShardedGroup]]:
-    """(model index, module path, group) of every FSDP2 param group; each setting the graph
-    cannot hold is refused by name."""
+                       ) -> FullySharded:
+    """Every FSDP2 module and param group; each setting the graph cannot hold is refused by
+    name."""
     found = []
     for index, (model, name) in enumerate(zip(modules, names, strict=True)):
         paths = {id(m): path for path, m in model.named_modules()}
@@ -65,17 +88,8 @@ def find_fully_sharded(modules: Sequence[torch.nn.Module], names: Sequence[str]
                 # What fully_shard does at the first forward: the root keeps its parameters.
                 group = dataclasses.replace(group, reshard_after_forward=False)
             found.append((index, path, group))
-    return found
-
-
-def group_records(found: Sequence[tuple[int, str, ShardedGroup]]
-                  ) -> tuple[FullyShardedGroup, ...]:
-    return tuple(FullyShardedGroup(
-        model=index, module="" if path == "(the root)" else path,
-        reshard_after_forward=bool(group.reshard_after_forward),
-        param_dtype=None if group.param_dtype is None else str(group.param_dtype),
-        reduce_dtype=None if group.reduce_dtype is None else str(group.reduce_dtype))
-        for index, path, group in found)
+    return FullySharded(tuple(m for model in modules for m in fsdp_modules(model)),
+                        tuple(found))
 
 
 @dataclass(frozen=True)
@@ -90,21 +104,21 @@ class _Regather:
 
 
 @contextlib.contextmanager
-def tracing(found: Sequence[tuple[int, str, ShardedGroup]],
-            originals: Sequence[torch.Tensor], flat: Sequence[torch.Tensor]) -> Iterator[None]:
+def tracing(found: FullySharded, originals: Sequence[torch.Tensor],
+            flat: Sequence[torch.Tensor]) -> Iterator[None]:
     """While fn is traced: FSDP2's hooks set aside, gathers and reduce-scatters written in.
 
     ``originals`` are the model tensors in flat order (the parameters FSDP2 holds) and
     ``flat`` the traced flat inputs, DTensors rebuilt.
     """
-    if not found:
+    if not found.modules:
         yield
         return
     index_of = {id(t): i for i, t in enumerate(originals)}
     gathered: dict[int, tuple[torch.Tensor, torch.Tensor, ShardedGroup]] = {}
-    groups = [group for _, _, group in found]
+    groups = [group for _, _, group in found.groups]
     with contextlib.ExitStack() as stack:
-        stack.enter_context(without_fsdp_hooks([m for g in groups for m in g.modules]))
+        stack.enter_context(without_fsdp_hooks(found.modules))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
             lambda t: _pack(t, gathered), _unpack))
         for group in groups:
@@ -154,7 +168,7 @@ def _gather(leaf: torch.Tensor, group: ShardedGroup, differentiable: bool) -> to
     if not differentiable:
         return full.to_local()
     local = full.to_local(grad_placements=[Partial("sum")])
-    scale = 1.0 / group.mesh.size()
+    scale = 1.0 / (group.divide_factor or group.mesh.size())
     local.register_hook(lambda grad: grad * scale)
     return local
 

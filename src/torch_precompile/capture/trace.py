@@ -21,6 +21,7 @@ from torch_precompile.capture.distributed import (
     find_dtensors,
     name_collectives,
 )
+from torch_precompile.capture.fully_shard import FullySharded
 from torch_precompile.capture.guards import GuardRecorder
 from torch_precompile.capture.inputs import (
     UserInputs,
@@ -46,7 +47,6 @@ from torch_precompile.capture.subclasses import Wrapping, find_wrapped, refuse_m
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree, storage_id, torch_build
 from torch_precompile.internals.distributed import pretend_coordinate, sharding_wrapper
-from torch_precompile.internals.fsdp import ShardedGroup
 from torch_precompile.internals.tracing import (
     FakeTensorMode,
     GuardOnDataDependentSymNode,
@@ -147,7 +147,7 @@ class _Layout:
     optimizer_positions: list[int]
     optimizers: list[OptimizerArg]
     data_parallel: list[DataParallelArg]
-    fully_sharded: list[tuple[int, str, ShardedGroup]]
+    fully_sharded: FullySharded
 
     @property
     def num_params(self) -> int:
@@ -405,7 +405,7 @@ def _artifact_spec(backend: str, layout: _Layout, recorder: GuardRecorder, outpu
         **_distribution_records(layout.sharding, traced.coordinate_dependent),
         **layout.wrapping.spec_records(),
         data_parallel=tuple(arg.record() for arg in layout.data_parallel),
-        fully_sharded=fully_shard.group_records(layout.fully_sharded),
+        fully_sharded=layout.fully_sharded.records(),
     )
 
 

@@ -456,7 +456,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "InnerTensor": ("wrapper", "attr", "shape", "dtype", "device", "strides"),
     "DataParallel": ("argument", "model", "group", "world_size", "sync_grads", "forward_sync"),
     "FullyShardedGroup": ("model", "module", "reshard_after_forward", "param_dtype",
-                          "reduce_dtype"),
+                          "reduce_dtype", "divide_factor"),
 }
 # Which record each list (or, for "torch", the one record) of the spec holds.
 SPEC_LISTS: dict[str, str] = {

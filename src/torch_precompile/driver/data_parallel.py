@@ -150,12 +150,23 @@ def check_sharded(record: Any, model: Any) -> None:
             f"reduce-scatters its parameters; this model's is not ({type(e).__name__}). Pass "
             "the model sharded as at capture."
         ) from None
+    factors = {group.gradient_divide_factor for group in groups}
+    if factors != {record.divide_factor}:
+        raise PrecompileError(
+            f"{where} divides gradients by {_factor(factors.pop())} (set_gradient_divide_factor); "
+            f"the artifact was captured dividing by {_factor(record.divide_factor)}. Set it "
+            "back, or precompile again."
+        )
     if not all(group.reduce_grads for group in groups):
         raise PrecompileError(
             f"{where} has set_requires_gradient_sync(False), under which FSDP2 keeps "
             "unsharded gradients aside; the artifact reduce-scatters every gradient. Call it "
             "with gradient sync on."
         )
+
+
+def _factor(factor: Any) -> str:
+    return "the world size" if factor is None else repr(factor)
 
 
 # Graph group name -> the process group it resolves to in this process now.

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ShardedGroup", "fsdp_groups", "fsdp_module_class", "without_fsdp_hooks"]
+__all__ = ["ShardedGroup", "fsdp_groups", "fsdp_module_class", "fsdp_modules",
+           "without_fsdp_hooks"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ShardedGroup:
     reduce_dtype: torch.dtype | None
     output_dtype: torch.dtype | None
     cast_forward_inputs: bool
+    divide_factor: float | None
     unsupported: tuple[str, ...]
 
 
@@ -43,15 +45,18 @@ def fsdp_module_class() -> Any:
     return None if module is None else module.FSDPModule
 
 
-def fsdp_groups(root: torch.nn.Module) -> list[ShardedGroup]:
-    """Every FSDP2 param group under ``root``, in module order."""
+def fsdp_modules(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every module under ``root`` (itself included) that ``fully_shard`` was applied to."""
     fsdp_class = fsdp_module_class()
     if fsdp_class is None:
         return []
+    return [module for module in root.modules() if isinstance(module, fsdp_class)]
+
+
+def fsdp_groups(root: torch.nn.Module) -> list[ShardedGroup]:
+    """Every FSDP2 param group under ``root``, in module order."""
     groups = []
-    for module in root.modules():
-        if not isinstance(module, fsdp_class):
-            continue
+    for module in fsdp_modules(root):
         state = module._get_fsdp_state()
         if state._modules[0] is not module:
             continue  # a grouped fully_shard([a, b]): read once, at its first module
@@ -75,9 +80,7 @@ def _read_group(state: Any, group: Any) -> ShardedGroup:
         ("set_custom_reduce_scatter",
          type(group._reduce_scatter_comm).__name__ != "DefaultReduceScatter"),
         ("set_all_reduce_hook", group._all_reduce_hook is not None),
-        ("set_gradient_divide_factor", group.gradient_divide_factor is not None),
         ("set_force_sum_reduction_for_comms", bool(group.force_sum_reduction_for_comms)),
-        ("set_reshard_after_backward(False)", not group.reshard_after_backward),
         ("fully_shard over a list of modules", len(state._modules) != 1),
     ) if present]
     return ShardedGroup(
@@ -88,7 +91,8 @@ def _read_group(state: Any, group: Any) -> ShardedGroup:
         auto_reshard=bool(getattr(state, "_auto_reshard_after_forward", False)),
         reduce_grads=bool(group.reduce_grads), param_dtype=policy.param_dtype,
         reduce_dtype=policy.reduce_dtype, output_dtype=policy.output_dtype,
-        cast_forward_inputs=bool(policy.cast_forward_inputs), unsupported=tuple(unsupported))
+        cast_forward_inputs=bool(policy.cast_forward_inputs),
+        divide_factor=group.gradient_divide_factor, unsupported=tuple(unsupported))
 
 
 @contextlib.contextmanager
