@@ -656,6 +656,44 @@ def fsdp_refusals(backend: str) -> dict[str, Any]:
     return messages
 
 
+def fsdp_tp_2d(backend: str, one_rank: bool = False) -> dict[str, Any]:
+    """torchtitan's layout: tensor parallelism on ``tp``, fully_shard on ``dp`` of a 2-D
+    mesh; each data-parallel replica passes its slice of the batch. Two batches per SGD step
+    against single-process eager on the full batches."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    replica = mesh.get_local_rank("dp")
+    model = parallelize_module(make_mlp(), mesh["tp"], tp_plan_mlp())
+    for child in model.children():
+        fully_shard(child, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    data = batches(4, 8, count=2 * STEPS)
+
+    def mine(x: torch.Tensor) -> torch.Tensor:
+        return x.chunk(2)[replica]
+
+    def mean_over_replicas(loss: torch.Tensor) -> float:
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=mesh.get_group("dp"))
+        return float(loss) / 2
+
+    step = precompile.load(*precompile(train_step, model, mine(data[0]), backend=backend,
+                                       compile_on_one_rank=one_rank))
+    result: dict[str, Any] = compare_training(step, model, make_mlp, data, mine,
+                                              loss_of=mean_over_replicas, accumulate=2)
+    step(model, mine(data[0]))
+    result["placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
+    infer = precompile.load(*precompile(lambda m, x: m(x), model, mine(data[0]),
+                                        backend=backend, compile_on_one_rank=one_rank))
+    reference = make_mlp()
+    with torch.no_grad():
+        for p, q in zip(reference.parameters(), model.parameters(), strict=True):
+            p.copy_(q.full_tensor())
+        result["infer"] = max_diff(infer(model, mine(data[1])), reference(mine(data[1])))
+    return result
+
+
 def _message(thunk: Callable[[], Any]) -> str:
     try:
         thunk()
@@ -833,6 +871,8 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "fsdp_mixed_precision": lambda: fsdp_mixed_precision("eager"),
     "fsdp_refusals": lambda: fsdp_refusals("eager"),
     "fsdp_divide_factor": lambda: fsdp_divide_factor("eager"),
+    "fsdp_tp_2d_eager": lambda: fsdp_tp_2d("eager"),
+    "fsdp_tp_2d_inductor_one_rank": lambda: fsdp_tp_2d("inductor", one_rank=True),
     "data_parallel_inductor": lambda: data_parallel("inductor"),
     "loss_parallel_eager": lambda: loss_parallel_case("eager"),
     "loss_parallel_inductor": lambda: loss_parallel_case("inductor"),

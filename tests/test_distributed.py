@@ -42,7 +42,7 @@ CASES_2 = ["tp_mlp_inductor_one_rank", "linear_eager", "linear_inductor", "tp_ml
            "rank_zero_artifact", "save_and_inspect"]
 CASES_4 = ["tp_mlp_inductor_one_rank", "tp_mlp_eager", "tp_dp_2d_eager", "tp_dp_2d_inductor",
            "ddp_eager_one_rank", "ddp_inductor", "fsdp_inductor_one_rank", "fsdp_eager",
-           "fsdp_refusals", "refusals"]
+           "fsdp_refusals", "fsdp_tp_2d_eager", "fsdp_tp_2d_inductor_one_rank", "refusals"]
 
 
 def _free_port() -> int:
@@ -252,6 +252,18 @@ def test_fully_shard_model_trains_like_eager(two_ranks, four_ranks, world: int,
         assert result["grad_placements"] == ["(Shard(dim=0),)"]
         assert result["local_shapes"] == [[16 // world, 8], [16 // world], [8 // world, 16],
                                           [8 // world]]
+
+
+@pytest.mark.parametrize("case", ["fsdp_tp_2d_eager", "fsdp_tp_2d_inductor_one_rank"])
+def test_fully_shard_over_tensor_parallel_2d_mesh(four_ranks, case: str) -> None:
+    """fully_shard on dp and ColwiseParallel / RowwiseParallel on tp of a (2, 2) mesh:
+    training (two batches per step) and inference equal single-process eager."""
+    results = _case(four_ranks, case)
+    _matches_eager(results, ("loss", "grad", "param", "infer"))
+    for result in results:
+        assert result["placements"] == ["(Shard(dim=0), Replicate())",
+                                        "(Shard(dim=0), Shard(dim=1))",
+                                        "(_StridedShard(dim=0, sf=2), Shard(dim=0))"]
 
 
 def test_fully_shard_mixed_precision_matches_fsdp2(two_ranks) -> None:

@@ -26,7 +26,7 @@ from torch_precompile.internals.distributed import (
 )
 from torch_precompile.spec import DistributedTensor, Mesh
 
-_PLACEMENTS = ("Shard", "Replicate", "Partial")
+_PLACEMENTS = ("Shard", "Replicate", "Partial", "_StridedShard")
 
 
 @dataclass(frozen=True)

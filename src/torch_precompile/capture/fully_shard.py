@@ -28,6 +28,7 @@ import torch
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
+from torch_precompile.internals.distributed import is_dtensor
 from torch_precompile.internals.fsdp import (
     ShardedGroup,
     fsdp_groups,
@@ -94,13 +95,15 @@ def find_fully_sharded(modules: Sequence[torch.nn.Module], names: Sequence[str]
 
 @dataclass(frozen=True)
 class _Regather:
-    """What autograd saved instead of (a view of) a gathered parameter."""
+    """What autograd saved instead of (a view of) a gathered parameter: where to gather it
+    from, and the view's layout (of its local tensor, for a DTensor on ``tp``)."""
 
     leaf: torch.Tensor
     group: ShardedGroup
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    dtensor: tuple[Any, tuple[Any, ...], torch.Size, tuple[int, ...]] | None = None
 
 
 @contextlib.contextmanager
@@ -159,18 +162,24 @@ def _after(group: ShardedGroup, leaves: list[tuple[torch.nn.Module, str, torch.T
     return reshard_group
 
 
-def _gather(leaf: torch.Tensor, group: ShardedGroup, differentiable: bool) -> torch.Tensor:
-    """The full parameter on every rank; backward reduce-scatters its gradient's average."""
-    from torch.distributed.tensor import Partial, Replicate
+def _gather(leaf: Any, group: ShardedGroup, differentiable: bool) -> torch.Tensor:
+    """The parameter gathered over the data-parallel mesh dim; backward reduce-scatters its
+    gradient's average. On a (dp, tp) mesh it stays a DTensor on ``tp``, as FSDP2 leaves it."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    full = leaf.redistribute(group.mesh, [Replicate()], forward_dtype=group.param_dtype,
-                             backward_dtype=group.reduce_dtype)
+    mesh, tensor_parallel = leaf.device_mesh, tuple(leaf.placements[1:])
+    full = leaf.redistribute(mesh, [Replicate(), *tensor_parallel],
+                             forward_dtype=group.param_dtype, backward_dtype=group.reduce_dtype)
     if not differentiable:
-        return full.to_local()
-    local = full.to_local(grad_placements=[Partial("sum")])
-    scale = 1.0 / (group.divide_factor or group.mesh.size())
-    local.register_hook(lambda grad: grad * scale)
-    return local
+        local = full.to_local()
+    else:
+        local = full.to_local(grad_placements=[Partial("sum"), *tensor_parallel])
+        scale = 1.0 / (group.divide_factor or group.mesh.size())
+        local.register_hook(lambda grad: grad * scale)
+    if not tensor_parallel:
+        return local
+    return DTensor.from_local(local, mesh[mesh.mesh_dim_names[1]], tensor_parallel,
+                              run_check=False, shape=full.shape, stride=full.stride())
 
 
 def _pack(tensor: torch.Tensor, gathered: dict[int, tuple[torch.Tensor, torch.Tensor,
@@ -179,8 +188,14 @@ def _pack(tensor: torch.Tensor, gathered: dict[int, tuple[torch.Tensor, torch.Te
     entry = gathered.get(id(base))
     if entry is None or entry[0] is not base:
         return tensor
-    return _Regather(entry[1], entry[2], tuple(tensor.shape), tuple(tensor.stride()),
-                     tensor.storage_offset() - base.storage_offset())
+    if not is_dtensor(tensor):
+        return _Regather(entry[1], entry[2], tuple(tensor.shape), tuple(tensor.stride()),
+                         tensor.storage_offset() - base.storage_offset())
+    local, base_local = tensor.to_local(), base.to_local()
+    return _Regather(entry[1], entry[2], tuple(local.shape), tuple(local.stride()),
+                     local.storage_offset() - base_local.storage_offset(),
+                     (tensor.device_mesh, tuple(tensor.placements), tensor.shape,
+                      tuple(tensor.stride())))
 
 
 def _unpack(saved: Any) -> Any:
@@ -188,7 +203,15 @@ def _unpack(saved: Any) -> Any:
         return saved
     with torch.no_grad():
         full = _gather(saved.leaf, saved.group, differentiable=False)
-    return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
+    if saved.dtensor is None:
+        return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
+    from torch.distributed.tensor import DTensor
+
+    local = full.to_local()
+    view = local.as_strided(saved.size, saved.stride, local.storage_offset() + saved.offset)
+    mesh, placements, shape, stride = saved.dtensor
+    return DTensor.from_local(view, mesh, placements, run_check=False, shape=shape,
+                              stride=stride)
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

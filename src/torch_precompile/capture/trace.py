@@ -111,6 +111,7 @@ def capture(
         raise
     refuse_changes(before)
     traced = _drop_unstepped_state(traced, layout)
+    _drop_constant_guards(traced.graph, recorder, outputs)
     gm = traced.graph
     check_graph(gm)
     checks.reject_control_flow(gm)
@@ -352,6 +353,25 @@ def learning_rate(group: dict[str, Any]) -> torch.Tensor:
     return torch.tensor(float(group["lr"]), dtype=torch.float64)
 
 
+def _drop_constant_guards(gm: torch.fx.GraphModule, recorder: GuardRecorder,
+                          outputs: _Outputs) -> None:
+    """Without guards on constants (DTensor reads index tensors it made itself): a value no
+    input can change needs no check."""
+    assert outputs.spec is not None  # the trace called the flat function
+    output = gm.graph.output_node()
+    values = list(output.args[0])
+    start = outputs.spec.num_leaves + len(outputs.grad_indices)
+    constant = [values[start + i].op == "get_attr" for i in range(len(recorder.guards))]
+    if not any(constant):
+        return
+    recorder.guards[:] = [g for g, c in zip(recorder.guards, constant, strict=True) if not c]
+    kept = [v for i, v in enumerate(values)
+            if not (start <= i < start + len(constant) and constant[i - start])]
+    output.args = (kept,)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
 def _drop_unstepped_state(traced: _Traced, layout: _Layout) -> _Traced:
     """Without the state of parameters the optimizer did not step (they had no gradient), as
     eager creates no state for them."""
@@ -495,6 +515,7 @@ class _Trace:
         others = [[(c + 1) % size for c, size in zip(mesh.get_coordinate(), mesh.shape,
                                                      strict=True)]
                   for mesh in sharding.meshes]
+        recorder.guards.clear()  # the rerun records its own
         try:
             with pretend_coordinate(sharding.meshes, others):
                 return self.run().code != code

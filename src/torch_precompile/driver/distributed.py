@@ -181,10 +181,12 @@ def bind_groups(mesh: Any, names: Sequence[str]) -> None:
 
 def placement_text(placement: Any) -> str:
     """A DTensor placement as the spec writes it: ``Shard(0)``, ``Replicate()``,
-    ``Partial(sum)``."""
+    ``Partial(sum)``, ``_StridedShard(0, 2)``."""
     kind = type(placement).__name__
     if kind == "Shard":
         return f"Shard({placement.dim})"
+    if kind == "_StridedShard":  # FSDP2's dim-0 shard of a tensor-parallel Shard(0) one
+        return f"_StridedShard({placement.dim}, {placement.split_factor})"
     if kind == "Partial":
         return f"Partial({placement.reduce_op})"
     return f"{kind}()" if kind == "Replicate" else repr(placement)
@@ -192,10 +194,15 @@ def placement_text(placement: Any) -> str:
 
 def _placements(record: Any) -> tuple[Any, ...]:
     from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     made = []
     for text in record.placements:
         kind, argument = text[:-1].split("(")
+        if kind == "_StridedShard":
+            dim, split = argument.split(", ")
+            made.append(_StridedShard(int(dim), split_factor=int(split)))
+            continue
         made.append(Shard(int(argument)) if kind == "Shard"
                     else Partial(argument) if kind == "Partial" else Replicate())
     return tuple(made)

@@ -74,8 +74,11 @@ def _read_group(state: Any, group: Any) -> ShardedGroup:
     unsupported = [name for name, present in (
         ("offload_policy (CPU offload)", type(group.offload_policy).__name__ != "OffloadPolicy"),
         ("a 2-D (HSDP) mesh", group.mesh_info.mesh.ndim != 1),
-        ("parameters on a tensor-parallel mesh too (FSDP x TP)",
-         any(p.sharded_param.device_mesh.ndim != 1 for p in group.fsdp_params)),
+        ("parameters on a mesh of more than two dims, or an unnamed one",
+         any(p.sharded_param.device_mesh.ndim > 2
+             or (p.sharded_param.device_mesh.ndim == 2
+                 and not p.sharded_param.device_mesh.mesh_dim_names)
+             for p in group.fsdp_params)),
         ("set_custom_all_gather", type(group._all_gather_comm).__name__ != "DefaultAllGather"),
         ("set_custom_reduce_scatter",
          type(group._reduce_scatter_comm).__name__ != "DefaultReduceScatter"),
