@@ -53,7 +53,7 @@ def _free_port() -> int:
 
 def _run_ranks(world: int, cases: list[str], out: Path) -> list[dict[str, Any]]:
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": os.pathsep.join(
         [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
     logs = [open(out / f"log{rank}", "w") for rank in range(world)]  # noqa: SIM115
     procs = [subprocess.Popen(

@@ -29,7 +29,8 @@ SHIPPED = {
                "torch.optim.optimizer._global_optimizer_pre_hooks",
                "torch.optim.optimizer._global_optimizer_post_hooks",
                "._optimizer_step_pre_hooks", "._optimizer_step_post_hooks", "._opt_called",
-               "._wrapped_by_lr_sched"},
+               "._wrapped_by_lr_sched", "._get_fsdp_state", "._fsdp_param_groups",
+               "torch.distributed.tensor.placement_types._StridedShard"},
     "kernel_loader": {"torch._inductor.async_compile.AsyncCompile", "torch._inductor.kernel",
                       "torch._inductor.select_algorithm"},
 }

@@ -31,8 +31,10 @@ from torch_precompile.internals import pytree
 from torch_precompile.internals.distributed import is_dtensor
 from torch_precompile.internals.fsdp import (
     ShardedGroup,
+    bind_parameter,
     fsdp_groups,
     fsdp_modules,
+    view_base,
     without_fsdp_hooks,
 )
 from torch_precompile.spec import FullyShardedGroup
@@ -139,9 +141,9 @@ def _before(group: ShardedGroup, leaves: list[tuple[torch.nn.Module, str, torch.
     def gather_group(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         for owner, attr, leaf in leaves:
             full = _gather(leaf, group, differentiable=True)
-            owner._parameters[attr] = full
+            bind_parameter(owner, attr, full)
             if group.reshard_after_forward:
-                base = full if full._base is None else full._base
+                base = view_base(full)
                 gathered[id(base)] = (base, leaf, group)
         if group.param_dtype is not None and group.cast_forward_inputs:
             return _cast_floating((args, kwargs), group.param_dtype)
@@ -154,7 +156,7 @@ def _after(group: ShardedGroup, leaves: list[tuple[torch.nn.Module, str, torch.T
            ) -> Any:
     def reshard_group(module: torch.nn.Module, args: Any, output: Any) -> Any:
         for owner, attr, leaf in leaves:
-            owner._parameters[attr] = leaf
+            bind_parameter(owner, attr, leaf)
         if group.output_dtype is not None:
             return _cast_floating(output, group.output_dtype)
         return None
@@ -184,7 +186,7 @@ def _gather(leaf: Any, group: ShardedGroup, differentiable: bool) -> torch.Tenso
 
 def _pack(tensor: torch.Tensor, gathered: dict[int, tuple[torch.Tensor, torch.Tensor,
                                                           ShardedGroup]]) -> Any:
-    base = tensor if tensor._base is None else tensor._base
+    base = view_base(tensor)
     entry = gathered.get(id(base))
     if entry is None or entry[0] is not base:
         return tensor

@@ -10,7 +10,8 @@ added, so the sum equals the average DDP takes of the accumulated gradient.
 
 For a ``fully_shard`` model (whose parameters are DTensors, unwrapped by the distributed part)
 each captured param group's module must still be ``fully_shard``-ed with gradient sync on:
-the graph reduce-scatters every gradient.
+the graph reduce-scatters every gradient. FSDP2's state is read through its private
+``_get_fsdp_state()._fsdp_param_groups`` (the flags its public setters write).
 """
 
 import contextlib

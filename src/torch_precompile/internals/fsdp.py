@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ShardedGroup", "fsdp_groups", "fsdp_module_class", "fsdp_modules",
-           "without_fsdp_hooks"]
+__all__ = ["ShardedGroup", "bind_parameter", "fsdp_groups", "fsdp_module_class",
+           "fsdp_modules", "view_base", "without_fsdp_hooks"]
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,15 @@ def _read_group(state: Any, group: Any) -> ShardedGroup:
     reshard: bool | int = after is not None
     if after is not None and after.mesh is not group.mesh_info.mesh:
         reshard = after.mesh.size()
-    policy = group.mp_policy
+    policy = state._mp_policy
+    # Each parameter's resolved dtypes (per parameter since torch 2.15).
+    dtypes = {_dtypes(p, group) for p in group.fsdp_params}
+    grad_dtypes = {getattr(p, "_has_sharded_grad_dtype_override", False)
+                   for p in group.fsdp_params}
+    param_dtype, reduce_dtype = next(iter(dtypes)) if dtypes else (None, None)
     unsupported = [name for name, present in (
+        ("parameters of different mixed-precision dtypes in one group", len(dtypes) > 1),
+        ("gradients of another dtype than their parameters", True in grad_dtypes),
         ("offload_policy (CPU offload)", type(group.offload_policy).__name__ != "OffloadPolicy"),
         ("a 2-D (HSDP) mesh", group.mesh_info.mesh.ndim != 1),
         ("parameters on a mesh of more than two dims, or an unnamed one",
@@ -92,10 +99,22 @@ def _read_group(state: Any, group: Any) -> ShardedGroup:
                      for p in group.fsdp_params),
         mesh=group.mesh_info.mesh, reshard_after_forward=reshard,
         auto_reshard=bool(getattr(state, "_auto_reshard_after_forward", False)),
-        reduce_grads=bool(group.reduce_grads), param_dtype=policy.param_dtype,
-        reduce_dtype=policy.reduce_dtype, output_dtype=policy.output_dtype,
+        reduce_grads=bool(group.reduce_grads), param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype, output_dtype=policy.output_dtype,
         cast_forward_inputs=bool(policy.cast_forward_inputs),
         divide_factor=group.gradient_divide_factor, unsupported=tuple(unsupported))
+
+
+def _dtypes(param: Any, group: Any) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(gather dtype, reduce dtype) of one parameter as FSDP2 resolves its policy at the first
+    forward (None: its own dtype): the group's policy, or since 2.15 the parameter's."""
+    policy = getattr(param, "mp_policy", None) or group.mp_policy
+    dtype = param.sharded_param.dtype
+    gather = policy.param_dtype
+    if gather == dtype or not dtype.is_floating_point:
+        gather = None
+    reduce = policy.reduce_dtype
+    return gather, None if reduce == (gather or dtype) else reduce
 
 
 @contextlib.contextmanager
@@ -119,3 +138,14 @@ def without_fsdp_hooks(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
     finally:
         for module, pre, post in saved:
             module._forward_pre_hooks, module._forward_hooks = pre, post
+
+
+def bind_parameter(owner: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make ``owner.<name>`` read ``tensor`` (a plain tensor or DTensor, not a Parameter), as
+    FSDP2 itself swaps gathered parameters in."""
+    owner._parameters[name] = tensor
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``tensor`` views (itself when it is no view)."""
+    return tensor if tensor._base is None else tensor._base
