@@ -441,27 +441,61 @@ def ddp_no_sync(backend: str) -> dict[str, Any]:
     return worst
 
 
-def ddp_adamw(backend: str) -> dict[str, Any]:
+def ddp_adamw(backend: str, one_rank: bool = False) -> dict[str, Any]:
     """A whole DDP training step inside fn: zero_grad, forward, backward, AdamW step; the LR
     follows a schedule outside. Parameters equal single-process eager's on the full batch."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    model, reference = DistributedDataParallel(make_mlp()), make_mlp()
+    result = adamw_training(DistributedDataParallel(make_mlp()), backend, one_rank,
+                            lambda x: x.chunk(world)[rank], world)
+    del result["opt"]
+    return result
+
+
+def fsdp_adamw(backend: str, one_rank: bool, two_d: bool) -> dict[str, Any]:
+    """The same whole step on fully_shard (on a (dp, tp) mesh with tensor parallelism when
+    ``two_d``): AdamW's state is sharded like the parameters, DTensors between calls."""
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    if two_d:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        model, dp = parallelize_module(make_mlp(), mesh["tp"], tp_plan_mlp()), mesh["dp"]
+    else:
+        model, dp = make_mlp(), init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for child in model.children():
+        fully_shard(child, mesh=dp)
+    fully_shard(model, mesh=dp)
+    replicas, replica = dp.size(), dp.get_local_rank()
+    result = adamw_training(model, backend, one_rank, lambda x: x.chunk(replicas)[replica],
+                            replicas, dp.get_group())
+    result["state"] = sorted({type(t).__name__ for s in result.pop("opt").state.values()
+                              for k, t in s.items() if k != "step"})
+    return result
+
+
+def adamw_training(model: torch.nn.Module, backend: str, one_rank: bool,
+                   mine: Callable[[torch.Tensor], torch.Tensor], replicas: int,
+                   group: Any = None) -> dict[str, Any]:
+    """Three AdamW steps inside fn under a StepLR schedule, against single-process eager."""
+    reference = make_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
     schedules = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (opt, ref_opt)]
-    data = batches(4 * world, 8)
-    step = precompile.load(*precompile(adamw_step, model, opt, data[0].chunk(world)[rank],
-                                       backend=backend))
-    worst = {"loss": 0.0, "param": 0.0}
+    data = batches(4 * replicas, 8)
+    step = precompile.load(*precompile(adamw_step, model, opt, mine(data[0]), backend=backend,
+                                       compile_on_one_rank=one_rank))
+    worst: dict[str, Any] = {"loss": 0.0, "param": 0.0}
     for x in data:
-        loss = step(model, opt, x.chunk(world)[rank]).detach().clone()
+        loss = step(model, opt, mine(x)).detach().clone()
         ref_loss = adamw_step(reference, ref_opt, x)
-        dist.all_reduce(loss)
-        worst["loss"] = max(worst["loss"], abs(float(loss) / world - float(ref_loss)))
+        dist.all_reduce(loss, group=group)
+        worst["loss"] = max(worst["loss"], abs(float(loss) / replicas - float(ref_loss)))
         for schedule in schedules:
             schedule.step()
-    worst["param"] = max(max_diff(p, q) for p, q in zip(model.module.parameters(),
+    own = model.module if isinstance(model, DistributedDataParallel) else model
+    worst["param"] = max(max_diff(p, q) for p, q in zip(own.parameters(),
                                                          reference.parameters(), strict=True))
+    worst["opt"] = opt
     return worst
 
 
@@ -860,6 +894,12 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "ddp_no_sync_inductor": lambda: ddp_no_sync("inductor"),
     "ddp_adamw_eager": lambda: ddp_adamw("eager"),
     "ddp_adamw_inductor": lambda: ddp_adamw("inductor"),
+    "ddp_adamw_inductor_one_rank": lambda: ddp_adamw("inductor", one_rank=True),
+    "fsdp_adamw_eager": lambda: fsdp_adamw("eager", one_rank=False, two_d=False),
+    "fsdp_adamw_inductor_one_rank": lambda: fsdp_adamw("inductor", one_rank=True, two_d=False),
+    "fsdp_tp_2d_adamw_eager": lambda: fsdp_adamw("eager", one_rank=False, two_d=True),
+    "fsdp_tp_2d_adamw_inductor_one_rank": lambda: fsdp_adamw("inductor", one_rank=True,
+                                                             two_d=True),
     "ddp_buffers_eager": lambda: ddp_buffers("eager"),
     "ddp_buffers_inductor": lambda: ddp_buffers("inductor"),
     "ddp_refusals": lambda: ddp_refusals("eager"),

@@ -36,13 +36,15 @@ CASES_2 = ["tp_mlp_inductor_one_rank", "linear_eager", "linear_inductor", "tp_ml
            "ddp_adamw_eager", "ddp_adamw_inductor", "ddp_buffers_eager", "ddp_buffers_inductor",
            "ddp_refusals", "fsdp_eager", "fsdp_inductor", "fsdp_eager_one_rank",
            "fsdp_inductor_one_rank", "fsdp_keep_after_forward", "fsdp_mixed_precision",
-           "fsdp_divide_factor", "fsdp_refusals", "loss_parallel_eager",
+           "fsdp_divide_factor", "fsdp_refusals", "ddp_adamw_inductor_one_rank",
+           "fsdp_adamw_eager", "fsdp_adamw_inductor_one_rank", "loss_parallel_eager",
            "loss_parallel_inductor", "buffers_eager", "buffers_inductor", "refusals",
            "uneven_one_rank",
            "rank_zero_artifact", "save_and_inspect"]
 CASES_4 = ["tp_mlp_inductor_one_rank", "tp_mlp_eager", "tp_dp_2d_eager", "tp_dp_2d_inductor",
            "ddp_eager_one_rank", "ddp_inductor", "fsdp_inductor_one_rank", "fsdp_eager",
-           "fsdp_refusals", "fsdp_tp_2d_eager", "fsdp_tp_2d_inductor_one_rank", "refusals"]
+           "fsdp_refusals", "fsdp_tp_2d_eager", "fsdp_tp_2d_inductor_one_rank",
+           "fsdp_tp_2d_adamw_eager", "fsdp_tp_2d_adamw_inductor_one_rank", "refusals"]
 
 
 def _free_port() -> int:
@@ -207,9 +209,23 @@ def test_ddp_no_sync_accumulation(two_ranks, backend: str) -> None:
                          r"but the artifact was captured outside it", result["refused"])
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_ddp_adamw_step_inside_fn(two_ranks, backend: str) -> None:
-    _matches_eager(_case(two_ranks, f"ddp_adamw_{backend}"), ("loss", "param"))
+@pytest.mark.parametrize("case", ["ddp_adamw_eager", "ddp_adamw_inductor",
+                                  "ddp_adamw_inductor_one_rank"])
+def test_ddp_adamw_step_inside_fn(two_ranks, case: str) -> None:
+    _matches_eager(_case(two_ranks, case), ("loss", "param"))
+
+
+@pytest.mark.parametrize(("world", "case"), [
+    (2, "fsdp_adamw_eager"), (2, "fsdp_adamw_inductor_one_rank"),
+    (4, "fsdp_tp_2d_adamw_eager"), (4, "fsdp_tp_2d_adamw_inductor_one_rank")])
+def test_fully_shard_adamw_step_inside_fn(two_ranks, four_ranks, world: int,
+                                          case: str) -> None:
+    """zero_grad, forward, backward and AdamW's step inside fn under a StepLR schedule, on
+    fully_shard (and fully_shard over tensor parallelism): parameters equal single-process
+    eager's, and the optimizer's state stays sharded DTensors."""
+    results = _case(two_ranks if world == 2 else four_ranks, case)
+    _matches_eager(results, ("loss", "param"))
+    assert all(r["state"] == ["DTensor"] for r in results)
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])

@@ -395,5 +395,5 @@ def test_an_optimizer_with_dynamic_dims_is_refused_by_name() -> None:
     x, t = batch(0)
     mark_unbacked(x, 0)
     with pytest.raises(PrecompileError, match=r"optimizer opt steps inside fn, which is carried "
-                       r"for plain tensors of static shape.*call its step outside"):
+                       r"for dims of static shape.*call its step outside"):
         precompile(step, model, FORMS["adamw"](model.parameters()), x, t, backend="inductor")

@@ -205,10 +205,14 @@ def _zeros(key: str, param: torch.Tensor, group: _Group) -> torch.Tensor:
 
 @contextlib.contextmanager
 def stepping(optimizers: Sequence[OptimizerArg], state: Sequence[torch.Tensor],
-             lrs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> Iterator[None]:
-    """While fn is traced: each optimizer holds the lifted ``state`` tensors, and its step runs
-    with the ``lrs`` tensors and its traced options, recording which parameters it steps."""
+             lrs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+             originals: Sequence[torch.Tensor]) -> Iterator[None]:
+    """While fn is traced: each optimizer steps the traced ``params`` (which stand for the
+    model's ``originals``; a DTensor's are rebuilt around its local tensor) and holds the
+    lifted ``state`` tensors, and its step runs with the ``lrs`` tensors and its traced
+    options, recording which parameters it steps."""
     states, lr_inputs = iter(state), iter(lrs)
+    traced = {id(p): params[i] for i, p in enumerate(originals[:len(params)])}
     restore: list[Callable[[], None]] = []
     try:
         for arg in optimizers:
@@ -217,10 +221,25 @@ def stepping(optimizers: Sequence[OptimizerArg], state: Sequence[torch.Tensor],
                 lifted[params[entry.param]][entry.key] = next(states)
             group_lrs = [next(lr_inputs) for _ in arg.optimizer.param_groups]
             restore.append(_install(arg, lifted, group_lrs, params))
+            restore.append(_stepping_traced(arg.optimizer, traced))
         yield
     finally:
         for undo in reversed(restore):
             undo()
+
+
+def _stepping_traced(optimizer: torch.optim.Optimizer, traced: dict[int, torch.Tensor]
+                     ) -> Callable[[], None]:
+    """Each param group holds the traced parameters until the returned undo."""
+    saved = [group["params"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = [traced[id(p)] for p in group["params"]]
+
+    def undo() -> None:
+        for group, params in zip(optimizer.param_groups, saved, strict=True):
+            group["params"] = params
+
+    return undo
 
 
 def _install(arg: OptimizerArg, lifted: defaultdict[torch.Tensor, dict[str, Any]],

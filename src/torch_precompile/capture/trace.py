@@ -209,16 +209,19 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
                   *(f"model buffer {n!r}" for n in state.buffer_names),
                   *(f"input {inputs.names[i]}" for i in tensor_positions)]
     wrapping = find_wrapped(flat, flat_names)
-    sharding = find_dtensors(flat, flat_names)
+    # An optimizer's state follows the flat inputs; that of DTensor parameters is DTensors.
+    state_names = [f"state {e.key!r} of model parameter {state.param_names[e.param]!r} in "
+                   f"optimizer {o.name}" for o in optimizers for e in o.entries]
+    sharding = find_dtensors([*flat, *(e.example for o in optimizers for e in o.entries)],
+                             [*flat_names, *state_names])
     refuse_mixed(wrapping, sharding is not None)
     data_parallel.refuse_with_dtensors(ddp, sharding is not None)
     marks = dynamic.read_marks(inputs.leaves, inputs.names)
-    if optimizers and (sharding is not None or any(marks) or on_fakes):
+    if optimizers and any(marks):
         raise PrecompileError(
-            f"optimizer {optimizers[0].name} steps inside fn, which is carried for plain "
-            "tensors of static shape traced on every rank; with DTensors, dims marked dynamic "
-            "or compile_on_one_rank, call its step outside the artifact (loss = run(model, x, "
-            "t); opt.step(); opt.zero_grad())."
+            f"optimizer {optimizers[0].name} steps inside fn, which is carried for dims of "
+            "static shape; with dims marked dynamic, call its step outside the artifact (loss "
+            "= run(model, x, t); opt.step(); opt.zero_grad())."
         )
     if any(marks) and (sharding is not None or on_fakes):
         raise PrecompileError(
@@ -262,7 +265,7 @@ def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecor
                 reparam = {name: flat[index] for name, index in binding.items()}
                 stack.enter_context(reparametrize_module(module, reparam, tie_weights=True))
             stack.enter_context(stepping(layout.optimizers, flat[start:lrs], flat[lrs:],
-                                         flat[:layout.num_params]))
+                                         flat[:layout.num_params], state.tensors))
             stack.enter_context(data_parallel.tracing(
                 layout.data_parallel, _trained(layout, flat)))
             stack.enter_context(fully_shard.tracing(layout.fully_sharded, state.tensors, flat))
@@ -378,6 +381,12 @@ def _drop_unstepped_state(traced: _Traced, layout: _Layout) -> _Traced:
     keep = kept_entries(layout.optimizers)
     if all(keep):
         return traced
+    if layout.sharding is not None:
+        raise PrecompileError(
+            "the optimizer steps parameters of which some got no gradient in fn, beside "
+            "DTensors; such a step is not carried. Give every parameter it steps a gradient, "
+            "or build the optimizer over those that get one."
+        )
     gm = traced.graph
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     start = layout.optimizer_start
