@@ -55,16 +55,17 @@ CHILD_TIMEOUT_S = 900
 class Block(torch.nn.Module):
     """Pre-norm block: causal self-attention (separate q, k, v, o projections) and a GELU MLP."""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM) -> None:
         super().__init__()
-        self.ln_attn, self.ln_mlp = torch.nn.LayerNorm(DIM), torch.nn.LayerNorm(DIM)
-        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(DIM, DIM) for _ in range(4))
-        self.fc_in, self.fc_out = torch.nn.Linear(DIM, 4 * DIM), torch.nn.Linear(4 * DIM, DIM)
+        self.head_dim = dim // HEADS
+        self.ln_attn, self.ln_mlp = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.fc_in, self.fc_out = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ln_attn(x)
         batch, seq, _ = x.shape
-        split = [p(h).view(batch, seq, -1, DIM // HEADS).transpose(1, 2)
+        split = [p(h).view(batch, seq, -1, self.head_dim).transpose(1, 2)
                  for p in (self.wq, self.wk, self.wv)]  # local heads under tensor parallelism
         attended = torch.nn.functional.scaled_dot_product_attention(*split, is_causal=True)
         x = x + self.wo(attended.transpose(1, 2).reshape(batch, seq, -1))
@@ -78,16 +79,18 @@ def step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _parallel_model(mesh: Any) -> torch.nn.Module:
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
     torch.manual_seed(0)
-    plan = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
+    return parallelize_module(Block(), mesh, tp_plan())
+
+
+def tp_plan() -> dict[str, Any]:
+    """The block's tensor-parallel plan: q, k, v, fc_in colwise; o, fc_out rowwise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
             "wo": RowwiseParallel(), "fc_in": ColwiseParallel(), "fc_out": RowwiseParallel()}
-    return parallelize_module(Block(), mesh, plan)
 
 
 def _steady_ms(run: Any, model: torch.nn.Module, x: torch.Tensor, steps: int) -> float:

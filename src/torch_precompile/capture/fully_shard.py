@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from torch_precompile.capture.gather_buckets import bucket_of, gather
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
 from torch_precompile.internals.distributed import is_dtensor
@@ -97,15 +99,19 @@ def find_fully_sharded(modules: Sequence[torch.nn.Module], names: Sequence[str]
 
 @dataclass(frozen=True)
 class _Regather:
-    """What autograd saved instead of (a view of) a gathered parameter: where to gather it
-    from, and the view's layout (of its local tensor, for a DTensor on ``tp``)."""
+    """What autograd saved instead of (a view of) a gathered parameter: how to gather it
+    again, and the view's layout (of its local tensor, for a DTensor on ``tp``)."""
 
-    leaf: torch.Tensor
-    group: ShardedGroup
+    regather: Callable[[], torch.Tensor]
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
     dtensor: tuple[Any, tuple[Any, ...], torch.Size, tuple[int, ...]] | None = None
+
+
+# id(gathered base) -> (that tensor, how to gather it again)
+_Gathered = dict[int, tuple[torch.Tensor, Callable[[], torch.Tensor]]]
+_Leaves = list[tuple[torch.nn.Module, str, Any]]
 
 
 @contextlib.contextmanager
@@ -120,7 +126,7 @@ def tracing(found: FullySharded, originals: Sequence[torch.Tensor],
         yield
         return
     index_of = {id(t): i for i, t in enumerate(originals)}
-    gathered: dict[int, tuple[torch.Tensor, torch.Tensor, ShardedGroup]] = {}
+    gathered: _Gathered = {}
     groups = [group for _, _, group in found.groups]
     with contextlib.ExitStack() as stack:
         stack.enter_context(without_fsdp_hooks(found.modules))
@@ -136,15 +142,29 @@ def tracing(found: FullySharded, originals: Sequence[torch.Tensor],
         yield
 
 
-def _before(group: ShardedGroup, leaves: list[tuple[torch.nn.Module, str, torch.Tensor]],
-            gathered: dict[int, tuple[torch.Tensor, torch.Tensor, ShardedGroup]]) -> Any:
+def _before(group: ShardedGroup, leaves: _Leaves, gathered: _Gathered) -> Any:
+    bucket = bucket_of(group, [leaf for _, _, leaf in leaves])
+    again: dict[str, tuple[torch.Tensor, ...]] = {}  # one regather of the bucket per trace
+
+    def regathered(index: int) -> torch.Tensor:
+        if "fulls" not in again:
+            again["fulls"] = gather(bucket, [leaf.to_local() for _, _, leaf in leaves],
+                                    differentiable=False)
+        return again["fulls"][index]
+
     def gather_group(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-        for owner, attr, leaf in leaves:
-            full = _gather(leaf, group, differentiable=True)
+        if bucket is None:
+            fulls = [_gather(leaf, group, differentiable=True) for _, _, leaf in leaves]
+            sources = [functools.partial(_gather, leaf, group, False) for _, _, leaf in leaves]
+        else:
+            fulls = list(gather(bucket, [leaf.to_local() for _, _, leaf in leaves],
+                                differentiable=True))
+            sources = [functools.partial(regathered, i) for i in range(len(leaves))]
+        for (owner, attr, _), full, source in zip(leaves, fulls, sources, strict=True):
             bind_parameter(owner, attr, full)
             if group.reshard_after_forward:
                 base = view_base(full)
-                gathered[id(base)] = (base, leaf, group)
+                gathered[id(base)] = (base, source)
         if group.param_dtype is not None and group.cast_forward_inputs:
             return _cast_floating((args, kwargs), group.param_dtype)
         return None
@@ -184,17 +204,16 @@ def _gather(leaf: Any, group: ShardedGroup, differentiable: bool) -> torch.Tenso
                               run_check=False, shape=full.shape, stride=full.stride())
 
 
-def _pack(tensor: torch.Tensor, gathered: dict[int, tuple[torch.Tensor, torch.Tensor,
-                                                          ShardedGroup]]) -> Any:
+def _pack(tensor: torch.Tensor, gathered: _Gathered) -> Any:
     base = view_base(tensor)
     entry = gathered.get(id(base))
     if entry is None or entry[0] is not base:
         return tensor
     if not is_dtensor(tensor):
-        return _Regather(entry[1], entry[2], tuple(tensor.shape), tuple(tensor.stride()),
+        return _Regather(entry[1], tuple(tensor.shape), tuple(tensor.stride()),
                          tensor.storage_offset() - base.storage_offset())
     local, base_local = tensor.to_local(), base.to_local()
-    return _Regather(entry[1], entry[2], tuple(local.shape), tuple(local.stride()),
+    return _Regather(entry[1], tuple(local.shape), tuple(local.stride()),
                      local.storage_offset() - base_local.storage_offset(),
                      (tensor.device_mesh, tuple(tensor.placements), tensor.shape,
                       tuple(tensor.stride())))
@@ -204,7 +223,7 @@ def _unpack(saved: Any) -> Any:
     if not isinstance(saved, _Regather):
         return saved
     with torch.no_grad():
-        full = _gather(saved.leaf, saved.group, differentiable=False)
+        full = saved.regather()
     if saved.dtensor is None:
         return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
     from torch.distributed.tensor import DTensor

@@ -12,8 +12,9 @@ import torch
 import torch.fx
 
 __all__ = [
-    "DataParallelOptions", "all_reduce_sum", "broadcast_from", "collective_group_names",
-    "data_parallel_options", "is_dtensor", "non_functional_collectives", "pretend_coordinate",
+    "DataParallelOptions", "all_gather_rows", "all_reduce_sum", "broadcast_from",
+    "collective_group_names", "data_parallel_options", "is_dtensor",
+    "non_functional_collectives", "pretend_coordinate", "reduce_scatter_sum",
     "sharding_wrapper",
 ]
 
@@ -118,3 +119,19 @@ def broadcast_from(tensor: torch.Tensor, src: int, group: Any) -> torch.Tensor:
     from torch.distributed import _functional_collectives as funcol
 
     return funcol.broadcast(tensor, src, group)
+
+
+def all_gather_rows(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """A functional all-gather of a 1-D tensor: (group size, numel), rank r's in row r."""
+    from torch.distributed import _functional_collectives as funcol
+
+    size = group.size()
+    return funcol.all_gather_tensor(tensor, 0, group).view(size, -1)
+
+
+def reduce_scatter_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """A functional reduce-scatter of a (group size, n) tensor: the sum of the ranks' row r
+    on rank r."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.reduce_scatter_tensor(tensor.reshape(-1), "sum", 0, group)
