@@ -3,12 +3,14 @@
 FSDP2 gathers a group's parameters as one flat buffer: each rank's shards side by side in one
 row, rows gathered, each parameter copied out of its columns. Its gradients go back the same
 way, into one reduce-scatter. A precompiled step does the same where every parameter is an even
-``Shard(0)`` of one 1-D mesh, as an autograd function whose backward is that reduce-scatter;
+dim-0 shard over the data-parallel mesh dim (``Shard(0)``, or ``_StridedShard(0)`` under
+tensor parallelism), as an autograd function whose backward is that reduce-scatter;
 collectives are few and large instead of one per tensor.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,34 +23,59 @@ from torch_precompile.internals.fsdp import ShardedGroup
 
 @dataclass(frozen=True)
 class Bucket:
-    """A param group gathered as one buffer: its mesh's process group, dtypes and scale."""
+    """A param group gathered as one buffer: the data-parallel process group, dtypes and
+    scale, and for parameters also sharded over ``tp`` each one's DTensor there."""
 
     process_group: Any
     size: int
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     scale: float
+    tensor_parallel: tuple[tuple[Any, tuple[Any, ...], torch.Size, tuple[int, ...]], ...] = ()
 
 
 def bucket_of(group: ShardedGroup, leaves: Sequence[Any]) -> Bucket | None:
-    """The group's bucket, or None where a parameter is not an even ``Shard(0)`` of the
-    group's 1-D mesh (those are gathered one by one, as DTensors)."""
+    """The group's bucket, or None where a parameter is not an even dim-0 shard over the
+    data-parallel dim (those are gathered one by one, as DTensors). On a (dp, tp) mesh the
+    shards gathered over dp make the parameter's tensor-parallel local tensor."""
     size = group.mesh.size()
+    meshes = {leaf.device_mesh for leaf in leaves}
+    if len(meshes) != 1 or not leaves:
+        return None
+    mesh = next(iter(meshes))
+    tensor_parallel = []
     for leaf in leaves:
-        placements = [type(p).__name__ + str(getattr(p, "dim", "")) for p in leaf.placements]
-        if placements != ["Shard0"] or leaf.shape[0] % size or leaf.device_mesh != group.mesh:
+        first, *rest = leaf.placements
+        if type(first).__name__ not in ("Shard", "_StridedShard") or first.dim != 0:
             return None
-    return Bucket(group.mesh.get_group(), size, group.param_dtype, group.reduce_dtype,
-                  1.0 / (group.divide_factor or size))
+        splits = size * math.prod(mesh.size(d + 1) for d, p in enumerate(rest)
+                                  if getattr(p, "dim", None) == 0)
+        if leaf.shape[0] % splits:
+            return None
+        if rest:
+            tensor_parallel.append((mesh[mesh.mesh_dim_names[1]], tuple(rest), leaf.shape,
+                                    leaf.stride()))
+    return Bucket(mesh.get_group(0), size, group.param_dtype, group.reduce_dtype,
+                  1.0 / (group.divide_factor or size), tuple(tensor_parallel))
 
 
 def gather(bucket: Bucket, shards: Sequence[torch.Tensor], differentiable: bool
            ) -> tuple[torch.Tensor, ...]:
-    """Each parameter in full, from this rank's local ``shards`` (of the parameters' dtype)."""
+    """Each parameter in full (a DTensor on ``tp`` under tensor parallelism), from this
+    rank's local ``shards`` (of the parameters' dtype)."""
     if differentiable:
-        return _GatherBucket.apply(bucket, *shards)
-    with torch.no_grad():
-        return _gathered(bucket, shards)
+        fulls = _GatherBucket.apply(bucket, *shards)
+    else:
+        with torch.no_grad():
+            fulls = _gathered(bucket, shards)
+    if not bucket.tensor_parallel:
+        return tuple(fulls)
+    from torch.distributed.tensor import DTensor
+
+    return tuple(DTensor.from_local(full, mesh, placements, run_check=False, shape=shape,
+                                    stride=stride)
+                 for full, (mesh, placements, shape, stride)
+                 in zip(fulls, bucket.tensor_parallel, strict=True))
 
 
 def _gathered(bucket: Bucket, shards: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
