@@ -531,9 +531,10 @@ def ddp_buffers(backend: str) -> dict[str, Any]:
 
     model, reference = make(), make()
     data = batches(4 * world, 8)
-    step = precompile.load(*precompile(train_step, model, data[0].chunk(world)[rank],
-                                       backend=backend))
-    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "buffer": 0.0}
+    pair = precompile(train_step, model, data[0].chunk(world)[rank], backend=backend)
+    step = precompile.load(*pair)
+    worst: dict[str, Any] = {"loss": 0.0, "grad": 0.0, "param": 0.0, "buffer": 0.0,
+                             "inspect": _inspected(pair)}
     for x in data:
         mine = x.chunk(world)[rank]
         worst["loss"] = max(worst["loss"], abs(float(step(model, mine))
@@ -613,7 +614,21 @@ def fsdp_case(backend: str, one_rank: bool = False, reshard: bool = True) -> dic
     step(model, mine(data[0]))
     result["grad_placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
     result["local_shapes"] = [list(p.to_local().shape) for p in model.parameters()]
+    if backend == "eager" and not one_rank:
+        result["inspect"] = _inspected(precompile(train_step, model, mine(data[0]),
+                                                  backend=backend))
     return result
+
+
+def _inspected(pair: tuple[str, bytes]) -> list[str]:
+    """The data-parallel lines of ``inspect`` for a saved pair."""
+    import tempfile
+
+    from torch_precompile.inspection import describe
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = precompile.save(*pair, Path(folder) / "step.py")
+        return describe(path)["data_parallel"]
 
 
 def fsdp_mixed_precision(backend: str) -> dict[str, Any]:

@@ -230,8 +230,10 @@ def test_fully_shard_adamw_step_inside_fn(two_ranks, four_ranks, world: int,
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_ddp_broadcasts_buffers_like_ddp(two_ranks, backend: str) -> None:
-    _matches_eager(_case(two_ranks, f"ddp_buffers_{backend}"),
-                   ("loss", "grad", "param", "buffer"))
+    results = _case(two_ranks, f"ddp_buffers_{backend}")
+    _matches_eager(results, ("loss", "grad", "param", "buffer"))
+    assert results[0]["inspect"] == ["model: DistributedDataParallel, gradients averaged over 2 "
+                                     "ranks, buffers broadcast from rank 0 first"]
 
 
 DDP_REFUSALS = {
@@ -268,6 +270,10 @@ def test_fully_shard_model_trains_like_eager(two_ranks, four_ranks, world: int,
         assert result["grad_placements"] == ["(Shard(dim=0),)"]
         assert result["local_shapes"] == [[16 // world, 8], [16 // world], [8 // world, 16],
                                           [8 // world]]
+    if case == "fsdp_eager":
+        assert results[0]["inspect"] == [
+            "model.up: fully_shard, resharded after forward",
+            "model.down: fully_shard, resharded after forward"]
 
 
 @pytest.mark.parametrize("case", ["fsdp_tp_2d_eager", "fsdp_tp_2d_inductor_one_rank"])

@@ -76,9 +76,27 @@ def describe(path: Path) -> dict[str, Any]:
         ],
         "optimizers": _describe_optimizers(spec),
         "subclasses": _describe_subclasses(spec),
+        "data_parallel": _describe_data_parallel(spec),
         "cache": _describe_cache(code, spec, cache_file, cache),
     }
     return report
+
+
+def _describe_data_parallel(spec: ArtifactSpec) -> list[str]:
+    """One line per DDP model and per FSDP2 param group: what the graph communicates."""
+    lines = []
+    for d in spec.data_parallel:
+        sync = "averaged over" if d.sync_grads else "not synced (no_sync) over"
+        buffers = ", buffers broadcast from rank 0 first" if d.forward_sync else ""
+        lines.append(f"{d.argument}: DistributedDataParallel, gradients {sync} "
+                     f"{d.world_size} ranks{buffers}")
+    for g in spec.fully_sharded:
+        dtypes = "".join(f", {kind} {dtype}" for kind, dtype in (
+            ("gathered in", g.param_dtype), ("reduced in", g.reduce_dtype)) if dtype)
+        reshard = "resharded after forward" if g.reshard_after_forward else "kept after forward"
+        lines.append(f"{spec.model_names[g.model]}.{g.module or '(root)'}: fully_shard, "
+                     f"{reshard}{dtypes}")
+    return lines
 
 
 def _describe_optimizers(spec: ArtifactSpec) -> list[dict[str, Any]]:
@@ -236,6 +254,7 @@ def render(report: dict[str, Any]) -> str:
     for d in report["dtensors"]:
         lines.append(f"    {d['name']:<40} ({', '.join(d['placements'])}) on mesh {d['mesh']}, "
                      f"global {tuple(d['shape'])}, local {tuple(d['local_shape'])}")
+    lines.extend(f"  data par. : {line}" for line in report.get("data_parallel", ()))
     lines.extend(_render_optimizer(o) for o in report.get("optimizers", ()))
     for w in report.get("subclasses", ()):
         inner = ", ".join(f"{attr} {shown}" for attr, shown in w["inner"].items())
