@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from distributed import Block, step, tp_plan
 
 MARKER = "DATA_PARALLEL_RESULT "
