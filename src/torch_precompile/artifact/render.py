@@ -81,6 +81,11 @@ _DATA_PARALLEL_NOTE = (
     " For each DistributedDataParallel model: its process group's size and no_sync() state; "
     "the graph averages gradients over that group as DDP does."
 )
+_FULLY_SHARDED_NOTE = (
+    " For each fully_shard (FSDP2) module: that it is still sharded, with gradient sync on and "
+    "the captured divide factor; the graph gathers its parameters and reduce-scatters their "
+    "gradients as FSDP2 does."
+)
 
 _MAIN = '''
 if __name__ == "__main__":
@@ -181,7 +186,8 @@ def _provenance(spec: ArtifactSpec, tracer: str) -> str:
 def _checks(spec: ArtifactSpec) -> str:
     text = _CHECKS.format(optimizers=_OPTIMIZER_NOTE if spec.optimizers else "",
                           subclasses=_SUBCLASS_NOTE if spec.wrapped else "",
-                          data_parallel=_DATA_PARALLEL_NOTE if spec.data_parallel else "",
+                          data_parallel=(_DATA_PARALLEL_NOTE if spec.data_parallel else "")
+                          + (_FULLY_SHARDED_NOTE if spec.fully_sharded else ""),
                           layout=_INDUCTOR_LAYOUT if spec.backend == "inductor" else "")
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
 
