@@ -98,11 +98,12 @@ def data_parallel_options(ddp: Any) -> DataParallelOptions:
     return DataParallelOptions(
         find_unused_parameters=bool(ddp.find_unused_parameters),
         static_graph=bool(ddp.static_graph),
-        comm_hook=bool(ddp._comm_hooks) or bool(getattr(ddp, "_use_python_reducer", False)),
+        comm_hook=bool(getattr(ddp, "_comm_hooks", ()))
+        or bool(getattr(ddp, "_use_python_reducer", False)),
         mixed_precision=getattr(ddp, "mixed_precision", None) is not None,
-        ignored_parameters=bool(ddp.parameters_to_ignore),
-        join=bool(ddp._join_config.enable),
-        delayed_all_reduce=bool(ddp._delay_all_reduce_all_params),
+        ignored_parameters=bool(getattr(ddp, "parameters_to_ignore", ())),
+        join=bool(getattr(getattr(ddp, "_join_config", None), "enable", False)),
+        delayed_all_reduce=bool(getattr(ddp, "_delay_all_reduce_all_params", False)),
         buffer_hook=hasattr(ddp, "buffer_hook"),
     )
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from torch_precompile.errors import PrecompileError
+
 __all__ = ["ShardedGroup", "bind_parameter", "fsdp_groups", "fsdp_module_class",
            "fsdp_modules", "view_base", "without_fsdp_hooks"]
 
@@ -56,12 +58,20 @@ def fsdp_modules(root: torch.nn.Module) -> list[torch.nn.Module]:
 def fsdp_groups(root: torch.nn.Module) -> list[ShardedGroup]:
     """Every FSDP2 param group under ``root``, in module order."""
     groups = []
-    for module in fsdp_modules(root):
-        state = module._get_fsdp_state()
-        if state._modules[0] is not module:
-            continue  # a grouped fully_shard([a, b]): read once, at its first module
-        for group in state._fsdp_param_groups:
-            groups.append(_read_group(state, group))
+    try:
+        for module in fsdp_modules(root):
+            state = module._get_fsdp_state()
+            if state._modules[0] is not module:
+                continue  # a grouped fully_shard([a, b]): read once, at its first module
+            for group in state._fsdp_param_groups:
+                groups.append(_read_group(state, group))
+    except AttributeError as e:
+        raise PrecompileError(
+            f"this torch's FSDP2 keeps its state differently from the releases "
+            f"torch-precompile reads ({torch.__version__}: {e}); precompile the model before "
+            "fully_shard and shard it with DTensor (parallelize_module), or use a supported "
+            "torch release."
+        ) from e
     return groups
 
 
