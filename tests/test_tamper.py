@@ -136,6 +136,7 @@ def test_damaged_sources(backend: str, artifacts) -> None:
         code[: (spec_start + spec_end) // 2],  # inside it
         code[: code.index("\ndef ", spec_end) + 4],  # after it, mid-statement
         code[: code.rindex("\nforward = ") + 1],  # all but the line binding forward
+        code[: code.rindex("\nif __name__") + 1],  # only the main guard and the seal lost
     ]
     assert {_cut_refusal(code, cut)[0] for cut in truncations} == {
         "spec cut", "does not compile", "forward not bound", "forward bound"}

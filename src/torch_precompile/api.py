@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch_precompile import runtime, storage
-from torch_precompile.artifact import envelope, signature
+from torch_precompile.artifact import bytecode, envelope, signature
 from torch_precompile.errors import PrecompileError
 from torch_precompile.spec import ArtifactSpec, parse_spec
 
@@ -201,7 +201,8 @@ def _build(fn: Callable[..., Any], example_inputs: tuple[Any, ...], options: Bui
         spec = captured.spec.with_strides(lowered.input_strides).with_kernels(lowered.kernels)
         report("render")
         python_code = render(spec, lowered)
-    cache = envelope.pack(options.backend, python_code, lowered.acceleration)
+    python_code, compiled = bytecode.seal(python_code)
+    cache = envelope.pack(options.backend, python_code, lowered.acceleration, compiled)
     if options.sign_key is not None:
         cache = signature.sign(options.sign_key, python_code, cache)
     return ArtifactPair(python_code, cache)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torch_precompile.artifact import envelope, signature
+from torch_precompile.artifact import bytecode, envelope, signature
 from torch_precompile.errors import PrecompileError
 from torch_precompile.spec import ArtifactSpec, InputLeaf, parse_spec
 from torch_precompile.storage import cache_path
@@ -195,7 +195,8 @@ def _describe_cache(code: str, spec: ArtifactSpec, cache_file: Path, cache: byte
         return info
     info.update(readable="yes", format=outer.get("format"), version=outer.get("version"),
                 matches_source=outer.get("code_hash") == envelope.code_hash(code)
-                and outer.get("backend") == spec.backend)
+                and outer.get("backend") == spec.backend,
+                compiled_module=_compiled_module_state(code, outer.get("compiled")))
     artifact = outer.get("artifact")
     if spec.backend == "inductor" and isinstance(artifact, bytes):
         from torch_precompile.artifact.kernel_payload import fingerprint_mismatch
@@ -268,6 +269,8 @@ def render(report: dict[str, Any]) -> str:
                      f"{'signed' if cache['signed'] else 'unsigned'}, readable {cache['readable']}"
                      + (f", matches source {cache['matches_source']}"
                         if "matches_source" in cache else ""))
+        if "compiled_module" in cache:
+            lines.append(f"  module    : compiled in the cache: {cache['compiled_module']}")
         if isinstance(cache.get("kernels"), list):
             total = sum(k["bytes"] for k in cache["kernels"])
             strangers = sum(not k["named_by_source"] for k in cache["kernels"])
@@ -292,6 +295,23 @@ def _render_optimizer(optimizer: dict[str, Any]) -> str:
         shown = ", ".join(f"{k} {v}" for k, v in entries.items())
         lines.append(f"    {param:<40} {shown}")
     return "\n".join(lines)
+
+
+def _compiled_module_state(code: str, entry: Any) -> str:
+    """What a load here does with the cache's compiled module."""
+    if entry is None:
+        return "absent (a load compiles the source)"
+    if not bytecode.is_sealed(code):
+        return "not used (the source has no seal line; a load compiles it)"
+    if not isinstance(entry, dict) or entry.get("magic") != bytecode.MAGIC:
+        return "not used here (made by another Python; a load compiles the source)"
+    try:
+        sealed = bytecode.unseal(code, entry)
+    except PrecompileError:
+        return "refused (the source's seal does not name it)"
+    if sealed is not None:
+        return "used (sealed by the source, for this Python)"
+    return "damaged (a load compiles the source)"
 
 
 def verify(path: Path, key: bytes | None) -> tuple[list[str], list[str]]:
@@ -328,6 +348,8 @@ def verify(path: Path, key: bytes | None) -> tuple[list[str], list[str]]:
         problems.append("the cache belongs to a different source (code_hash or backend differ)")
     else:
         notes.append("the cache belongs to this source")
+    state = _compiled_module_state(code, outer.get("compiled"))
+    (problems if state.startswith("refused") else notes).append(f"compiled module: {state}")
     artifact = outer.get("artifact")
     if spec.backend == "inductor":
         problems_before = len(problems)

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from torch_precompile.artifact import envelope, signature
+from torch_precompile.artifact import bytecode, envelope, signature
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import torch_build
 from torch_precompile.spec import ArtifactSpec, parse_spec
@@ -54,31 +54,25 @@ def load(
         if not isinstance(python_code, str):
             raise PrecompileError("python_code must be a str.")
         signature.verify(verify_key, python_code, cache)
-    spec = parse_spec(python_code)
+    contents = envelope.read(cache) if isinstance(python_code, str) else None
+    compiled = (bytecode.unseal(python_code, contents.compiled)
+                if contents is not None and contents.belongs_to(python_code) else None)
+    spec = (ArtifactSpec.from_literal(compiled.spec_literal) if compiled is not None
+            else parse_spec(python_code))
     check_torch_build(spec)
-    backend = spec.backend
-    acceleration = envelope.unpack(cache, backend, python_code)
+    envelope.check_pairing(contents, spec.backend, python_code)
     log.warning(
         "precompile.load is executing python_code: it is a program, so only load artifacts you "
         "made or trust."
     )
     namespace: dict[str, Any] = {"__name__": "torch_precompile_artifact"}
-    if acceleration is not None and backend == "inductor":
+    if contents is not None and contents.acceleration is not None and spec.backend == "inductor":
         from torch_precompile.artifact.kernel_payload import load_built_kernels
 
         pinned = ({k.key: k.sha256 for k in spec.kernels} if spec.schema_version >= 3
                   else None)  # older schemas name no kernel objects
-        namespace["PRECOMPILED_KERNELS"] = load_built_kernels(acceleration, pinned)
-    filename = f"<precompiled artifact {envelope.code_hash(python_code)[:12]}>"
-    # Registered so that tracebacks through the artifact show its source lines.
-    linecache.cache[filename] = (len(python_code), None, python_code.splitlines(True), filename)
-    try:
-        exec(compile(python_code, filename, "exec"), namespace)
-    except Exception as e:
-        raise PrecompileError(
-            f"executing python_code failed ({type(e).__name__}: {e}); it is damaged, or needs "
-            "what this process lacks (with no usable cache, a C++ compiler to build kernels)."
-        ) from e
+        namespace["PRECOMPILED_KERNELS"] = load_built_kernels(contents.acceleration, pinned)
+    _execute(python_code, compiled, namespace)
     forward = namespace.get("forward")
     # forward is bound on the artifact's last lines (before schema 3, PLAN was): without it
     # the file was cut short.
@@ -91,6 +85,22 @@ def load(
     # the package's class so callers can catch one type.
     namespace["PrecompileError"] = PrecompileError
     return LoadedArtifact(forward, spec)
+
+
+def _execute(python_code: str, compiled: bytecode.CompiledModule | None,
+             namespace: dict[str, Any]) -> None:
+    """Run the artifact's module: its code from the cache, else compiled from the source."""
+    filename = bytecode.filename(python_code)
+    # Registered so that tracebacks through the artifact show its source lines.
+    linecache.cache[filename] = (len(python_code), None, python_code.splitlines(True), filename)
+    try:
+        exec(compiled.code if compiled is not None else compile(python_code, filename, "exec"),
+             namespace)
+    except Exception as e:
+        raise PrecompileError(
+            f"executing python_code failed ({type(e).__name__}: {e}); it is damaged, or needs "
+            "what this process lacks (with no usable cache, a C++ compiler to build kernels)."
+        ) from e
 
 
 def check_torch_build(spec: ArtifactSpec) -> None:

@@ -1,6 +1,7 @@
 """The cache: a versioned envelope that binds acceleration bytes to one ``python_code``.
 
-It is ``torch.save`` of a plain dict, readable with ``weights_only=True``. Only a wrong pairing
+It is ``torch.save`` of a plain dict, readable with ``weights_only=True``: the kernel payload
+(``artifact``) and the compiled module (``compiled``, see ``bytecode``). Only a wrong pairing
 is an error; anything else wrong with it just means running without acceleration.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,7 +27,21 @@ def code_hash(python_code: str) -> str:
     return hashlib.sha256(python_code.encode()).hexdigest()
 
 
-def pack(backend: str, python_code: str, acceleration: bytes | None) -> bytes:
+@dataclass(frozen=True)
+class CacheContents:
+    """A readable envelope, not yet checked against any source."""
+
+    backend: Any
+    code_hash: Any
+    acceleration: bytes | None
+    compiled: Any  # the compiled-module entry, checked by bytecode.unseal
+
+    def belongs_to(self, python_code: str) -> bool:
+        return self.code_hash == code_hash(python_code)
+
+
+def pack(backend: str, python_code: str, acceleration: bytes | None,
+         compiled: dict[str, Any] | None = None) -> bytes:
     envelope = {
         "format": FORMAT,
         "version": VERSION,
@@ -32,6 +49,8 @@ def pack(backend: str, python_code: str, acceleration: bytes | None) -> bytes:
         "code_hash": code_hash(python_code),
         "artifact": acceleration,
     }
+    if compiled is not None:
+        envelope["compiled"] = compiled
     buffer = io.BytesIO()
     torch.save(envelope, buffer)
     return buffer.getvalue()
@@ -42,6 +61,13 @@ def unpack(cache: bytes | None, backend: str, python_code: str) -> bytes | None:
 
     Raises ``PrecompileError`` when ``cache`` belongs to another ``python_code``.
     """
+    contents = read(cache)
+    check_pairing(contents, backend, python_code)
+    return None if contents is None else contents.acceleration
+
+
+def read(cache: bytes | None) -> CacheContents | None:
+    """The envelope in ``cache``, or None (with a warning) when there is no usable one."""
     if cache is None:
         return None
     try:
@@ -62,17 +88,25 @@ def unpack(cache: bytes | None, backend: str, python_code: str) -> bytes | None:
             "python_code alone.", envelope.get("version"), VERSION
         )
         return None
-    if envelope.get("backend") != backend:
+    artifact = envelope.get("artifact")
+    return CacheContents(backend=envelope.get("backend"), code_hash=envelope.get("code_hash"),
+                         acceleration=artifact if isinstance(artifact, bytes) else None,
+                         compiled=envelope.get("compiled"))
+
+
+def check_pairing(contents: CacheContents | None, backend: str, python_code: str) -> None:
+    """Raise ``PrecompileError`` when a readable cache was made with another source."""
+    if contents is None:
+        return
+    if contents.backend != backend:
         raise PrecompileError(
-            f"the cache was made by backend {envelope.get('backend')!r} but python_code by "
+            f"the cache was made by backend {contents.backend!r} but python_code by "
             f"{backend!r}: they come from different precompile() calls. Pass the cache "
             "returned together with this python_code."
         )
-    if envelope.get("code_hash") != code_hash(python_code):
+    if not contents.belongs_to(python_code):
         raise PrecompileError(
             "the cache belongs to a different python_code (its code_hash does not match "
             "sha256(python_code)): they come from different precompile() calls. Pass the cache "
             "returned together with this python_code, or None to run without one."
         )
-    artifact = envelope.get("artifact")
-    return artifact if isinstance(artifact, bytes) else None

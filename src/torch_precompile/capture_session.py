@@ -1,0 +1,130 @@
+"""``capture``: precompile inside the caller's own loop, writing the pair when the block ends.
+
+    with capture(step, artifact_path="step.py") as cap:
+        loss = cap(model, x, target)      # runs for real; this call is the one captured
+    run = precompile.load("step.py")
+
+The captured call is traced as ``precompile()`` traces it, then run for real by the artifact
+just built, so its result, gradients and state updates are the artifact's own. One call per
+block: a second is refused, since a make_fx trace specializes on the call it saw.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from torch_precompile import runtime, storage
+from torch_precompile.api import ArtifactPair, BuildOptions, build
+from torch_precompile.errors import PrecompileError
+
+
+class _State(enum.Enum):
+    NEW = "not entered yet"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class CaptureSession:
+    """The object ``capture()`` returns: enter it, call it once like ``fn``, leave it."""
+
+    def __init__(self, fn: Callable[..., Any], artifact_path: Path, cache_path: Path | None,
+                 options: BuildOptions) -> None:
+        self._fn = fn
+        self.artifact_path = artifact_path
+        self.cache_path = cache_path
+        self._options = options
+        self._state = _State.NEW
+        self._pair: ArtifactPair | None = None
+        self._saved = False
+
+    def __enter__(self) -> CaptureSession:
+        if self._state is not _State.NEW:
+            raise PrecompileError("a capture is single-use: call capture() again to capture "
+                                  "again.")
+        self._state = _State.OPEN
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._state is not _State.OPEN:
+            raise PrecompileError(f"this capture is {self._state.value}: call it inside its "
+                                  "with block.")
+        if kwargs:
+            raise PrecompileError(
+                f"call the capture with positional arguments only (got {sorted(kwargs)}): the "
+                "artifact matches arguments by position, at capture and at every call."
+            )
+        if self._pair is not None:
+            raise PrecompileError(
+                "this capture already took its call: a make_fx capture specializes on exactly "
+                "one call. Call the loaded artifact for the next ones, or capture again for "
+                "another shape or mode."
+            )
+        pair = build(self._fn, args, self._options)
+        runner = runtime.load(pair.code, pair.cache)
+        self._pair = pair
+        return runner(*args)
+
+    def save(self) -> Path:
+        """Write the pair now (atomically); the block's end then leaves it as it is."""
+        if self._pair is None:
+            raise PrecompileError("nothing to save: the capture has not taken a call yet.")
+        path = storage.save_pair(self._pair.code, self._pair.cache, self.artifact_path,
+                                 self.cache_path, sign_key=self._options.sign_key)
+        self._saved = True
+        return path
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self._state = _State.CLOSED
+        if kind is not None:
+            return  # the block failed: write nothing beyond what save() already wrote
+        if self._pair is None:
+            raise PrecompileError(
+                "the capture block ended without a call: call the capture object inside the "
+                "block, as you would call fn, e.g. `cap(model, x)`."
+            )
+        if not self._saved:
+            self.save()
+
+    @property
+    def pair(self) -> ArtifactPair | None:
+        """The captured ``(code, cache)``, once the block has taken its call."""
+        return self._pair
+
+
+def capture(
+    fn: Callable[..., Any],
+    /,
+    *,
+    artifact_path: str | os.PathLike[str],
+    cache_path: str | os.PathLike[str] | None = None,
+    backend: str = "inductor",
+    tracer: str = "make_fx",
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+    sign_key: bytes | None = None,
+    progress: Callable[[str], None] | None = None,
+    compile_on_one_rank: bool = False,
+) -> CaptureSession:
+    """Capture ``fn`` from the call your code makes inside a ``with`` block.
+
+    Enter the returned object, call it exactly as you would call ``fn``: that call is traced
+    (as ``precompile(fn, *args)`` traces it), then run for real by the built artifact, and
+    its result is returned. When the block ends the pair is written atomically to
+    ``artifact_path`` and ``cache_path`` (by default a cache file beside the source, named
+    after its hash, as ``precompile.save`` does); ``save()`` writes it earlier. A block that
+    raises writes nothing new; a block without a call raises ``PrecompileError``. One call
+    per capture, and one use: to capture again, call ``capture()`` again. The keywords are
+    ``precompile()``'s.
+    """
+    if not callable(fn):
+        raise PrecompileError(f"fn must be callable, got {type(fn).__name__}.")
+    options = BuildOptions(backend=backend, tracer=tracer, decompositions=decompositions,
+                           sign_key=sign_key, progress=progress,
+                           compile_on_one_rank=compile_on_one_rank)
+    return CaptureSession(fn, Path(artifact_path),
+                          None if cache_path is None else Path(cache_path), options)
