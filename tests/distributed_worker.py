@@ -262,7 +262,7 @@ def tp_mlp(backend: str, one_rank: bool = False) -> dict[str, Any]:
     result = compare_training(precompile.load(*pair), model, make_mlp, data, lambda x: x)
     result["digest"] = digest(pair)
     result["build_modules"] = sorted(m for m in sys.modules
-                                     if m.startswith(("torch_precompile.capture",
+                                     if m.startswith(("torch_precompile.trace",
                                                       "torch_precompile.lower")))
     spec = precompile.inspect(pair[0])
     result["meshes"] = [(m.shape, m.dim_names, m.coordinate) for m in spec.meshes]

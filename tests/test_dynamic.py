@@ -12,7 +12,7 @@ from torch import nn
 from torch._dynamo.decorators import mark_dynamic, mark_unbacked
 
 from torch_precompile import PrecompileError, precompile
-from torch_precompile.capture import capture
+from torch_precompile.trace import capture
 
 from conftest import assert_same, model_state, run_python
 from workloads import MLP, Block, PartlyFrozen, block_step, infer, mse_step

@@ -16,6 +16,7 @@ import torch
 from torch_precompile import precompile
 from torch_precompile.artifact import envelope
 from torch_precompile.artifact import kernel_payload as kernels
+from torch_precompile.artifact.kernel_payload import read_payload
 
 from conftest import assert_same, run_python
 from workloads import WORKLOADS
@@ -34,7 +35,7 @@ FRESH_LOAD = """
     expected = torch.load({expected!r})
     torch.testing.assert_close(result, expected)
     build_time = [name for name in sys.modules if name.startswith((
-        "torch_precompile.capture", "torch_precompile.lower", "torch_precompile.internals.tracing",
+        "torch_precompile.trace", "torch_precompile.lower", "torch_precompile.internals.tracing",
         "torch_precompile.internals.inductor"))]
     print(json.dumps({{"inductor_imported": "torch._inductor" in sys.modules,
                       "build_time_modules": build_time}}))
@@ -98,10 +99,10 @@ def test_poisoned_toolchain_really_fails_without_the_cache(artifacts, tmp_path) 
 
 def _repacked(code: str, cache: bytes, edit) -> bytes:
     acceleration = envelope.unpack(cache, "inductor", code)
-    payload = torch.load(io.BytesIO(acceleration), weights_only=True)
+    payload = read_payload(acceleration)
     edit(payload)
     buffer = io.BytesIO()
-    torch.save(payload, buffer)
+    torch.save({**payload, "version": 1}, buffer)  # the torch.save layout, still read
     return envelope.pack("inductor", code, buffer.getvalue())
 
 
@@ -195,7 +196,7 @@ def test_cache_holds_every_kernel_of_the_artifact(artifacts, tmp_path) -> None:
     calls = _kernel_calls(code)
     assert calls, "the artifact builds no C++ kernel"
     assert code.count("async_compile.cpp_pybinding(") == len(calls)  # none in another form
-    payload = torch.load(io.BytesIO(envelope.unpack(cache, "inductor", code)), weights_only=True)
+    payload = read_payload(envelope.unpack(cache, "inductor", code))
     held, needed = len(payload["kernels"]), len(set(calls))
     assert held == needed, f"the cache holds {held} kernel objects, the source calls {needed}"
     assert payload["fingerprint"] == kernels.machine_fingerprint()

@@ -243,7 +243,7 @@ def test_recurrent_inference(pairs: PairCache, backend: str) -> None:
 
 
 def test_recurrent_capture_keeps_onednn_setting() -> None:
-    from torch_precompile.capture import capture
+    from torch_precompile.trace import capture
 
     model, x, h0 = recurrent_inputs()
     assert torch.backends.mkldnn.enabled

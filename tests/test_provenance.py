@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from torch_precompile import precompile
-from torch_precompile.capture import capture
 from torch_precompile.internals.tracing import graph_function_source
+from torch_precompile.trace import capture
 
 TORCH_DIR = str(Path(torch.__file__).parent)
 

@@ -15,6 +15,7 @@ import torch
 
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.artifact import envelope
+from torch_precompile.artifact.kernel_payload import read_payload
 from torch_precompile.spec import OLDEST_READABLE_SCHEMA, SCHEMA_VERSION
 
 from conftest import assert_same
@@ -65,11 +66,11 @@ def test_bit_flipped_caches(backend: str, artifacts, caplog) -> None:
 
 def test_bit_flipped_kernel_objects(artifacts) -> None:
     code, cache = artifacts.pair(NAME, "inductor")
-    payload = torch.load(io.BytesIO(envelope.unpack(cache, "inductor", code)), weights_only=True)
+    payload = read_payload(envelope.unpack(cache, "inductor", code))
     for entry in payload["kernels"].values():
         entry["object"] = _flip(entry["object"], len(entry["object"]) // 2)
     buffer = io.BytesIO()
-    torch.save(payload, buffer)
+    torch.save({**payload, "version": 1}, buffer)  # the torch.save layout, still read
     assert _expect_refused_or_correct(code, envelope.pack("inductor", code,
                                                           buffer.getvalue())) == "ran"
 
@@ -81,8 +82,10 @@ def test_foreign_and_future_caches(backend: str, artifacts) -> None:
         buffer = io.BytesIO()
         torch.save({**envelope_dict, **change}, buffer)
         assert _expect_refused_or_correct(code, buffer.getvalue()) == "ran", change
-    for junk in (b"", b"\0" * 100, b"PK\x03\x04garbage", "a string"):
+    for junk in (b"", b"\0" * 100, b"PK\x03\x04garbage", bytearray(b"junk")):
         assert _expect_refused_or_correct(code, junk) == "ran"  # type: ignore[arg-type]
+    with pytest.raises(PrecompileError, match="no cache at a string"):
+        precompile.load(code, "a string")  # a string names the cache's file
 
 
 def test_swapped_pairs_are_refused(backend: str, artifacts) -> None:

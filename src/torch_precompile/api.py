@@ -15,8 +15,8 @@ from torch_precompile.errors import PrecompileError
 from torch_precompile.spec import ArtifactSpec, parse_spec
 
 if TYPE_CHECKING:
-    from torch_precompile.capture import Capture
     from torch_precompile.lower import LoweredGraph
+    from torch_precompile.trace import Capture
 
 BACKENDS = ("inductor", "eager")
 TRACERS = ("make_fx", "dynamo")
@@ -81,15 +81,29 @@ class Precompile:
         return build(fn, example_inputs, options)
 
     def load(
-        self, python_code: str, cache: bytes | None, *, verify_key: bytes | None = None
+        self,
+        python_code: str | os.PathLike[str],
+        cache: bytes | str | os.PathLike[str] | None = None,
+        *,
+        verify_key: bytes | None = None,
     ) -> runtime.LoadedArtifact:
-        """Load an artifact pair from ``precompile()``: check it, then execute ``python_code``.
+        """Load an artifact pair: check it, then execute ``python_code``.
 
-        ``cache`` may be None (or unusable, with a warning): the artifact then builds its
-        kernels on first use. A cache from another ``precompile()`` call is refused. With
-        ``verify_key``, a pair whose signature is missing or wrong is refused before anything
-        is unpickled or executed.
+        Takes the pair itself, ``(python_code, cache)`` as ``precompile()`` returned it, or
+        the files holding it, ``(artifact_path, cache_path)`` as ``capture()`` or ``save``
+        wrote them (a one-line string or a path is a file's name; a cache path left out means
+        the cache beside the source). ``cache`` may be None (or unusable, with a warning):
+        the artifact then builds its kernels on first use. A cache from another
+        ``precompile()`` call is refused. With ``verify_key``, a pair whose signature is
+        missing or wrong is refused before anything is unpickled or executed.
         """
+        if _names_a_file(python_code):
+            if cache is None or _names_a_file(cache):
+                python_code, cache = storage.read_pair(python_code, cache)
+            else:
+                python_code = storage.read_source(Path(python_code))
+        elif _names_a_file(cache):
+            cache = storage.read_cache(Path(cache))
         return runtime.load(python_code, cache, verify_key=verify_key)
 
     def save(
@@ -131,6 +145,12 @@ class Precompile:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Precompile:
         return self
+
+
+def _names_a_file(value: object) -> bool:
+    """A path, or a non-empty string of one line: an artifact's source always has many."""
+    return isinstance(value, os.PathLike) or (isinstance(value, str) and bool(value)
+                                              and "\n" not in value)
 
 
 class ArtifactPair(NamedTuple):
@@ -190,7 +210,7 @@ def _build(fn: Callable[..., Any], example_inputs: tuple[Any, ...], options: Bui
     report = options.progress or (lambda stage: None)
     # The build pipeline is imported here, not at module level: load() never needs it.
     from torch_precompile.artifact.render import render
-    from torch_precompile.capture import capture
+    from torch_precompile.trace import capture
 
     with _lock:
         report("capture")

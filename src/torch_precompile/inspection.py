@@ -199,10 +199,10 @@ def _describe_cache(code: str, spec: ArtifactSpec, cache_file: Path, cache: byte
                 compiled_module=_compiled_module_state(code, outer.get("compiled")))
     artifact = outer.get("artifact")
     if spec.backend == "inductor" and isinstance(artifact, bytes):
-        from torch_precompile.artifact.kernel_payload import fingerprint_mismatch
+        from torch_precompile.artifact.kernel_payload import fingerprint_mismatch, read_payload
 
         try:
-            payload = _load_plain(artifact)
+            payload = read_payload(artifact)
         except Exception as e:
             info["kernels"] = f"unreadable ({type(e).__name__})"
             return info
@@ -352,9 +352,11 @@ def verify(path: Path, key: bytes | None) -> tuple[list[str], list[str]]:
     (problems if state.startswith("refused") else notes).append(f"compiled module: {state}")
     artifact = outer.get("artifact")
     if spec.backend == "inductor":
+        from torch_precompile.artifact.kernel_payload import fingerprint_mismatch, read_payload
+
         problems_before = len(problems)
         try:
-            payload = _load_plain(artifact)
+            payload = read_payload(artifact)
             pins = _pins(spec)
             for name, entry in payload["kernels"].items():
                 digest = _digest(entry["object"])
@@ -368,8 +370,6 @@ def verify(path: Path, key: bytes | None) -> tuple[list[str], list[str]]:
             return problems, notes
         if len(problems) == problems_before:
             notes.append(f"{len(payload['kernels'])} kernels intact")
-        from torch_precompile.artifact.kernel_payload import fingerprint_mismatch
-
         reason = fingerprint_mismatch(payload["fingerprint"])
         notes.append("kernels built for this machine" if reason is None else
                      f"kernels built elsewhere ({reason}); a load here rebuilds them")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import pprint
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -536,15 +537,22 @@ def check_schema_version(version: Any) -> None:
         )
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[frozenset[str], frozenset[str]]:
+    """A record class's field names, and those without a default."""
+    fields = dataclasses.fields(cls)
+    return (frozenset(f.name for f in fields),
+            frozenset(f.name for f in fields if f.default is dataclasses.MISSING
+                      and f.default_factory is dataclasses.MISSING))
+
+
 def _record_fields(cls: type, literal: Any) -> dict[str, Any]:
     if not isinstance(literal, dict):
         raise PrecompileError(
             f"python_code's {SPEC_NAME} holds a malformed {cls.__name__} record; "
             f"{_NOT_AN_ARTIFACT}."
         )
-    names = {f.name for f in dataclasses.fields(cls)}
-    required = {f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    names, required = _field_names(cls)
     if not required <= literal.keys() <= names:
         odd = sorted((required - literal.keys()) | (literal.keys() - names))
         raise PrecompileError(

@@ -23,6 +23,7 @@ from torch_precompile.spec import parse_spec
 log = logging.getLogger("torch_precompile")
 _HASH_CHARS = 16
 _STALE_TEMP_SECONDS = 3600
+_RACE_RETRIES = 10
 
 
 def cache_path(path: str | os.PathLike[str], python_code: str) -> Path:
@@ -57,15 +58,54 @@ def save(
     return path
 
 
+def save_pair(
+    python_code: str,
+    cache: bytes | None,
+    path: str | os.PathLike[str],
+    cache_file: str | os.PathLike[str] | None,
+    sign_key: bytes | None = None,
+) -> Path:
+    """``save``, or with the cache at a path of the caller's choosing (``cache_file``).
+
+    There the cache is replaced first and the source last, each by an atomic rename, and a
+    reader (``read_pair``) that meets a new cache beside the old source reads both again.
+    """
+    if cache_file is None:
+        return save(python_code, cache, path, sign_key=sign_key)
+    path, cache_file = Path(path), Path(cache_file)
+    parse_spec(python_code)
+    if cache is None:
+        raise PrecompileError("a cache path was given but there is no cache to write.")
+    cache = bytes(cache) if sign_key is None else signature.sign(sign_key, python_code, cache)
+    for target in (path, cache_file):
+        if not target.parent.is_dir():
+            raise PrecompileError(f"cannot save to {target}: {target.parent} is not a "
+                                  "directory.")
+    _write_atomically(cache_file, cache)
+    _write_atomically(path, python_code.encode())
+    return path
+
+
+def read_pair(path: str | os.PathLike[str], cache_file: str | os.PathLike[str] | None
+              ) -> tuple[str, bytes | None]:
+    """The source at ``path`` and the cache at ``cache_file`` (None: the one beside it)."""
+    if cache_file is None:
+        return load_file(path)
+    for attempt in range(_RACE_RETRIES):
+        python_code = read_source(Path(path))
+        cache = read_cache(Path(cache_file))
+        # The envelope stores the source's hash as plain text: a cheap test for a pair read
+        # halfway through a save. load() checks the pairing for real.
+        if envelope.code_hash(python_code).encode() in cache:
+            break
+        time.sleep(0.01 * (attempt + 1))
+    return python_code, cache
+
+
 def load_file(path: str | os.PathLike[str]) -> tuple[str, bytes | None]:
     """Read a saved pair: the source, and the cache that belongs to it (None when absent)."""
     path = Path(path)
-    try:
-        python_code = path.read_text()
-    except FileNotFoundError:
-        raise PrecompileError(f"no artifact at {path}.") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise PrecompileError(f"cannot read the artifact at {path}: {e}") from e
+    python_code = read_source(path)
     try:
         cache: bytes | None = cache_path(path, python_code).read_bytes()
     except FileNotFoundError:
@@ -73,6 +113,25 @@ def load_file(path: str | os.PathLike[str]) -> tuple[str, bytes | None]:
                     cache_path(path, python_code).name)
         cache = None
     return python_code, cache
+
+
+def read_cache(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise PrecompileError(f"no cache at {path}: pass None as the cache to run from the "
+                              "source alone.") from None
+    except OSError as e:
+        raise PrecompileError(f"cannot read the cache at {path}: {e}") from e
+
+
+def read_source(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise PrecompileError(f"no artifact at {path}.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PrecompileError(f"cannot read the artifact at {path}: {e}") from e
 
 
 def _write_atomically(target: Path, data: bytes) -> None:

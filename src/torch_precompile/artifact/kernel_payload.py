@@ -4,12 +4,18 @@ The payload holds each built C++ kernel's shared object under its ``kernel_key``
 fingerprint of what the objects were built for (``lower.kernels`` collects them at build
 time). At load time matching objects are loaded straight into the process as extension
 modules -- no compiler, no Inductor import -- and handed to the artifact.
+
+Its layout is plain, so that reading it costs nothing next to mapping the objects: a magic
+line, the length of a JSON header, the header (the fingerprint; each kernel's module name,
+digest and size), then the objects back to back in the header's order. Payloads of version 1
+(``torch.save`` of the same table) are still read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
 import platform
@@ -27,7 +33,9 @@ from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import enable_prebuilt_kernel_imports, torch_build
 
 log = logging.getLogger("torch_precompile")
-PAYLOAD_VERSION = 1
+PAYLOAD_VERSION = 2
+_MAGIC = b"torch-precompile kernel payload 2\n"
+_LENGTH_BYTES = 8
 _open_objects: list[int] = []
 
 
@@ -77,11 +85,9 @@ def load_built_kernels(acceleration: bytes, pinned: Mapping[str, str] | None
     object the source does not name is refused.
     """
     try:
-        payload = torch.load(io.BytesIO(acceleration), weights_only=True)
+        payload = read_payload(acceleration)
         kernels = payload["kernels"]
         built_for = payload["fingerprint"]
-        if payload.get("version") != PAYLOAD_VERSION:
-            raise ValueError(f"kernel payload version {payload.get('version')!r}")
         if not isinstance(kernels, dict):
             raise ValueError("its kernel table is not a mapping")
     except Exception as e:
@@ -108,6 +114,38 @@ def load_built_kernels(acceleration: bytes, pinned: Mapping[str, str] | None
             log.warning("precompile cache: kernel %s… is unusable (%s); it will be built from "
                         "python_code on first use.", key[:12], e)
     return loaded
+
+
+def write_payload(fingerprint: dict[str, Any], kernels: Mapping[str, dict[str, Any]]) -> bytes:
+    """The payload of ``kernels`` ({key: {"module", "object", "sha256"}})."""
+    header = {"fingerprint": fingerprint,
+              "kernels": {key: {"module": entry["module"], "sha256": entry["sha256"],
+                                "size": len(entry["object"])} for key, entry in kernels.items()}}
+    text = json.dumps(header).encode()
+    return b"".join([_MAGIC, len(text).to_bytes(_LENGTH_BYTES, "little"), text,
+                     *(entry["object"] for entry in kernels.values())])
+
+
+def read_payload(data: bytes) -> dict[str, Any]:
+    """``{"version", "fingerprint", "kernels": {key: {"module", "object", "sha256"}}}``;
+    raises for anything that is not a payload of a version this package reads."""
+    if not data.startswith(_MAGIC):
+        payload = torch.load(io.BytesIO(data), weights_only=True)
+        version = payload.get("version") if isinstance(payload, dict) else None
+        if version != 1:
+            raise ValueError(f"kernel payload version {version!r}")
+        return payload
+    start = len(_MAGIC) + _LENGTH_BYTES
+    end = start + int.from_bytes(data[len(_MAGIC):start], "little")
+    header = json.loads(data[start:end])
+    kernels = {}
+    for key, entry in header["kernels"].items():
+        kernels[key] = {"module": entry["module"], "sha256": entry["sha256"],
+                        "object": data[end:end + entry["size"]]}
+        end += entry["size"]
+    if end != len(data):
+        raise ValueError("the kernel payload's objects do not add up to its length")
+    return {"version": PAYLOAD_VERSION, "fingerprint": header["fingerprint"], "kernels": kernels}
 
 
 def _checked_objects(kernels: Mapping[str, Any], pinned: Mapping[str, str] | None

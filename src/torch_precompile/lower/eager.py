@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 
-from torch_precompile.capture import Capture
-from torch_precompile.capture.checks import literal_source
 from torch_precompile.internals.tracing import fx_builtin_imports, graph_function_source
 from torch_precompile.lower import LoweredGraph
+from torch_precompile.trace import Capture
+from torch_precompile.trace.checks import literal_source
 
 
 def lower_eager(capture: Capture) -> LoweredGraph:

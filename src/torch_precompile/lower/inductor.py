@@ -16,8 +16,6 @@ import torch
 import torch.fx
 
 from torch_precompile import kernel_loader
-from torch_precompile.capture import Capture
-from torch_precompile.capture.checks import MAX_LITERAL_ELEMENTS, literal_source
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.inductor import (
     asserted_inputs,
@@ -34,6 +32,8 @@ from torch_precompile.internals.tracing import (
 from torch_precompile.lower import LoweredGraph
 from torch_precompile.lower.kernels import collect_built_kernels
 from torch_precompile.shipped import import_block, shipped_source
+from torch_precompile.trace import Capture
+from torch_precompile.trace.checks import MAX_LITERAL_ELEMENTS, literal_source
 
 aten = torch.ops.aten
 # Reads whose value the trace baked (capture guards them); nothing downstream uses the result.

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-import io
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from torch_precompile.artifact.kernel_payload import PAYLOAD_VERSION, machine_fingerprint
+from torch_precompile.artifact.kernel_payload import machine_fingerprint, write_payload
 from torch_precompile.internals.inductor import built_kernel_object, cpp_kernel_calls
 from torch_precompile.kernel_loader import kernel_key
 from torch_precompile.spec import KernelObject
@@ -34,9 +31,5 @@ def collect_built_kernels(wrapper_source: str) -> BuiltKernels:
             "object": data,
             "sha256": hashlib.sha256(data).hexdigest(),
         }
-    payload = {"version": PAYLOAD_VERSION, "fingerprint": machine_fingerprint(),
-               "kernels": kernels}
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
     objects = tuple(KernelObject(key, entry["sha256"]) for key, entry in sorted(kernels.items()))
-    return BuiltKernels(buffer.getvalue(), objects)
+    return BuiltKernels(write_payload(machine_fingerprint(), kernels), objects)

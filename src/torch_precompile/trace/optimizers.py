@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from torch_precompile.capture.state import ModelState
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.optim import step_count_dtype, step_hooks
 from torch_precompile.internals.tracing import compiling
 from torch_precompile.spec import EncodedValue, Optimizer, OptimizerState, ParamGroup
+from torch_precompile.trace.state import ModelState
 
 CALL_TIME_OPTIONS = ("lr",)
 """Options read from each param group at every call; every other option is baked."""

@@ -13,37 +13,6 @@ from typing import Any
 import torch
 import torch.fx
 
-from torch_precompile.capture import checks, data_parallel, dynamic, fully_shard
-from torch_precompile.capture.data_parallel import DataParallelArg
-from torch_precompile.capture.distributed import (
-    Distribution,
-    check_graph,
-    find_dtensors,
-    name_collectives,
-)
-from torch_precompile.capture.fully_shard import FullySharded
-from torch_precompile.capture.guards import GuardRecorder
-from torch_precompile.capture.inputs import (
-    UserInputs,
-    arg_names_of,
-    encode_value,
-    flatten_user_inputs,
-)
-from torch_precompile.capture.optimizers import (
-    OptimizerArg,
-    kept_entries,
-    optimizer_records,
-    read_optimizers,
-    stepping,
-)
-from torch_precompile.capture.python_state import put_back, refuse_changes, take_snapshot
-from torch_precompile.capture.state import (
-    ModelState,
-    intern_model_state,
-    model_records,
-    submodule_records,
-)
-from torch_precompile.capture.subclasses import Wrapping, find_wrapped, refuse_mixed
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree, storage_id, torch_build
 from torch_precompile.internals.distributed import pretend_coordinate, sharding_wrapper
@@ -65,6 +34,37 @@ from torch_precompile.spec import (
     SizeRelation,
     ValueGuard,
 )
+from torch_precompile.trace import checks, data_parallel, dynamic, fully_shard
+from torch_precompile.trace.data_parallel import DataParallelArg
+from torch_precompile.trace.distributed import (
+    Distribution,
+    check_graph,
+    find_dtensors,
+    name_collectives,
+)
+from torch_precompile.trace.fully_shard import FullySharded
+from torch_precompile.trace.guards import GuardRecorder
+from torch_precompile.trace.inputs import (
+    UserInputs,
+    arg_names_of,
+    encode_value,
+    flatten_user_inputs,
+)
+from torch_precompile.trace.optimizers import (
+    OptimizerArg,
+    kept_entries,
+    optimizer_records,
+    read_optimizers,
+    stepping,
+)
+from torch_precompile.trace.python_state import put_back, refuse_changes, take_snapshot
+from torch_precompile.trace.state import (
+    ModelState,
+    intern_model_state,
+    model_records,
+    submodule_records,
+)
+from torch_precompile.trace.subclasses import Wrapping, find_wrapped, refuse_mixed
 
 
 @dataclass(frozen=True)

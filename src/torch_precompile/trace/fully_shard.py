@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from torch_precompile.capture.gather_buckets import bucket_of, gather
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
 from torch_precompile.internals.distributed import is_dtensor
@@ -40,6 +39,7 @@ from torch_precompile.internals.fsdp import (
     without_fsdp_hooks,
 )
 from torch_precompile.spec import FullyShardedGroup
+from torch_precompile.trace.gather_buckets import bucket_of, gather
 
 
 @dataclass(frozen=True)
