@@ -163,6 +163,12 @@ def make_mlp() -> torch.nn.Module:
     return MLP()
 
 
+def make_normed_mlp() -> torch.nn.Module:
+    """A norm before the MLP: under tensor parallelism its parameters stay on dp alone."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.LayerNorm(8), MLP())
+
+
 def make_block() -> torch.nn.Module:
     torch.manual_seed(0)
     return Block()
@@ -713,10 +719,10 @@ def fsdp_tp_2d(backend: str, one_rank: bool = False) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
     replica = mesh.get_local_rank("dp")
-    model = parallelize_module(make_mlp(), mesh["tp"], tp_plan_mlp())
-    for child in model.children():
-        fully_shard(child, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    model = parallelize_module(make_normed_mlp(), mesh["tp"],
+                               {"1.up": ColwiseParallel(), "1.down": RowwiseParallel()})
+    fully_shard(model[1].up, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])  # the norm (on dp) and the row-wise down (on dp, tp)
     data = batches(4, 8, count=2 * STEPS)
 
     def mine(x: torch.Tensor) -> torch.Tensor:
@@ -727,15 +733,17 @@ def fsdp_tp_2d(backend: str, one_rank: bool = False) -> dict[str, Any]:
         dist.all_reduce(loss, group=mesh.get_group("dp"))
         return float(loss) / 2
 
-    step = precompile.load(*precompile(train_step, model, mine(data[0]), backend=backend,
-                                       compile_on_one_rank=one_rank))
-    result: dict[str, Any] = compare_training(step, model, make_mlp, data, mine,
+    code, cache = precompile(train_step, model, mine(data[0]), backend=backend,
+                             compile_on_one_rank=one_rank)
+    step = precompile.load(code, cache)
+    result: dict[str, Any] = compare_training(step, model, make_normed_mlp, data, mine,
                                               loss_of=mean_over_replicas, accumulate=2)
+    result["gathers"] = code.count("all_gather_into_tensor.default(")
     step(model, mine(data[0]))
     result["placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
     infer = precompile.load(*precompile(lambda m, x: m(x), model, mine(data[0]),
                                         backend=backend, compile_on_one_rank=one_rank))
-    reference = make_mlp()
+    reference = make_normed_mlp()
     with torch.no_grad():
         for p, q in zip(reference.parameters(), model.parameters(), strict=True):
             p.copy_(q.full_tensor())

@@ -20,31 +20,36 @@ import torch
 from torch_precompile.internals.distributed import all_gather_rows, reduce_scatter_sum
 from torch_precompile.internals.fsdp import ShardedGroup
 
+_TensorParallel = tuple[Any, tuple[Any, ...], torch.Size, tuple[int, ...]]
+
 
 @dataclass(frozen=True)
 class Bucket:
     """A param group gathered as one buffer: the data-parallel process group, dtypes and
-    scale, and for parameters also sharded over ``tp`` each one's DTensor there."""
+    scale, and on a (dp, tp) mesh each parameter's DTensor on ``tp`` (None for one that
+    ``fully_shard`` put on the dp mesh alone, such as a norm's weight beside tensor-parallel
+    projections)."""
 
     process_group: Any
     size: int
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     scale: float
-    tensor_parallel: tuple[tuple[Any, tuple[Any, ...], torch.Size, tuple[int, ...]], ...] = ()
+    tensor_parallel: tuple[_TensorParallel | None, ...] = ()
 
 
 def bucket_of(group: ShardedGroup, leaves: Sequence[Any]) -> Bucket | None:
-    """The group's bucket, or None where a parameter is not an even dim-0 shard over the
-    data-parallel dim (those are gathered one by one, as DTensors). On a (dp, tp) mesh the
-    shards gathered over dp make the parameter's tensor-parallel local tensor."""
+    """The group's bucket, or None where a parameter is not an even dim-0 shard over one
+    data-parallel process group (those are gathered one by one, as DTensors). On a (dp, tp)
+    mesh the shards gathered over dp make the parameter's tensor-parallel local tensor."""
     size = group.mesh.size()
-    meshes = {leaf.device_mesh for leaf in leaves}
-    if len(meshes) != 1 or not leaves:
+    process_groups = {mesh.get_group(0).group_name: mesh.get_group(0)
+                      for mesh in {leaf.device_mesh for leaf in leaves}}
+    if len(process_groups) != 1:
         return None
-    mesh = next(iter(meshes))
-    tensor_parallel = []
+    tensor_parallel: list[_TensorParallel | None] = []
     for leaf in leaves:
+        mesh = leaf.device_mesh
         first, *rest = leaf.placements
         if type(first).__name__ not in ("Shard", "_StridedShard") or first.dim != 0:
             return None
@@ -52,11 +57,11 @@ def bucket_of(group: ShardedGroup, leaves: Sequence[Any]) -> Bucket | None:
                                   if getattr(p, "dim", None) == 0)
         if leaf.shape[0] % splits:
             return None
-        if rest:
-            tensor_parallel.append((mesh[mesh.mesh_dim_names[1]], tuple(rest), leaf.shape,
-                                    leaf.stride()))
-    return Bucket(mesh.get_group(0), size, group.param_dtype, group.reduce_dtype,
-                  1.0 / (group.divide_factor or size), tuple(tensor_parallel))
+        tensor_parallel.append((mesh[mesh.mesh_dim_names[1]], tuple(rest), leaf.shape,
+                                leaf.stride()) if rest else None)
+    return Bucket(next(iter(process_groups.values())), size, group.param_dtype,
+                  group.reduce_dtype, 1.0 / (group.divide_factor or size),
+                  tuple(tensor_parallel) if any(tensor_parallel) else ())
 
 
 def gather(bucket: Bucket, shards: Sequence[torch.Tensor], differentiable: bool
@@ -72,10 +77,10 @@ def gather(bucket: Bucket, shards: Sequence[torch.Tensor], differentiable: bool
         return tuple(fulls)
     from torch.distributed.tensor import DTensor
 
-    return tuple(DTensor.from_local(full, mesh, placements, run_check=False, shape=shape,
-                                    stride=stride)
-                 for full, (mesh, placements, shape, stride)
-                 in zip(fulls, bucket.tensor_parallel, strict=True))
+    return tuple(full if on_tp is None else
+                 DTensor.from_local(full, on_tp[0], on_tp[1], run_check=False, shape=on_tp[2],
+                                    stride=on_tp[3])
+                 for full, on_tp in zip(fulls, bucket.tensor_parallel, strict=True))
 
 
 def _gathered(bucket: Bucket, shards: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
