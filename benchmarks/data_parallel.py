@@ -1,19 +1,25 @@
-"""Data-parallel training steps: FSDP2 on 2 ranks, FSDP2 x TP on 4; first step, steady, memory.
+"""Data-parallel training steps: DDP and FSDP2 on 2 ranks, FSDP2 x TP on 4; first step, steady,
+memory.
 
     .venv/bin/python benchmarks/data_parallel.py --runs 3    # writes benchmarks/DATA_PARALLEL.md
+    .venv/bin/python benchmarks/data_parallel.py --jobs ddp --out benchmarks/DDP.md
 
 The model is a stack of the transformer blocks of ``distributed.py`` (``--blocks`` of width
 ``--dim``), ``fully_shard`` on each block and on the root over the ``dp`` mesh dim; on 4 ranks
 each block is first tensor-parallel on ``tp`` of a (2, 2) mesh, as torchtitan lays out such a
-job. ``fn`` is forward, mean-square loss and backward; each rank passes its slice of the batch.
+job. The DDP job wraps the whole stack in ``DistributedDataParallel`` instead. ``fn`` is
+forward, mean-square loss and backward; each rank passes its slice of the batch.
 
 Modes, each in fresh processes (one per rank, gloo over 127.0.0.1, OMP_NUM_THREADS=1):
 
 - ``ours``: the pair built beforehand (``compile_on_one_rank``, Inductor), loaded from file;
-- ``eager``: the FSDP2 model itself;
-- ``compile``: ``torch.compile`` on each block before ``fully_shard`` (as torchtitan compiles),
-  its cache filled by an earlier run of the same job;
+- ``eager``: the DDP or FSDP2 model itself;
+- ``compile``: ``torch.compile`` on each block before DDP or ``fully_shard`` (as torchtitan
+  compiles), its cache filled by an earlier run of the same job;
 - ``replicated``: eager with every rank holding the whole model (no sharding), for memory.
+
+The package is byte-compiled first, as installing it does (a checkout run from source, under
+``PYTHONDONTWRITEBYTECODE``, would compile its modules in every process).
 
 "First step" is the wall time from just before the parent starts a rank to that rank's first
 loss; "after the built model" is the same from the moment the model exists. Steady state is
@@ -47,7 +53,8 @@ from distributed import Block, step, tp_plan
 
 MARKER = "DATA_PARALLEL_RESULT "
 MODES = ("ours", "eager", "compile", "replicated")
-JOBS = {"fsdp": 2, "fsdp_tp": 4}
+JOBS = {"ddp": 2, "fsdp": 2, "fsdp_tp": 4}
+TITLES = {"ddp": "DDP", "fsdp": "FSDP2", "fsdp_tp": "FSDP2 x TP"}
 CHILD_TIMEOUT_S = 1200
 
 
@@ -66,6 +73,12 @@ def _model(job: str, mode: str, args: argparse.Namespace) -> torch.nn.Module:
     model = torch.nn.Sequential(*(Block(args.dim) for _ in range(args.blocks)))
     if mode == "replicated":
         return model
+    if job == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        for block in model if mode == "compile" else ():
+            block.compile(dynamic=False)
+        return DistributedDataParallel(model)
     mesh = init_device_mesh("cpu", (2, world // 2) if job == "fsdp_tp" else (world,),
                             mesh_dim_names=("dp", "tp") if job == "fsdp_tp" else ("dp",))
     dp = mesh["dp"] if job == "fsdp_tp" else mesh
@@ -83,7 +96,7 @@ def _batch(job: str, rank: int, args: argparse.Namespace) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(replicas * args.batch, args.seq, args.dim, generator=generator)
     replica = rank // (JOBS[job] // replicas) if job == "fsdp_tp" else rank
-    return x.chunk(JOBS[job] if job == "fsdp" else replicas)[replica]
+    return x.chunk(replicas)[replica]
 
 
 def child(job: str, mode: str, rank: int, port: int, t0: float, workdir: Path,
@@ -129,6 +142,16 @@ def child(job: str, mode: str, rank: int, port: int, t0: float, workdir: Path,
     print(MARKER + json.dumps(result), flush=True)
 
 
+def byte_compile_package() -> None:
+    """Write torch_precompile's .pyc files, as ``pip install`` does."""
+    import compileall
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch_precompile")
+    assert spec is not None and spec.submodule_search_locations
+    compileall.compile_dir(next(iter(spec.submodule_search_locations)), quiet=1)
+
+
 def launch(job: str, mode: str, workdir: Path, cache_dir: Path,
            args: argparse.Namespace) -> list[dict[str, Any]]:
     with socket.socket() as s:
@@ -156,7 +179,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     samples: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        for job in JOBS:
+        for job in args.jobs.split(","):
             ours_cache, compile_cache = workdir / f"{job}-ours", workdir / f"{job}-compile"
             build = launch(job, "build", workdir, ours_cache, args)
             samples[f"{job}/build_s"] = [max(r["build_s"] for r in build)]
@@ -179,14 +202,17 @@ def report(samples: dict[str, Any], args: argparse.Namespace) -> str:
     def cell(key: str, digits: int) -> str:
         return f"{statistics.median(samples[key]):,.{digits}f}"
 
-    names = {"ours": "torch_precompile, cache", "eager": "eager FSDP2",
+    jobs = args.jobs.split(",")
+    names = {"ours": "torch_precompile, cache", "eager": "eager {title}",
              "compile": "torch.compile per block, warm cache",
              "replicated": "eager, model replicated (no sharding)"}
     lines = [
-        "# Data parallelism: FSDP2 and FSDP2 x TP training steps", "",
-        f"Written by `benchmarks/data_parallel.py --runs {args.runs}`. {args.blocks} "
+        f"# Data parallelism: {', '.join(TITLES[job] for job in jobs)} training steps", "",
+        f"Written by `benchmarks/data_parallel.py --runs {args.runs} --jobs {args.jobs}`. "
+        f"{args.blocks} "
         f"transformer blocks of width {args.dim} (4 heads, MLP 4x), per-replica batch "
         f"{args.batch}, sequence {args.seq}; `fn` = forward, mean-square loss, backward. "
+        "DDP: the stack in `DistributedDataParallel` over 2 ranks. "
         "FSDP2: `fully_shard` on each block and the root over 2 ranks. FSDP2 x TP: each block "
         "tensor-parallel on `tp` and `fully_shard` on `dp` of a (2, 2) mesh, 4 ranks. Medians "
         f"of {args.runs} fresh-process runs; each number is the slowest (largest) rank.", "",
@@ -199,15 +225,16 @@ def report(samples: dict[str, Any], args: argparse.Namespace) -> str:
         "that code is a large part of it; the replicated row loads neither FSDP2 nor DTensor.",
         "",
     ]
-    for job, world in JOBS.items():
+    for job in jobs:
+        world = JOBS[job]
         losses = ", ".join(f"{m} {samples[f'{job}/{m}/loss']:.6f}" for m in MODES)
         lines += [
-            f"## {'FSDP2' if job == 'fsdp' else 'FSDP2 x TP'}, {world} ranks", "",
+            f"## {TITLES[job]}, {world} ranks", "",
             f"First losses (rank 0): {losses}. Building the pair (compile_on_one_rank): "
             f"{samples[f'{job}/build_s'][0]:.1f} s.", "",
             "| mode | first step, s | after the built model, s | steady step, ms | "
             "peak memory, MB |", "|---|---:|---:|---:|---:|",
-            *(f"| {names[m]} | {cell(f'{job}/{m}/first_s', 2)} | "
+            *(f"| {names[m].format(title=TITLES[job])} | {cell(f'{job}/{m}/first_s', 2)} | "
               f"{cell(f'{job}/{m}/after_model_s', 3)} | {cell(f'{job}/{m}/steady_ms', 1)} | "
               f"{cell(f'{job}/{m}/peak_mb', 1)} |" for m in MODES), "",
         ]
@@ -222,15 +249,18 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--jobs", default="fsdp,fsdp_tp", help=f"among {','.join(JOBS)}")
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("DATA_PARALLEL.md"))
     parser.add_argument("--child", nargs=6)
     args = parser.parse_args()
     if args.child:
         job, mode, rank, port, t0, workdir = args.child
         child(job, mode, int(rank), int(port), float(t0), Path(workdir), args)
         return
+    byte_compile_package()
     samples = measure(args)
     text = report(samples, args)
-    Path(__file__).with_name("DATA_PARALLEL.md").write_text(text + "\n")
+    args.out.write_text(text + "\n")
     print(text)
 
 

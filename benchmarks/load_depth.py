@@ -9,12 +9,14 @@ then loaded ``--runs`` times, each in a fresh process that reports: ``import tor
 load (``precompile.load_file``: reading the pair, checking it, mapping the kernels, running
 the module), the first call, and the median of 5 further calls. With ``--src`` the same is
 measured for another checkout's ``src/`` (built and loaded with its own code), alternating
-run by run. Medians; the table goes to ``--out`` (default ``benchmarks/LOAD_DEPTH.md``).
+run by run. Each checkout's package is byte-compiled first, as installing it does. Medians;
+the table goes to ``--out`` (default ``benchmarks/LOAD_DEPTH.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import statistics
@@ -96,6 +98,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "LOAD_DEPTH.md")
     args = parser.parse_args()
     checkouts = {"this": SRC, **({"other": args.src.resolve()} if args.src else {})}
+    for src in checkouts.values():
+        compileall.compile_dir(src / "torch_precompile", quiet=1)
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for depth in (int(d) for d in args.depths.split(",")):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import traceback
@@ -401,10 +402,12 @@ def ddp_case(backend: str, one_rank: bool = False) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     model = DistributedDataParallel(make_mlp())
     data = batches(4 * world, 8)
-    step = precompile.load(*precompile(train_step, model, data[0].chunk(world)[rank],
-                                       backend=backend, compile_on_one_rank=one_rank))
+    code, cache = precompile(train_step, model, data[0].chunk(world)[rank], backend=backend,
+                             compile_on_one_rank=one_rank)
+    step = precompile.load(code, cache)
     ref_losses, ref_grads, ref_params = eager_reference(make_mlp, data)
-    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0,
+             "all_reduces": len(re.findall(r"\ball_reduce_?\.default\(", code))}
     for x, ref_loss, ref_grad in zip(data, ref_losses, ref_grads, strict=True):
         loss = step(model, x.chunk(world)[rank]).detach().clone()
         dist.all_reduce(loss)
@@ -578,6 +581,14 @@ def ddp_refusals(backend: str) -> dict[str, Any]:
 
     messages["no_sync_inside_fn"] = _message(lambda: precompile(no_sync_inside, model, x,
                                                                 backend=backend))
+
+    def down_only(m: Any, x: torch.Tensor) -> torch.Tensor:
+        loss = m.module.down(x.repeat(1, 2)).square().mean()  # up gets no gradient
+        loss.backward()
+        return loss
+
+    messages["partial_backward"] = _message(lambda: precompile(down_only, model, x,
+                                                               backend=backend))
     step = precompile.load(*precompile(train_step, model, x, backend=backend))
     messages["plain_module"] = _message(lambda: step(model.module, x))
     messages["after_refusals"] = _message(lambda: step(model, x))

@@ -4,9 +4,11 @@ DDP communicates in hooks around the computation: before each forward it broadca
 module's buffers from rank 0 (``broadcast_buffers``), and as each parameter's gradient is
 accumulated in backward it averages that gradient over the process group. While fn is traced,
 the DDP model's forward is its module's forward preceded by that broadcast, and every
-parameter carries a post-accumulate hook doing that averaging, both as functional collectives.
-The graph therefore holds exactly the communication DDP would run, and ``.grad`` after a call
-is DDP's. Options whose effect the graph cannot hold are refused by name.
+parameter carries a post-accumulate hook that puts its gradient in a bucket; a full bucket
+(DDP's ``bucket_cap_mb``), or the last gradient of the backward, averages the bucket's
+gradients in one all-reduce, as DDP's reducer does, as functional collectives. The graph
+therefore holds the communication DDP would run, and ``.grad`` after a call is DDP's. Options
+whose effect the graph cannot hold are refused by name.
 """
 
 from __future__ import annotations
@@ -127,27 +129,64 @@ def refuse_with_dtensors(found: Sequence[DataParallelArg], has_dtensors: bool) -
 def tracing(found: Sequence[DataParallelArg], params: Sequence[Sequence[torch.Tensor]]
             ) -> Iterator[None]:
     """While fn is traced: each DDP's forward as DDP runs it, and each of its parameters'
-    gradients averaged as it is accumulated. ``params[i]`` are ``found[i]``'s traced
-    parameters (those that require grad)."""
+    gradients averaged in buckets as they are accumulated. ``params[i]`` are ``found[i]``'s
+    traced parameters (those that require grad)."""
     with contextlib.ExitStack() as stack:
+        buckets = []
         for arg, own in zip(found, params, strict=True):
             stack.enter_context(_forward_as_ddp(arg))
-            if arg.sync_grads:
+            if arg.sync_grads and own:
+                buckets.append(_GradientBuckets(arg, len(own)))
                 for param in own:
-                    handle = param.register_post_accumulate_grad_hook(_averaging(arg))
+                    handle = param.register_post_accumulate_grad_hook(buckets[-1].add)
                     stack.callback(handle.remove)
         yield
+        for bucket in buckets:
+            bucket.check_finished()
 
 
-def _averaging(arg: DataParallelArg) -> Any:
-    # DDP scales each gradient by 1 / world size as it copies it into its bucket, then sums.
-    scale = 1.0 / arg.world_size
-    group = arg.module.process_group
+class _GradientBuckets:
+    """One DDP's gradients, averaged a bucket at a time as backward produces them."""
 
-    def average(param: torch.Tensor) -> None:
-        param.grad = all_reduce_sum(param.grad * scale, group)
+    def __init__(self, arg: DataParallelArg, count: int) -> None:
+        self.arg = arg
+        self.count = count
+        # DDP scales each gradient by 1 / world size as it copies it into its bucket.
+        self.scale = 1.0 / arg.world_size
+        self.cap = int(getattr(arg.module, "bucket_bytes_cap", 25 * 2**20))
+        self.pending: list[torch.Tensor] = []
+        self.arrived = 0
 
-    return average
+    def add(self, param: torch.Tensor) -> None:
+        if self.pending and self.pending[0].grad.dtype != param.grad.dtype:
+            self._flush()  # DDP's buckets hold one dtype each
+        self.pending.append(param)
+        self.arrived += 1
+        if self.arrived == self.count:
+            self._flush()
+            self.arrived = 0  # a later backward in fn starts over
+        elif sum(p.grad.numel() * p.grad.element_size() for p in self.pending) >= self.cap:
+            self._flush()
+
+    def _flush(self) -> None:
+        grads = [param.grad for param in self.pending]
+        flat = torch.cat([grad.reshape(-1) for grad in grads]) * self.scale
+        reduced = all_reduce_sum(flat, self.arg.module.process_group)
+        start = 0
+        for param, grad in zip(self.pending, grads, strict=True):
+            param.grad = reduced[start:start + grad.numel()].view_as(grad)
+            start += grad.numel()
+        self.pending = []
+
+    def check_finished(self) -> None:
+        if self.arrived:
+            raise PrecompileError(
+                f"a backward in fn gave gradients to {self.arrived} of the {self.count} "
+                f"parameters of model argument {self.arg.argument} (a DistributedDataParallel); "
+                "DDP reduces a backward's gradients only once every parameter has one, and "
+                "find_unused_parameters is refused. Make each backward reach every parameter, "
+                "or freeze the unused ones (requires_grad=False)."
+            )
 
 
 @contextlib.contextmanager
