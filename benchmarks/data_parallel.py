@@ -22,7 +22,8 @@ The package is byte-compiled first, as installing it does (a checkout run from s
 ``PYTHONDONTWRITEBYTECODE``, would compile its modules in every process).
 
 "First step" is the wall time from just before the parent starts a rank to that rank's first
-loss; "after the built model" is the same from the moment the model exists. Steady state is
+loss; "after the built model" is the same from the moment the model exists (``ours`` imports
+torch_precompile at the start, as a training script does at its top with torch). Steady state is
 the median step after warm-up. Peak memory is the rank's peak resident set (``ru_maxrss``)
 minus its resident set just before the model is built: what the model, its gradients, the
 step's activations and gathered parameters, and each mode's own machinery add. Each cell is
@@ -103,6 +104,8 @@ def child(job: str, mode: str, rank: int, port: int, t0: float, workdir: Path,
           args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
+    if mode in ("ours", "build"):
+        import torch_precompile  # noqa: F401  (a script imports it at its top, with torch)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=JOBS[job], timeout=datetime.timedelta(seconds=900))
     before = _rss_mb()
