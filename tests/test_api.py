@@ -21,7 +21,9 @@ from workloads import WORKLOADS
 
 
 def test_public_names() -> None:
-    assert torch_precompile.__all__ == ["PrecompileError", "__version__", "precompile"]
+    assert torch_precompile.__all__ == ["PrecompileError", "__version__", "capture", "load",
+                                        "precompile"]
+    assert torch_precompile.capture.__module__ == "torch_precompile.capture_session"
     assert precompile.PrecompileError is PrecompileError
     assert issubclass(PrecompileError, RuntimeError)
     assert PrecompileError.__module__ == "torch_precompile"

@@ -145,3 +145,14 @@ def test_loading_paths_that_do_not_pair(tmp_path) -> None:
     run = precompile.load(other_code, tmp_path / "other.cache")  # source text, cache file
     assert_same(run(*WORKLOADS["mlp_infer"].args()),
                 WORKLOADS["mlp_infer"].fn(*WORKLOADS["mlp_infer"].args()))
+
+
+def test_a_signed_capture_loads_only_with_its_key(tmp_path) -> None:
+    key, fn, args = b"k" * 32, WORKLOADS[NAME].fn, WORKLOADS[NAME].args()
+    for cache_path in (None, tmp_path / "a.cache"):
+        with capture(fn, artifact_path=tmp_path / "a.py", cache_path=cache_path,
+                     sign_key=key) as cap:
+            cap(*args)
+        precompile.load(tmp_path / "a.py", cache_path, verify_key=key)
+        with pytest.raises(PrecompileError, match="signature"):
+            precompile.load(tmp_path / "a.py", cache_path, verify_key=b"x" * 32)
