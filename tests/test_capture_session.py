@@ -129,6 +129,14 @@ def test_errors_of_the_captured_call_reach_the_block(tmp_path) -> None:
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="backend must be one of"):
         capture(broken, artifact_path=tmp_path / "a.py", backend="tvm")
+    with pytest.raises(PrecompileError, match=r"unknown keywords \['backnd'\].*sign_key"):
+        capture(broken, artifact_path=tmp_path / "a.py", backnd="eager")
+    with pytest.raises(PrecompileError, match="artifact_path must be a file's path.*got 5"):
+        capture(broken, artifact_path=5)
+    (tmp_path / "dir.py").mkdir()
+    with pytest.raises(PrecompileError, match="cannot write .*dir.py.*not a directory"), \
+            capture(WORKLOADS[NAME].fn, artifact_path=tmp_path / "dir.py") as cap:
+        cap(*WORKLOADS[NAME].args())
 
 
 def test_loading_paths_that_do_not_pair(tmp_path) -> None:

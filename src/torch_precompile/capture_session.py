@@ -11,9 +11,10 @@ block: a second is refused, since a make_fx trace specializes on the call it saw
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -103,12 +104,7 @@ def capture(
     *,
     artifact_path: str | os.PathLike[str],
     cache_path: str | os.PathLike[str] | None = None,
-    backend: str = "inductor",
-    tracer: str = "make_fx",
-    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
-    sign_key: bytes | None = None,
-    progress: Callable[[str], None] | None = None,
-    compile_on_one_rank: bool = False,
+    **options: Any,
 ) -> CaptureSession:
     """Capture ``fn`` from the call your code makes inside a ``with`` block.
 
@@ -118,13 +114,25 @@ def capture(
     ``artifact_path`` and ``cache_path`` (by default a cache file beside the source, named
     after its hash, as ``precompile.save`` does); ``save()`` writes it earlier. A block that
     raises writes nothing new; a block without a call raises ``PrecompileError``. One call
-    per capture, and one use: to capture again, call ``capture()`` again. The keywords are
-    ``precompile()``'s.
+    per capture, and one use: to capture again, call ``capture()`` again. ``options`` are
+    ``precompile()``'s keywords (``backend``, ``sign_key``, ``compile_on_one_rank``, ...).
     """
     if not callable(fn):
         raise PrecompileError(f"fn must be callable, got {type(fn).__name__}.")
-    options = BuildOptions(backend=backend, tracer=tracer, decompositions=decompositions,
-                           sign_key=sign_key, progress=progress,
-                           compile_on_one_rank=compile_on_one_rank)
-    return CaptureSession(fn, Path(artifact_path),
-                          None if cache_path is None else Path(cache_path), options)
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(BuildOptions)})
+    if unknown:
+        raise PrecompileError(
+            f"capture() got unknown keywords {unknown}; it takes artifact_path, cache_path "
+            "and precompile()'s keywords: "
+            f"{', '.join(f.name for f in dataclasses.fields(BuildOptions))}."
+        )
+    return CaptureSession(fn, _path(artifact_path, "artifact_path"),
+                          None if cache_path is None else _path(cache_path, "cache_path"),
+                          BuildOptions(**options))
+
+
+def _path(value: Any, name: str) -> Path:
+    if not isinstance(value, str | os.PathLike) or not str(value):
+        raise PrecompileError(f"{name} must be a file's path (a str or os.PathLike), got "
+                              f"{value!r}.")
+    return Path(value)

@@ -142,9 +142,12 @@ def _write_atomically(target: Path, data: bytes) -> None:
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, target)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             temp.unlink()
+        if isinstance(e, OSError):
+            raise PrecompileError(f"cannot write {target}: {e}. Nothing there was replaced; "
+                                  "pick a writable path that is not a directory.") from e
         raise
     _sync_directory(target.parent)
 

@@ -26,9 +26,9 @@ from torch_precompile.spec import spec_literal
 log = logging.getLogger("torch_precompile")
 MAGIC = importlib.util.MAGIC_NUMBER.hex()
 _SEAL = re.compile(
-    r"\n# The cache holds this file compiled by CPython \(magic ([0-9a-f]+)\), sealed with "
-    r"sha256\n# ([0-9a-f]{64})\.\n\Z")
-_SEAL_CHARS = 200  # the seal line is the last line: search only the file's end
+    r"\n# The cache holds this file compiled by CPython \(magic ([0-9a-f]+)\); load\(\) runs that "
+    r"copy\n# only if this seal matches it and the lines above:\n# sha256 ([0-9a-f]{64})\.\n\Z")
+_SEAL_CHARS = 400  # the seal is the file's last lines: search only the file's end
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,9 @@ def seal(python_code: str) -> tuple[str, dict[str, Any]]:
     """The source with its seal line, and the cache entry holding its compiled form."""
     code = compile(python_code, filename(python_code), "exec")
     blob = marshal.dumps((code, spec_literal(python_code)))
-    sealed = (f"{python_code}\n# The cache holds this file compiled by CPython (magic {MAGIC}), "
-              f"sealed with sha256\n# {_digest(python_code, blob)}.\n")
+    sealed = (f"{python_code}\n# The cache holds this file compiled by CPython (magic {MAGIC}); "
+              "load() runs that copy\n# only if this seal matches it and the lines above:\n"
+              f"# sha256 {_digest(python_code, blob)}.\n")
     return sealed, {"magic": MAGIC, "sha256": hashlib.sha256(blob).hexdigest(), "module": blob}
 
 

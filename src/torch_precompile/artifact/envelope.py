@@ -7,6 +7,7 @@ is an error; anything else wrong with it just means running without acceleration
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import logging
@@ -23,7 +24,9 @@ VERSION = 1
 log = logging.getLogger("torch_precompile")
 
 
+@functools.lru_cache(maxsize=2)
 def code_hash(python_code: str) -> str:
+    """sha256 of the source; remembered, since one load asks for it several times."""
     return hashlib.sha256(python_code.encode()).hexdigest()
 
 

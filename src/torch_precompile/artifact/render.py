@@ -49,7 +49,7 @@ _HEADER = '''\
 {checks}
 #
 # Sections: 1. the spec (ARTIFACT_SPEC, the calling convention)  2. the compiled graph,
-# call(flat_inputs)  3. the driver: forward's checks, in call order.
+# call(flat_inputs)  3. the driver: forward's checks, in call order. Last, the seal.
 '''
 
 _CHECKS = (
