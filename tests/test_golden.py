@@ -100,3 +100,13 @@ def test_load_refuses_a_newer_version_before_running_anything(tmp_path: Path) ->
     with pytest.raises(PrecompileError, match=(
             f"schema version {spec.SCHEMA_VERSION + 1}; .*Upgrade torch-precompile")):
         precompile.load(code, None)
+
+
+def test_an_older_inductor_artifact_needing_builds_without_its_cache_is_refused() -> None:
+    """Its source does not record the vector width its kernels were written for: building
+    them for this CPU's width could corrupt memory, so without the cache to tell it, no."""
+    code = (GOLDEN / "schema6-inductor.artifact").read_text()
+    match = ("was built with torch 2.13.0" if torch_build().version.split("+")[0] != MADE_UNDER
+             else "does not record the vector width that source was generated for")
+    with pytest.raises(PrecompileError, match=match):
+        precompile.load(code, None)

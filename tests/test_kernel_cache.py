@@ -7,13 +7,14 @@ import io
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from torch_precompile import precompile
+from torch_precompile import PrecompileError, precompile
 from torch_precompile.artifact import envelope
 from torch_precompile.artifact import kernel_payload as kernels
 from torch_precompile.artifact.kernel_payload import read_payload
@@ -207,3 +208,33 @@ def test_cache_holds_every_kernel_of_the_artifact(artifacts, tmp_path) -> None:
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"inductor_imported": False}
     assert "will be built" not in proc.stderr
     assert not marker.exists(), marker.read_text()
+
+
+def test_kernels_built_without_the_cache_take_the_width_they_were_written_for(
+        tmp_path) -> None:
+    """Kernels generated for 256-bit vectors, built in a fresh process without the cache,
+    compute the right result also where this CPU's own vectors are wider."""
+    from torch._inductor import config as inductor_config
+
+    from torch_precompile.internals.inductor import vector_bits
+
+    if vector_bits() < 256:
+        pytest.skip("this CPU has no 256-bit vectors")
+    workload = WORKLOADS["mlp_infer"]
+    with inductor_config.patch({"cpp.simdlen": 256}):
+        code, _ = precompile(workload.fn, *workload.args())
+    assert "vector_bits=256)" in code
+    paths = _write_pair(tmp_path, "mlp_infer", code, b"")
+    proc = run_python(FRESH_LOAD.replace("open({cache!r}, \"rb\").read()", "None").format(
+        name="mlp_infer", **paths), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ic")},
+        timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_kernels_for_a_width_this_cpu_lacks_are_refused_not_built(artifacts) -> None:
+    code, _ = artifacts.pair("mlp_infer", "inductor")
+    wider = re.sub(r"vector_bits=\d+\)", "vector_bits=1024)", code)
+    assert wider != code
+    with pytest.raises(PrecompileError, match="generated for 1024-bit vectors and this CPU has "
+                       "no vector unit of that width"):
+        precompile.load(wider, None)

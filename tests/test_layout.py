@@ -60,3 +60,17 @@ def test_channels_last_example_round_trips(backend: str) -> None:
             run(model, other)
     else:
         assert_same(run(model, other), model(other))
+
+
+def test_parameter_relaid_in_place_after_a_call(artifacts) -> None:
+    """The driver's remembered check of a model it has seen still sees a changed layout: the
+    kernels' own asserts of the inputs it checks are left out of the artifact."""
+    code, _ = artifacts.pair("mlp_infer", "inductor")
+    assert "assert_size_stride(arg" not in code and "assert_size_stride_grouped((arg" not in code
+    run = artifacts.load("mlp_infer", "inductor")
+    model, x = WORKLOADS["mlp_infer"].args()
+    run(model, x)
+    model.fc1.weight.data = _transposed_copy(model.fc1.weight.detach())
+    with pytest.raises(PrecompileError, match="model parameter 'fc1.weight': the compiled "
+                       "kernels assume strides"):
+        run(model, x)

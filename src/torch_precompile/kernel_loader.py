@@ -6,6 +6,10 @@ imports only torch and the standard library and never uses ``from __future__``. 
 ``PRECOMPILED_KERNELS`` ({kernel key: callable}); any other kernel, and anything else the
 wrapper asks of Inductor, goes to the real ``torch._inductor``, imported only then. A load
 with every kernel prebuilt therefore never imports Inductor and never runs a compiler.
+
+A kernel's source is written for one vector width (its loops step by that many lanes), so a
+kernel built here is built for the width it was generated for, or refused where this CPU has
+no such vector unit: built for another width, it would read and write past its buffers.
 """
 
 import hashlib
@@ -23,11 +27,19 @@ def kernel_key(argtypes: Any, source_code: str, options: Mapping[str, Any]) -> s
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-class KernelLoader:
-    """Replaces ``AsyncCompile()``: hands out prebuilt kernels, builds the rest on demand."""
+class KernelBuildRefused(RuntimeError):
+    """A kernel that this process would have to build cannot be built correctly here."""
 
-    def __init__(self, prebuilt: Mapping[str, Callable[..., Any]]) -> None:
+
+class KernelLoader:
+    """Replaces ``AsyncCompile()``: hands out prebuilt kernels, builds the rest on demand.
+
+    ``vector_bits`` is the vector width the kernels' source was generated for (0: scalar).
+    """
+
+    def __init__(self, prebuilt: Mapping[str, Callable[..., Any]], vector_bits: int) -> None:
         self.prebuilt = prebuilt
+        self.vector_bits = vector_bits
         self.built_here: list[str] = []
         self._inductor: Any = None
 
@@ -37,7 +49,19 @@ class KernelLoader:
         if kernel is not None:
             return kernel
         self.built_here.append(key)
-        return self._jit().cpp_pybinding(argtypes, source_code, **options)
+        from torch._inductor import config
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        with config.patch({"cpp.simdlen": self.vector_bits}):
+            found = pick_vec_isa().bit_width()
+            if found != self.vector_bits:
+                raise KernelBuildRefused(
+                    f"these kernels were generated for {self.vector_bits}-bit vectors and this "
+                    "CPU has no vector unit of that width, so they cannot be built here. Pass "
+                    "the cache built with them on a machine like the one they were made on, "
+                    "or precompile again on this machine."
+                )
+            return self._jit().cpp_pybinding(argtypes, source_code, **options)
 
     def wait(self, scope: dict[str, Any]) -> None:
         if self._inductor is not None:

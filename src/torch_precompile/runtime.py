@@ -92,7 +92,8 @@ def _load(python_code: str, cache: bytes | None, verify_key: bytes | None) -> Lo
         pinned = ({k.key: k.sha256 for k in spec.kernels} if spec.schema_version >= 3
                   else None)  # older schemas name no kernel objects
         namespace["PRECOMPILED_KERNELS"] = load_built_kernels(contents.acceleration, pinned)
-    _execute(python_code, compiled, namespace)
+    width = _unrecorded_kernel_width(python_code, spec, contents, namespace)
+    _execute(python_code, compiled, namespace, width)
     forward = namespace.get("forward")
     # forward is bound on the artifact's last lines (before schema 3, PLAN was): without it
     # the file was cut short.
@@ -107,20 +108,76 @@ def _load(python_code: str, cache: bytes | None, verify_key: bytes | None) -> Lo
     return LoadedArtifact(forward, spec)
 
 
+# How an inductor artifact made before 0.8 creates its kernel loader: with no vector width.
+_LOADER_WITHOUT_WIDTH = "KernelLoader(globals().get('PRECOMPILED_KERNELS', {}))"
+
+
+def _unrecorded_kernel_width(python_code: str, spec: ArtifactSpec,
+                             contents: envelope.CacheContents | None,
+                             namespace: dict[str, Any]) -> int | None:
+    """The vector width to build an older artifact's missing kernels for (None: nothing to do).
+
+    Its source does not say which width its kernels were generated for, and built for another
+    one they read and write past their buffers. The width its cache's kernels were built for
+    is theirs; with no cache to tell it, a build is refused.
+    """
+    if spec.backend != "inductor" or _LOADER_WITHOUT_WIDTH not in python_code:
+        return None
+    prebuilt = namespace.get("PRECOMPILED_KERNELS", {})
+    if spec.schema_version >= 3 and all(k.key in prebuilt for k in spec.kernels):
+        return None
+    from torch_precompile.artifact.kernel_payload import built_vector_bits
+
+    bits = built_vector_bits(contents.acceleration if contents is not None else None)
+    if bits is None:
+        raise PrecompileError(
+            f"this artifact (schema {spec.schema_version}) needs kernels built from its source, "
+            "and does not record the vector width that source was generated for; built for "
+            "this CPU's width they could corrupt memory. Pass the cache precompile() returned "
+            "with it, or precompile again with this version, which records the width."
+        )
+    return bits
+
+
 def _execute(python_code: str, compiled: bytecode.CompiledModule | None,
-             namespace: dict[str, Any]) -> None:
-    """Run the artifact's module: its code from the cache, else compiled from the source."""
+             namespace: dict[str, Any], vector_bits: int | None = None) -> None:
+    """Run the artifact's module: its code from the cache, else compiled from the source
+    (with an older artifact's kernels built for ``vector_bits``, when given)."""
     filename = bytecode.filename(python_code)
     # Registered so that tracebacks through the artifact show its source lines.
     linecache.cache[filename] = (len(python_code), None, python_code.splitlines(True), filename)
+    code = compiled.code if compiled is not None else compile(python_code, filename, "exec")
     try:
-        exec(compiled.code if compiled is not None else compile(python_code, filename, "exec"),
-             namespace)
+        if vector_bits is None:
+            exec(code, namespace)
+        else:
+            with _kernels_built_for(vector_bits):
+                exec(code, namespace)
+    except PrecompileError:
+        raise
     except Exception as e:
+        if type(e).__name__ == "KernelBuildRefused":  # kernel_loader's, inside the artifact
+            raise PrecompileError(str(e)) from e
         raise PrecompileError(
             f"executing python_code failed ({type(e).__name__}: {e}); it is damaged, or needs "
             "what this process lacks (with no usable cache, a C++ compiler to build kernels)."
         ) from e
+
+
+@contextlib.contextmanager
+def _kernels_built_for(bits: int) -> Iterator[None]:
+    from torch._inductor import config
+
+    from torch_precompile.internals.inductor import vector_bits
+
+    with config.patch({"cpp.simdlen": bits}):
+        if vector_bits() != bits:
+            raise PrecompileError(
+                f"this artifact's kernels were generated for {bits}-bit vectors and this CPU "
+                "has no vector unit of that width, so they cannot be built here. Precompile "
+                "again on this machine."
+            )
+        yield
 
 
 def check_torch_build(spec: ArtifactSpec) -> None:

@@ -116,6 +116,20 @@ def load_built_kernels(acceleration: bytes, pinned: Mapping[str, str] | None
     return loaded
 
 
+# The vector width Inductor picks for each ATen CPU capability (x86: the only ones it can
+# name from a fingerprint alone).
+_CAPABILITY_BITS = {"AVX512": 512, "AVX2": 256}
+
+
+def built_vector_bits(acceleration: bytes | None) -> int | None:
+    """The vector width the payload's kernels were built for, where its fingerprint says."""
+    try:
+        fingerprint = read_payload(acceleration or b"")["fingerprint"]
+    except Exception:
+        return None
+    return _CAPABILITY_BITS.get(fingerprint.get("cpu_capability"))
+
+
 def write_payload(fingerprint: dict[str, Any], kernels: Mapping[str, dict[str, Any]]) -> bytes:
     """The payload of ``kernels`` ({key: {"module", "object", "sha256"}})."""
     header = {"fingerprint": fingerprint,

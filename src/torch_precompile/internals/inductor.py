@@ -146,6 +146,33 @@ def asserted_inputs(wrapper: str) -> list[str]:
     return names
 
 
+def without_input_asserts(wrapper: str, names: set[str]) -> str:
+    """The wrapper without its layout asserts of the inputs ``names`` (a grouped assert keeps
+    the inputs not in ``names``)."""
+    lines = wrapper.splitlines(keepends=True)
+    statements = [n for n in ast.walk(ast.parse(wrapper)) if isinstance(n, ast.Expr)]
+    for node in sorted(statements, key=lambda n: -n.lineno):  # bottom up: lines shift
+        call = node.value
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.args):
+            continue
+        first = call.args[0]
+        if call.func.id == "assert_size_stride" and isinstance(first, ast.Name):
+            kept = [] if first.id in names else None
+        elif call.func.id == "assert_size_stride_grouped" and isinstance(first, ast.Tuple):
+            kept = [e for e in first.elts if not (isinstance(e, ast.Name) and e.id in names)]
+            kept = None if len(kept) == len(first.elts) else kept
+            if kept:
+                call.args[0] = ast.Tuple(elts=kept, ctx=ast.Load())
+        else:
+            continue
+        if kept is None:
+            continue
+        start, end = node.lineno - 1, node.end_lineno or node.lineno
+        indent = lines[start][: len(lines[start]) - len(lines[start].lstrip())]
+        lines[start:end] = [f"{indent}{ast.unparse(call)}\n"] if kept else []
+    return "".join(lines)
+
+
 def _replace_once(source: str, old: str, new: str) -> str:
     count = source.count(old)
     if count != 1:
@@ -157,9 +184,16 @@ def _replace_once(source: str, old: str, new: str) -> str:
     return source.replace(old, new)
 
 
-def wrapper_with_stand_ins(wrapper: str) -> str:
+def vector_bits() -> int:
+    """The vector width, in bits, Inductor generates C++ kernels for here (0: scalar)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return int(pick_vec_isa().bit_width())
+
+
+def wrapper_with_stand_ins(wrapper: str, bits: int) -> str:
     """The wrapper with its Inductor imports replaced by the stand-ins of ``kernel_loader``
-    and its ``call`` renamed ``inductor_call``."""
+    (kernels generated for ``bits``-bit vectors) and its ``call`` renamed ``inductor_call``."""
 
     def stand_in(match: re.Match[str]) -> str:
         module, name, alias = match.groups()
@@ -178,7 +212,8 @@ def wrapper_with_stand_ins(wrapper: str) -> str:
         )
     source = _replace_once(
         source, "\nasync_compile = AsyncCompile()\n",
-        "\nasync_compile = KernelLoader(globals().get('PRECOMPILED_KERNELS', {}))\n")
+        "\nasync_compile = KernelLoader(globals().get('PRECOMPILED_KERNELS', {}), "
+        f"vector_bits={bits})\n")
     return _replace_once(source, "\ncall = runner.call\n", "\ninductor_call = runner.call\n")
 
 

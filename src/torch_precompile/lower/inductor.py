@@ -22,6 +22,8 @@ from torch_precompile.internals.inductor import (
     compile_to_wrapper,
     data_dependent_condition,
     retrace_for_inductor,
+    vector_bits,
+    without_input_asserts,
     wrapper_with_stand_ins,
 )
 from torch_precompile.internals.tracing import (
@@ -32,6 +34,7 @@ from torch_precompile.internals.tracing import (
 from torch_precompile.lower import LoweredGraph
 from torch_precompile.lower.kernels import collect_built_kernels
 from torch_precompile.shipped import import_block, shipped_source
+from torch_precompile.spec import ArtifactSpec, Layout
 from torch_precompile.trace import Capture
 from torch_precompile.trace.checks import MAX_LITERAL_ELEMENTS, literal_source
 
@@ -61,13 +64,17 @@ def lower_inductor(capture: Capture) -> LoweredGraph:
     wrapper = _compile(graph, capture.fake_mode, capture.symbol_names)
     input_names = [n.name for n in graph.graph.find_nodes(op="placeholder")]
     strides = _asserted_strides(wrapper, input_names, capture)
+    # The driver checks these layouts before every call (the model walk or its memo, the
+    # input checks); Inductor's own assert of each would repeat that check per call.
+    wrapper = without_input_asserts(
+        wrapper, {input_names[i] for i in _driver_checked(capture.spec, strides)})
     stand_ins = shipped_source(kernel_loader)
     source = "\n".join([
         stand_ins.comment,
         import_block(stand_ins.imports),
         stand_ins.body,
         f"{GENERATED_START}, its torch._inductor imports replaced by the stand-ins above.",
-        wrapper_with_stand_ins(wrapper).strip("\n"),
+        wrapper_with_stand_ins(wrapper, vector_bits()).strip("\n"),
         GENERATED_END,
         *_literal_lines(capture),
         _call_source(capture, tensor_outputs, constants, len(outputs)),
@@ -262,14 +269,12 @@ def _inductor_failure(
 
 
 
-def _asserted_strides(
-    wrapper: str, input_names: list[str], capture: Capture
-) -> list[tuple[int, ...] | str | None]:
+def _asserted_strides(wrapper: str, input_names: list[str], capture: Capture) -> list[Layout]:
     """The layout Inductor asserts for each flat input: its strides, or for an input with
     dynamic dims its memory-format name; None where the kernels never read it."""
     index = {name: i for i, name in enumerate(input_names)}
     num_inputs = len(capture.example_inputs)
-    strides: list[tuple[int, ...] | str | None] = [None] * num_inputs
+    strides: list[Layout] = [None] * num_inputs
     for name in asserted_inputs(wrapper):
         i = index.get(name)
         if i is not None and i < num_inputs:
@@ -277,6 +282,17 @@ def _asserted_strides(
                 int(s) for s in capture.example_inputs[i].stride()
             )
     return strides
+
+
+def _driver_checked(spec: ArtifactSpec, strides: list[Layout]) -> list[int]:
+    """The flat inputs whose static layout the driver checks exactly on every call: plain
+    model tensors and plain tensor inputs. Optimizer state, DTensor shards and subclasses'
+    inner tensors keep Inductor's asserts."""
+    carried = {d.index for d in (*spec.distributed, *spec.wrapped) if d.role == "input"}
+    checked = (len([t for t in spec.model if t.tied_to is None])
+               + len([leaf for leaf in spec.inputs if leaf.kind == "tensor"]))
+    return [i for i in range(min(checked, len(strides)))
+            if i not in carried and isinstance(strides[i], tuple)]
 
 
 def _literal_lines(capture: Capture) -> list[str]:
