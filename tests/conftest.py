@@ -32,17 +32,19 @@ class Artifacts:
     """Builds each workload's artifact pair once per backend, for the whole session."""
 
     def __init__(self) -> None:
-        self._built: dict[tuple[str, str], tuple[str, bytes]] = {}
+        self._built: dict[tuple[str, str, str], tuple[str, bytes]] = {}
 
-    def pair(self, name: str, backend: str) -> tuple[str, bytes]:
-        key = (name, backend)
+    def pair(self, name: str, backend: str, wrapper: str = "python") -> tuple[str, bytes]:
+        key = (name, backend, wrapper)
         if key not in self._built:
             workload = WORKLOADS[name]
-            self._built[key] = precompile(workload.fn, *workload.args(), backend=backend)
+            options = {"wrapper": wrapper} if wrapper != "python" else {}
+            self._built[key] = precompile(workload.fn, *workload.args(), backend=backend,
+                                          **options)
         return self._built[key]
 
-    def load(self, name: str, backend: str) -> Callable[..., Any]:
-        return precompile.load(*self.pair(name, backend))
+    def load(self, name: str, backend: str, wrapper: str = "python") -> Callable[..., Any]:
+        return precompile.load(*self.pair(name, backend, wrapper))
 
 
 @pytest.fixture(scope="session")
@@ -106,3 +108,58 @@ def run_python(script: str, *, block_package: bool = False, timeout: float = 300
         [sys.executable, "-c", prologue + textwrap.dedent(script)],
         capture_output=True, text=True, timeout=timeout, env=full_env,
     )
+
+
+# Fresh-process loads of an inductor pair (the kernel cache and C++ wrapper tests).
+COMPILERS = ["gcc", "g++", "cc", "c++", "clang", "clang++"]
+
+FRESH_LOAD = """
+    import json, os, sys, torch
+    from torch_precompile import precompile
+    from workloads import WORKLOADS
+    code = open({code!r}).read()
+    cache = open({cache!r}, "rb").read()
+    run = precompile.load(code, cache)
+    args = WORKLOADS[{name!r}].args()
+    result = run(*args)
+    expected = torch.load({expected!r})
+    torch.testing.assert_close(result, expected)
+    build_time = [name for name in sys.modules if name.startswith((
+        "torch_precompile.trace", "torch_precompile.lower", "torch_precompile.internals.tracing",
+        "torch_precompile.internals.inductor"))]
+    print(json.dumps({{"inductor_imported": "torch._inductor" in sys.modules,
+                      "build_time_modules": build_time}}))
+"""
+
+
+def poisoned_toolchain(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """PATH and CXX pointing at compilers that record being called and fail."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    marker = tmp_path / "compiler-was-called"
+    for name in COMPILERS:
+        tool = bin_dir / name
+        tool.write_text(f"#!/bin/sh\necho \"$0 $@\" >> {marker}\nexit 1\n")
+        tool.chmod(0o755)
+    cache_dir, tmp_dir = tmp_path / "inductor-cache", tmp_path / "tmp"
+    cache_dir.mkdir()
+    tmp_dir.mkdir()
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "CXX": str(bin_dir / "g++"),
+        "CC": str(bin_dir / "gcc"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
+        "TMPDIR": str(tmp_dir),
+    }
+    return env, marker
+
+
+def write_pair(tmp_path: Path, name: str, code: str, cache: bytes) -> dict[str, str]:
+    workload = WORKLOADS[name]
+    expected = workload.fn(*workload.args())
+    paths = {"code": tmp_path / "a.py", "cache": tmp_path / "a.cache",
+             "expected": tmp_path / "expected.pt"}
+    paths["code"].write_text(code)
+    paths["cache"].write_bytes(cache)
+    torch.save(expected, paths["expected"])
+    return {k: str(v) for k, v in paths.items()}

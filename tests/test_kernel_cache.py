@@ -6,7 +6,6 @@ import ast
 import io
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -19,67 +18,14 @@ from torch_precompile.artifact import envelope
 from torch_precompile.artifact import kernel_payload as kernels
 from torch_precompile.artifact.kernel_payload import read_payload
 
-from conftest import assert_same, run_python
+from conftest import FRESH_LOAD, assert_same, poisoned_toolchain, run_python, write_pair
 from workloads import WORKLOADS
-
-COMPILERS = ["gcc", "g++", "cc", "c++", "clang", "clang++"]
-
-FRESH_LOAD = """
-    import json, os, sys, torch
-    from torch_precompile import precompile
-    from workloads import WORKLOADS
-    code = open({code!r}).read()
-    cache = open({cache!r}, "rb").read()
-    run = precompile.load(code, cache)
-    args = WORKLOADS[{name!r}].args()
-    result = run(*args)
-    expected = torch.load({expected!r})
-    torch.testing.assert_close(result, expected)
-    build_time = [name for name in sys.modules if name.startswith((
-        "torch_precompile.trace", "torch_precompile.lower", "torch_precompile.internals.tracing",
-        "torch_precompile.internals.inductor"))]
-    print(json.dumps({{"inductor_imported": "torch._inductor" in sys.modules,
-                      "build_time_modules": build_time}}))
-"""
-
-
-def _poisoned_toolchain(tmp_path: Path) -> tuple[dict[str, str], Path]:
-    """PATH and CXX pointing at compilers that record being called and fail."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    marker = tmp_path / "compiler-was-called"
-    for name in COMPILERS:
-        tool = bin_dir / name
-        tool.write_text(f"#!/bin/sh\necho \"$0 $@\" >> {marker}\nexit 1\n")
-        tool.chmod(0o755)
-    cache_dir, tmp_dir = tmp_path / "inductor-cache", tmp_path / "tmp"
-    cache_dir.mkdir()
-    tmp_dir.mkdir()
-    env = {
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "CXX": str(bin_dir / "g++"),
-        "CC": str(bin_dir / "gcc"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
-        "TMPDIR": str(tmp_dir),
-    }
-    return env, marker
-
-
-def _write_pair(tmp_path: Path, name: str, code: str, cache: bytes) -> dict[str, str]:
-    workload = WORKLOADS[name]
-    expected = workload.fn(*workload.args())
-    paths = {"code": tmp_path / "a.py", "cache": tmp_path / "a.cache",
-             "expected": tmp_path / "expected.pt"}
-    paths["code"].write_text(code)
-    paths["cache"].write_bytes(cache)
-    torch.save(expected, paths["expected"])
-    return {k: str(v) for k, v in paths.items()}
 
 
 def test_cached_load_runs_no_compiler_and_imports_no_inductor(artifacts, tmp_path) -> None:
     code, cache = artifacts.pair("mlp_train", "inductor")
-    paths = _write_pair(tmp_path, "mlp_train", code, cache)
-    env, marker = _poisoned_toolchain(tmp_path)
+    paths = write_pair(tmp_path, "mlp_train", code, cache)
+    env, marker = poisoned_toolchain(tmp_path)
     proc = run_python(FRESH_LOAD.format(name="mlp_train", **paths), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert '"inductor_imported": false, "build_time_modules": []' in proc.stdout
@@ -91,8 +37,8 @@ def test_cached_load_runs_no_compiler_and_imports_no_inductor(artifacts, tmp_pat
 def test_poisoned_toolchain_really_fails_without_the_cache(artifacts, tmp_path) -> None:
     """The check above means something: without the cache the same process must build."""
     code, _ = artifacts.pair("mlp_train", "inductor")
-    paths = _write_pair(tmp_path, "mlp_train", code, b"")
-    env, marker = _poisoned_toolchain(tmp_path)
+    paths = write_pair(tmp_path, "mlp_train", code, b"")
+    env, marker = poisoned_toolchain(tmp_path)
     proc = run_python(FRESH_LOAD.format(name="mlp_train", **paths), env=env)
     assert proc.returncode != 0
     assert marker.exists()
@@ -110,7 +56,7 @@ def _repacked(code: str, cache: bytes, edit) -> bytes:
 def test_stale_fingerprint_rebuilds_in_a_fresh_process(artifacts, tmp_path) -> None:
     code, cache = artifacts.pair("mlp_infer", "inductor")
     stale = _repacked(code, cache, lambda p: p["fingerprint"].update(torch_git="0" * 40))
-    paths = _write_pair(tmp_path, "mlp_infer", code, stale)
+    paths = write_pair(tmp_path, "mlp_infer", code, stale)
     cache_dir = tmp_path / "inductor-cache"
     proc = run_python(FRESH_LOAD.format(name="mlp_infer", **paths),
                       env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}, timeout=900)
@@ -201,8 +147,8 @@ def test_cache_holds_every_kernel_of_the_artifact(artifacts, tmp_path) -> None:
     held, needed = len(payload["kernels"]), len(set(calls))
     assert held == needed, f"the cache holds {held} kernel objects, the source calls {needed}"
     assert payload["fingerprint"] == kernels.machine_fingerprint()
-    paths = _write_pair(tmp_path, "mlp_train", code, cache)
-    env, marker = _poisoned_toolchain(tmp_path)
+    paths = write_pair(tmp_path, "mlp_train", code, cache)
+    env, marker = poisoned_toolchain(tmp_path)
     proc = run_python(SERVED_PREBUILT.format(name="mlp_train", **paths), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"inductor_imported": False}
@@ -224,7 +170,7 @@ def test_kernels_built_without_the_cache_take_the_width_they_were_written_for(
     with inductor_config.patch({"cpp.simdlen": 256}):
         code, _ = precompile(workload.fn, *workload.args())
     assert "vector_bits=256)" in code
-    paths = _write_pair(tmp_path, "mlp_infer", code, b"")
+    paths = write_pair(tmp_path, "mlp_infer", code, b"")
     proc = run_python(FRESH_LOAD.replace("open({cache!r}, \"rb\").read()", "None").format(
         name="mlp_infer", **paths), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ic")},
         timeout=900)

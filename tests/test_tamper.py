@@ -125,7 +125,10 @@ def _cut_refusal(code: str, damaged: str) -> tuple[str, str | None]:
         return "does not compile", rf"executing python_code failed \({type(e).__name__}: "
     if _binds_forward(damaged):
         return "forward bound", None
-    return "forward not bound", "python_code ran but did not reach its end"
+    # A cut that still compiles runs until it ends, or until a statement it cut in two
+    # fails (a name cut short, say).
+    return "forward not bound", ("python_code ran but did not reach its end|executing "
+                                 "python_code failed")
 
 
 def test_damaged_sources(backend: str, artifacts) -> None:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 BACKENDS = ("inductor", "eager")
 TRACERS = ("make_fx", "dynamo")
+WRAPPERS = ("python", "cpp")
 
 # Tracing reparametrizes the caller's modules and swaps their .grad fields, and lowering drives
 # process-global compiler state: one capture at a time. Reentrant so that fn may itself call
@@ -49,6 +50,9 @@ class Precompile:
             ``loss.backward()`` (gradients then land on the runtime model's ``.grad``).
         example_inputs: positional arguments for one call of ``fn``.
         backend: ``"inductor"`` (compiled kernels) or ``"eager"`` (the captured ATen graph).
+        wrapper: for the inductor backend, what calls the kernels: ``"python"`` (Inductor's
+            Python wrapper) or ``"cpp"`` (its C++ wrapper, built into the cache beside the
+            kernels; the Python one is used, with a warning, where it cannot be).
         tracer: ``"make_fx"``; ``"dynamo"`` is not implemented yet.
         decompositions: optional ``{OpOverload: fn}`` table applied while tracing.
         sign_key: optional bytes; the returned cache then carries an HMAC over the pair, which
@@ -74,10 +78,11 @@ class Precompile:
         sign_key: bytes | None = None,
         progress: Callable[[str], None] | None = None,
         compile_on_one_rank: bool = False,
+        wrapper: str = "python",
     ) -> ArtifactPair:
         options = BuildOptions(backend=backend, tracer=tracer, decompositions=decompositions,
                                sign_key=sign_key, progress=progress,
-                               compile_on_one_rank=compile_on_one_rank)
+                               compile_on_one_rank=compile_on_one_rank, wrapper=wrapper)
         return build(fn, example_inputs, options)
 
     def load(
@@ -174,8 +179,17 @@ class BuildOptions:
     sign_key: bytes | None = None
     progress: Callable[[str], None] | None = None
     compile_on_one_rank: bool = False
+    wrapper: str = "python"
 
     def __post_init__(self) -> None:
+        if self.wrapper not in WRAPPERS:
+            raise PrecompileError(
+                f"wrapper must be one of {WRAPPERS}, got {self.wrapper!r}.")
+        if self.wrapper != "python" and self.backend != "inductor":
+            raise PrecompileError(
+                f"wrapper={self.wrapper!r} chooses how the inductor backend calls its kernels; "
+                f"backend={self.backend!r} has none. Leave wrapper out, or use "
+                "backend='inductor'.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
         if self.tracer not in TRACERS:
@@ -217,7 +231,7 @@ def _build(fn: Callable[..., Any], example_inputs: tuple[Any, ...], options: Bui
         captured = capture(fn, example_inputs, options.backend, options.decompositions,
                            on_fakes=on_fakes)
         report("lower")
-        lowered = _lower(captured, options.backend)
+        lowered = _lower(captured, options.backend, options.wrapper)
         spec = captured.spec.with_strides(lowered.input_strides).with_kernels(lowered.kernels)
         report("render")
         python_code = render(spec, lowered)
@@ -228,15 +242,15 @@ def _build(fn: Callable[..., Any], example_inputs: tuple[Any, ...], options: Bui
     return ArtifactPair(python_code, cache)
 
 
-def _lower(captured: Capture, backend: str) -> LoweredGraph:
-    """Realize the captured graph with ``backend``."""
+def _lower(captured: Capture, backend: str, wrapper: str) -> LoweredGraph:
+    """Realize the captured graph with ``backend`` (and, for inductor, ``wrapper``)."""
     if backend == "eager":
         from torch_precompile.lower.eager import lower_eager
 
         return lower_eager(captured)
     from torch_precompile.lower.inductor import lower_inductor
 
-    return lower_inductor(captured)
+    return lower_inductor(captured, wrapper)
 
 
 Precompile.__module__ = "torch_precompile"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from torch_precompile.artifact import bytecode, envelope, signature
 from torch_precompile.errors import PrecompileError
+from torch_precompile.lower import WRAPPER_LINE
 from torch_precompile.spec import ArtifactSpec, InputLeaf, parse_spec
 from torch_precompile.storage import cache_path
 
@@ -77,9 +79,22 @@ def describe(path: Path) -> dict[str, Any]:
         "optimizers": _describe_optimizers(spec),
         "subclasses": _describe_subclasses(spec),
         "data_parallel": _describe_data_parallel(spec),
+        "wrapper": _describe_wrapper(code, spec),
         "cache": _describe_cache(code, spec, cache_file, cache),
     }
     return report
+
+
+def _describe_wrapper(code: str, spec: ArtifactSpec) -> str | None:
+    """What calls the kernels, as section 2 says (None for the eager backend)."""
+    if spec.backend != "inductor":
+        return None
+    said = re.search(f"^{re.escape(WRAPPER_LINE)}(.*)$", code, re.MULTILINE)
+    if said is None:
+        return "python"
+    if said[1].startswith("C++."):
+        return "cpp"
+    return "python (" + said[1].removeprefix("Python. ").rstrip(".") + ")"
 
 
 def _describe_data_parallel(spec: ArtifactSpec) -> list[str]:
@@ -261,6 +276,8 @@ def render(report: dict[str, Any]) -> str:
         inner = ", ".join(f"{attr} {shown}" for attr, shown in w["inner"].items())
         lines.append(f"  subclass  : {w['name']} is a {w['class']}: {inner}")
         lines.append(f"    flatten context {w['context']}")
+    if report.get("wrapper"):
+        lines.append(f"  wrapper   : {report['wrapper']}")
     cache = report["cache"]
     if not cache["present"]:
         lines.append(f"  cache     : missing ({Path(cache['path']).name}); loads build kernels")

@@ -49,19 +49,38 @@ class KernelLoader:
         if kernel is not None:
             return kernel
         self.built_here.append(key)
+        return self._build(lambda: self._jit().cpp_pybinding(argtypes, source_code, **options))
+
+    def load_pybinding(self, argtypes: list[str], main_code: str, **options: Any) -> Any:
+        """Replaces ``CppWrapperCodeCache.load_pybinding``: the C++ wrapper's entry point."""
+        key = kernel_key(argtypes, main_code, options)
+        entry = self.prebuilt.get(key)
+        if entry is not None:
+            return entry
+        self.built_here.append(key)
+
+        def build() -> Any:
+            from torch._inductor.codecache import CppWrapperCodeCache
+
+            return CppWrapperCodeCache.load_pybinding(argtypes=argtypes, main_code=main_code,
+                                                      **options)
+
+        return self._build(build)
+
+    def _build(self, build: Callable[[], Any]) -> Any:
+        """Build for the width the source was generated for; refuse where this CPU has none."""
         from torch._inductor import config
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         with config.patch({"cpp.simdlen": self.vector_bits}):
-            found = pick_vec_isa().bit_width()
-            if found != self.vector_bits:
+            if pick_vec_isa().bit_width() != self.vector_bits:
                 raise KernelBuildRefused(
                     f"these kernels were generated for {self.vector_bits}-bit vectors and this "
                     "CPU has no vector unit of that width, so they cannot be built here. Pass "
                     "the cache built with them on a machine like the one they were made on, "
                     "or precompile again on this machine."
                 )
-            return self._jit().cpp_pybinding(argtypes, source_code, **options)
+            return build()
 
     def wait(self, scope: dict[str, Any]) -> None:
         if self._inductor is not None:

@@ -146,8 +146,8 @@ def _execute(python_code: str, compiled: bytecode.CompiledModule | None,
     filename = bytecode.filename(python_code)
     # Registered so that tracebacks through the artifact show its source lines.
     linecache.cache[filename] = (len(python_code), None, python_code.splitlines(True), filename)
-    code = compiled.code if compiled is not None else compile(python_code, filename, "exec")
     try:
+        code = compiled.code if compiled is not None else compile(python_code, filename, "exec")
         if vector_bits is None:
             exec(code, namespace)
         else:

@@ -199,7 +199,7 @@ def _load_object(key: str, entry: dict[str, Any]) -> Callable[..., Any]:
     module = sys.modules.get(name)
     if module is None:
         module = sys.modules[name] = _import_extension(name, data)
-    return module.kernel
+    return getattr(module, entry["module"])  # the entry point is named like the module
 
 
 def _import_extension(name: str, data: bytes) -> ModuleType:

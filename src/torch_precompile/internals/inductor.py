@@ -20,14 +20,20 @@ import torch
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.tracing import FakeTensor, FakeTensorMode, make_fx
 
-# Inductor settings the artifact depends on: stride asserts on (the layout contract), the
-# Python wrapper (section 2 is Python source), no benchmark harness in the source.
+# Inductor settings the artifact depends on: stride asserts on (the layout contract), no
+# benchmark harness in the source. Which wrapper Inductor writes is compile_to_wrapper's
+# argument.
 INDUCTOR_OPTIONS: dict[str, Any] = {
     "size_asserts": True,
-    "cpp_wrapper": False,
     "benchmark_harness": False,
     "freezing": False,
 }
+# The C++ source and the building of Inductor's C++ wrapper, in the module it generates.
+_CPP_WRAPPER_SOURCE = "cpp_wrapper_src"
+_CPP_WRAPPER_BUILD = "CppWrapperCodeCache.load_pybinding"
+# One layout assert of an input in the C++ wrapper.
+_CPP_INPUT_ASSERT = re.compile(r'^\s*assert_size_stride\((\w+), \{[^}]*\}, \{[^}]*\}, "input"\);$',
+                               re.MULTILINE)
 _INDUCTOR_IMPORT = re.compile(r"^from (torch\._inductor[\w.]*) import (\w+)(?: as (\w+))?$",
                               re.MULTILINE)
 
@@ -84,10 +90,11 @@ def _eager_layout_cat(inductor_cat: Any, tensors: list[torch.Tensor], dim: int =
 
 
 def compile_to_wrapper(graph: torch.fx.GraphModule, fake_mode: FakeTensorMode | None,
-                       options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Compile ``graph`` with Inductor; return the generated wrapper module's source and the
-    tensor constants it names (``constant0 = None`` in the source; Inductor sets them on the
-    loaded module)."""
+                       options: dict[str, Any], cpp_wrapper: bool = False
+                       ) -> tuple[str, dict[str, Any]]:
+    """Compile ``graph`` with Inductor, its wrapper in Python or (``cpp_wrapper``) C++; return
+    the generated wrapper module's source and the tensor constants it names (``constant0 =
+    None`` in the source; Inductor sets them on the loaded module)."""
     import torch._inductor.config as inductor_config
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx_inner
@@ -98,11 +105,14 @@ def compile_to_wrapper(graph: torch.fx.GraphModule, fake_mode: FakeTensorMode | 
     # Without a tracing context Inductor bypasses its FX graph cache.
     with tracing(TracingContext(fake_mode or FakeTensorMode())), inductor_config.patch(
             {**INDUCTOR_OPTIONS, **options}):
-        compiled = compile_fx_inner(graph, fake_inputs, is_inference=True)
+        compiled = compile_fx_inner(graph, fake_inputs, is_inference=True,
+                                    cpp_wrapper=cpp_wrapper)
     source = getattr(compiled, "source_code", None)
-    if not source or "runner.call" not in source:
+    expected = _CPP_WRAPPER_BUILD if cpp_wrapper else "runner.call"
+    if not source or expected not in source:
+        kind = "C++" if cpp_wrapper else "Python"
         raise PrecompileError(
-            "Inductor produced no Python wrapper for this graph; use backend='eager'."
+            f"Inductor produced no {kind} wrapper for this graph; use backend='eager'."
         )
     return source, dict(getattr(compiled, "constants", None) or {})
 
@@ -127,7 +137,10 @@ def asserted_inputs(wrapper: str) -> list[str]:
 
     torch 2.13 writes ``assert_size_stride(name, sizes, strides)`` per input; from 2.14 inputs
     checked at one spot share ``assert_size_stride_grouped((a, b), sizes, strides, 'input')``.
+    The C++ wrapper asserts each input on a line of its own.
     """
+    if is_cpp_wrapper(wrapper):
+        return _CPP_INPUT_ASSERT.findall(cpp_wrapper_source(wrapper))
     names: list[str] = []
     for node in ast.walk(ast.parse(wrapper)):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
@@ -146,9 +159,29 @@ def asserted_inputs(wrapper: str) -> list[str]:
     return names
 
 
+def is_cpp_wrapper(wrapper: str) -> bool:
+    return f"\n{_CPP_WRAPPER_SOURCE} = (" in wrapper
+
+
+def cpp_wrapper_source(wrapper: str) -> str:
+    """The C++ source of a C++ wrapper module."""
+    for node in ast.parse(wrapper).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == _CPP_WRAPPER_SOURCE):
+            return str(ast.literal_eval(node.value))
+    raise PrecompileError(
+        f"internal: Inductor's C++ wrapper module has no {_CPP_WRAPPER_SOURCE} (torch "
+        f"{torch.__version__}); this torch release is not supported yet. Use wrapper='python'."
+    )
+
+
 def without_input_asserts(wrapper: str, names: set[str]) -> str:
     """The wrapper without its layout asserts of the inputs ``names`` (a grouped assert keeps
-    the inputs not in ``names``)."""
+    the inputs not in ``names``). A C++ wrapper keeps its asserts: its source is what the
+    build of its shared object is keyed on."""
+    if is_cpp_wrapper(wrapper):
+        return wrapper
     lines = wrapper.splitlines(keepends=True)
     statements = [n for n in ast.walk(ast.parse(wrapper)) if isinstance(n, ast.Expr)]
     for node in sorted(statements, key=lambda n: -n.lineno):  # bottom up: lines shift
@@ -203,6 +236,10 @@ def wrapper_with_stand_ins(wrapper: str, bits: int) -> str:
             return "extern_kernels = ExternKernels()"
         return f"{alias or name} = LazyImport({module!r}, {name!r})"
 
+    loader = ("KernelLoader(globals().get('PRECOMPILED_KERNELS', {}), "
+              f"vector_bits={bits})")
+    if is_cpp_wrapper(wrapper):
+        return _cpp_wrapper_with_stand_ins(wrapper, loader)
     source, count = _INDUCTOR_IMPORT.subn(stand_in, wrapper)
     if not count or "AsyncCompile: replaced" not in source:
         raise PrecompileError(
@@ -210,11 +247,23 @@ def wrapper_with_stand_ins(wrapper: str, bits: int) -> str:
             f"{torch.__version__}); this torch release is not supported by this "
             "torch-precompile yet. Use backend='eager'."
         )
-    source = _replace_once(
-        source, "\nasync_compile = AsyncCompile()\n",
-        "\nasync_compile = KernelLoader(globals().get('PRECOMPILED_KERNELS', {}), "
-        f"vector_bits={bits})\n")
+    source = _replace_once(source, "\nasync_compile = AsyncCompile()\n",
+                           f"\nasync_compile = {loader}\n")
     return _replace_once(source, "\ncall = runner.call\n", "\ninductor_call = runner.call\n")
+
+
+def _cpp_wrapper_with_stand_ins(wrapper: str, loader: str) -> str:
+    """A C++ wrapper module whose shared object comes from the kernel loader: prebuilt from
+    the cache, else built here from ``cpp_wrapper_src``."""
+    source = _replace_once(wrapper, "\nfrom torch._inductor.codecache import CppWrapperCodeCache\n",
+                           f"\nCppWrapperCodeCache = {loader}\n")
+    if _INDUCTOR_IMPORT.search(source):
+        raise PrecompileError(
+            "internal: Inductor's C++ wrapper module imports more of torch._inductor than "
+            f"this torch-precompile replaces (torch {torch.__version__}). Use wrapper='python'."
+        )
+    return _replace_once(source, "\ncall = _wrap_func(inductor_entry)\n",
+                         "\ninductor_call = _wrap_func(inductor_entry)\n")
 
 
 def built_kernel_object(argtypes: list[str], source: str, options: dict[str, Any]
@@ -224,6 +273,38 @@ def built_kernel_object(argtypes: list[str], source: str, options: dict[str, Any
 
     function = CppPythonBindingsCodeCache.load_pybinding(argtypes, source, **options)
     return function.__self__.__name__.rpartition(".")[2], Path(function.__self__.__file__)
+
+
+def built_wrapper_object(argtypes: list[str], source: str, options: dict[str, Any]
+                         ) -> tuple[str, Path]:
+    """The module name and shared-object path of the C++ wrapper Inductor just built."""
+    from torch._inductor.codecache import CppWrapperCodeCache
+
+    function = CppWrapperCodeCache.load_pybinding(argtypes=argtypes, main_code=source,
+                                                  **options)
+    return function.__self__.__name__.rpartition(".")[2], Path(function.__self__.__file__)
+
+
+def cpp_wrapper_build(wrapper_source: str) -> tuple[list[str], str, dict[str, Any]] | None:
+    """How a C++ wrapper module builds its shared object: (argtypes, source, options) of its
+    ``CppWrapperCodeCache.load_pybinding(...)``; None for a Python wrapper."""
+    if not is_cpp_wrapper(wrapper_source):
+        return None
+    for node in ast.walk(ast.parse(wrapper_source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and ast.unparse(node.func) == _CPP_WRAPPER_BUILD and not node.args):
+            keywords = {k.arg: k.value for k in node.keywords if k.arg}
+            if (isinstance(keywords.get("main_code"), ast.Name)
+                    and keywords["main_code"].id == _CPP_WRAPPER_SOURCE):
+                options = {k: ast.literal_eval(v) for k, v in keywords.items()
+                           if k not in ("argtypes", "main_code")}
+                return (ast.literal_eval(keywords["argtypes"]),
+                        cpp_wrapper_source(wrapper_source), options)
+    raise PrecompileError(
+        f"internal: Inductor's C++ wrapper module does not build {_CPP_WRAPPER_SOURCE} in the "
+        f"expected form (torch {torch.__version__}); this torch release is not supported yet. "
+        "Use wrapper='python'."
+    )
 
 
 def cpp_kernel_calls(wrapper_source: str) -> list[tuple[list[str], str, dict[str, Any]]]:

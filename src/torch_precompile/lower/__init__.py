@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from torch_precompile.spec import KernelObject
 
+# The line of an inductor artifact's section 2 that says which wrapper calls the kernels (no
+# such line: the Python one).
+WRAPPER_LINE = "# Wrapper: "
+
 
 @dataclass(frozen=True)
 class LoweredGraph:

@@ -9,6 +9,7 @@ puts back the constant outputs and re-creates outputs that alias inputs.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -31,7 +32,7 @@ from torch_precompile.internals.tracing import (
     FakeTensor,
     operator_schema,
 )
-from torch_precompile.lower import LoweredGraph
+from torch_precompile.lower import WRAPPER_LINE, LoweredGraph
 from torch_precompile.lower.kernels import collect_built_kernels
 from torch_precompile.shipped import import_block, shipped_source
 from torch_precompile.spec import ArtifactSpec, Layout
@@ -39,6 +40,7 @@ from torch_precompile.trace import Capture
 from torch_precompile.trace.checks import MAX_LITERAL_ELEMENTS, literal_source
 
 aten = torch.ops.aten
+log = logging.getLogger("torch_precompile")
 # Reads whose value the trace baked (capture guards them); nothing downstream uses the result.
 _BAKED_READS = (aten._local_scalar_dense.default, aten.item.default, aten.equal.default,
                 aten.is_nonzero.default)
@@ -50,7 +52,9 @@ GENERATED_START = "# Inductor's generated wrapper module follows"
 GENERATED_END = "# End of Inductor's generated wrapper module."
 
 
-def lower_inductor(capture: Capture) -> LoweredGraph:
+def lower_inductor(capture: Capture, wrapper_kind: str = "python") -> LoweredGraph:
+    """Compile the capture; ``wrapper_kind`` "cpp" asks for Inductor's C++ wrapper, and the
+    Python wrapper is used where that one cannot be (the source says why)."""
     inputs = [t.detach() for t in (*capture.example_inputs, *capture.literals)]
     outputs = list(capture.graph.graph.output_node().args[0])
     tensor_outputs = [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)]
@@ -61,7 +65,7 @@ def lower_inductor(capture: Capture) -> LoweredGraph:
             "without computing on them. Use backend='eager' for such a computation."
         )
     graph = _functional_graph(capture.graph, tensor_outputs, inputs, capture.fake_mode)
-    wrapper = _compile(graph, capture.fake_mode, capture.symbol_names)
+    wrapper, wrapper_note = _compile_wrapper(graph, capture, wrapper_kind)
     input_names = [n.name for n in graph.graph.find_nodes(op="placeholder")]
     strides = _asserted_strides(wrapper, input_names, capture)
     # The driver checks these layouts before every call (the model walk or its memo, the
@@ -74,6 +78,7 @@ def lower_inductor(capture: Capture) -> LoweredGraph:
         import_block(stand_ins.imports),
         stand_ins.body,
         f"{GENERATED_START}, its torch._inductor imports replaced by the stand-ins above.",
+        *wrapper_note,
         wrapper_with_stand_ins(wrapper, vector_bits()).strip("\n"),
         GENERATED_END,
         *_literal_lines(capture),
@@ -193,7 +198,38 @@ def _reshape_unwritten_views(graph: torch.fx.Graph) -> None:
             node.target = aten.reshape.default
 
 
-def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str, str]) -> str:
+def _compile_wrapper(graph: torch.fx.GraphModule, capture: Capture, kind: str
+                     ) -> tuple[str, list[str]]:
+    """The generated wrapper module, and the lines that say which wrapper it is."""
+    if kind == "cpp":
+        reason = _cpp_wrapper_obstacle(capture)
+        if reason is None:
+            try:
+                wrapper = _compile(graph, capture.fake_mode, capture.symbol_names, cpp=True)
+                return wrapper, [
+                    f"{WRAPPER_LINE}C++. One compiled function runs the whole call; its shared "
+                    "object is in the",
+                    "# cache beside the kernels, and without the cache it is built from "
+                    "cpp_wrapper_src below."]
+            except PrecompileError as e:
+                reason = str(e).split(". ")[0]
+        log.warning("wrapper='cpp' cannot be used for this graph (%s); the Python wrapper "
+                    "runs it.", reason)
+        note = [f"{WRAPPER_LINE}Python. wrapper='cpp' was asked for and cannot be used: "
+                f"{reason}."]
+        return _compile(graph, capture.fake_mode, capture.symbol_names), note
+    return _compile(graph, capture.fake_mode, capture.symbol_names), []
+
+
+def _cpp_wrapper_obstacle(capture: Capture) -> str | None:
+    """Why Inductor's C++ wrapper cannot run this capture, if it cannot."""
+    if capture.spec.distributed:
+        return "the graph communicates (DTensor collectives), which the C++ wrapper does not run"
+    return None
+
+
+def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str, str],
+             cpp: bool = False) -> str:
     options: dict[str, Any] = {}
     if fake_mode is not None and fake_mode.shape_env is not None:
         options["scalar_asserts"] = True  # keep Inductor's own checks of size assumptions
@@ -201,7 +237,7 @@ def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str
         # hold for unbacked sizes (see _prepared_graph).
         options["layout_optimization"] = False
     try:
-        source, constants = compile_to_wrapper(graph, fake_mode, options)
+        source, constants = compile_to_wrapper(graph, fake_mode, options, cpp_wrapper=cpp)
     except Exception as e:
         guard = data_dependent_condition(e)
         if guard is None:
@@ -214,6 +250,10 @@ def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str
             "example mark_unbacked(x, dim, min=2) when a size of 1 is what Inductor asks "
             "about), or leave that dim static."
         ) from e
+    if cpp and constants:
+        raise PrecompileError(
+            "Inductor made tensor constants for this graph, which its C++ wrapper takes from "
+            "the module it loads and an artifact cannot hand it")
     return _with_constants(source, constants)
 
 

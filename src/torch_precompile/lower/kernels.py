@@ -7,7 +7,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_precompile.artifact.kernel_payload import machine_fingerprint, write_payload
-from torch_precompile.internals.inductor import built_kernel_object, cpp_kernel_calls
+from torch_precompile.internals.inductor import (
+    built_kernel_object,
+    built_wrapper_object,
+    cpp_kernel_calls,
+    cpp_wrapper_build,
+)
 from torch_precompile.kernel_loader import kernel_key
 from torch_precompile.spec import KernelObject
 
@@ -21,10 +26,15 @@ class BuiltKernels:
 
 
 def collect_built_kernels(wrapper_source: str) -> BuiltKernels:
-    """Package the shared objects of every C++ kernel in ``wrapper_source``."""
+    """Package the shared objects of every C++ kernel in ``wrapper_source``, and of the
+    wrapper itself where it is Inductor's C++ wrapper."""
+    built = [(built_kernel_object, call) for call in cpp_kernel_calls(wrapper_source)]
+    wrapper = cpp_wrapper_build(wrapper_source)
+    if wrapper is not None:
+        built.append((built_wrapper_object, wrapper))
     kernels: dict[str, dict[str, Any]] = {}
-    for argtypes, source, options in cpp_kernel_calls(wrapper_source):
-        module, path = built_kernel_object(argtypes, source, options)
+    for find_object, (argtypes, source, options) in built:
+        module, path = find_object(argtypes, source, options)
         data = path.read_bytes()
         kernels[kernel_key(argtypes, source, options)] = {
             "module": module,

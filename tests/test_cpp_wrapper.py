@@ -1,0 +1,175 @@
+"""wrapper='cpp': Inductor's C++ wrapper, built into the cache beside the kernels.
+
+The artifact holds the wrapper's C++ source (``cpp_wrapper_src``); its shared object is a
+cache entry like a kernel's, pinned by the source, loaded without a compiler or Inductor, and
+built from the source where the cache cannot serve it.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.decorators import mark_unbacked
+
+from torch_precompile import PrecompileError, precompile
+from torch_precompile.artifact import envelope
+from torch_precompile.artifact.kernel_payload import read_payload
+from torch_precompile.inspection import describe
+
+from conftest import (
+    FRESH_LOAD,
+    assert_same,
+    model_state,
+    poisoned_toolchain,
+    run_eager_and_compiled,
+    run_python,
+    write_pair,
+)
+from workloads import WORKLOADS
+
+WRAPPER_ENTRY = "inductor_entry_cpp"
+
+
+def _payload(code: str, cache: bytes) -> dict:
+    return read_payload(envelope.unpack(cache, "inductor", code))
+
+
+def _repacked(code: str, payload: dict) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({**payload, "version": 1}, buffer)  # the torch.save layout, still read
+    return envelope.pack("inductor", code, buffer.getvalue())
+
+
+def test_inference_runs_in_the_cpp_wrapper_and_says_so(artifacts, tmp_path: Path) -> None:
+    code, cache = artifacts.pair("mlp_infer", "inductor", wrapper="cpp")
+    assert "\n# Wrapper: C++." in code and "\ncpp_wrapper_src = (" in code
+    assert "def call(self, args)" not in code  # no Python wrapper beside it
+    modules = {entry["module"] for entry in _payload(code, cache)["kernels"].values()}
+    assert modules == {WRAPPER_ENTRY}  # on CPU the kernels are inside the wrapper's object
+    precompile.save(code, cache, tmp_path / "a.py")
+    assert describe(tmp_path / "a.py")["wrapper"] == "cpp"
+    eager, compiled, _, _ = run_eager_and_compiled(
+        "mlp_infer", precompile.load(code, cache), calls=2)
+    assert_same(compiled, eager)
+
+
+def test_training_matches_eager_over_three_calls(artifacts) -> None:
+    code, cache = artifacts.pair("mlp_train", "inductor", wrapper="cpp")
+    assert "\n# Wrapper: C++." in code
+    run = precompile.load(code, cache)
+    eager, compiled, eager_args, compiled_args = run_eager_and_compiled(
+        "mlp_train", run, calls=3)
+    assert_same(compiled, eager)
+    assert_same(model_state(compiled_args[0]), model_state(eager_args[0]))
+    assert all(p.grad is not None for p in compiled_args[0].parameters())
+
+
+@pytest.mark.parametrize("name", ["mlp_infer", "mlp_train"])
+def test_dynamic_dims(name: str) -> None:
+    """A dim of its own (inference) and one shared by inputs (training, shape_id)."""
+    workload = WORKLOADS[name]
+    model, *inputs = workload.args()
+    for tensor in inputs:  # BatchNorm needs a batch of 2 or more
+        mark_unbacked(tensor, 0, min=2, **({"shape_id": "batch"} if len(inputs) > 1 else {}))
+    code, cache = precompile(workload.fn, model, *inputs, wrapper="cpp")
+    assert "\n# Wrapper: C++." in code
+    run = precompile.load(code, cache)
+    for batch in (3, 9):
+        sized = [torch.randn(batch, *t.shape[1:]) for t in inputs]
+        eager_model, compiled_model = copy.deepcopy(model), copy.deepcopy(model)
+        assert_same(run(compiled_model, *sized), workload.fn(eager_model, *sized))
+        assert_same(model_state(compiled_model), model_state(eager_model))
+
+
+def test_cached_load_needs_no_compiler_and_no_inductor(artifacts, tmp_path: Path) -> None:
+    code, cache = artifacts.pair("mlp_infer", "inductor", wrapper="cpp")
+    paths = write_pair(tmp_path, "mlp_infer", code, cache)
+    env, marker = poisoned_toolchain(tmp_path)
+    proc = run_python(FRESH_LOAD.format(name="mlp_infer", **paths), env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert '"inductor_imported": false' in proc.stdout
+    assert not marker.exists(), marker.read_text()
+
+
+def test_without_the_cache_the_wrapper_is_built_from_its_source(artifacts,
+                                                                tmp_path: Path) -> None:
+    code, _ = artifacts.pair("mlp_infer", "inductor", wrapper="cpp")
+    paths = write_pair(tmp_path, "mlp_infer", code, b"")
+    proc = run_python(FRESH_LOAD.replace('open({cache!r}, "rb").read()', "None").format(
+        name="mlp_infer", **paths), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ic")},
+        timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert '"inductor_imported": true' in proc.stdout
+
+
+def test_a_swapped_wrapper_object_is_refused(artifacts) -> None:
+    code, cache = artifacts.pair("mlp_infer", "inductor", wrapper="cpp")
+    payload = _payload(code, cache)
+    key, entry = next((k, e) for k, e in payload["kernels"].items()
+                      if e["module"] == WRAPPER_ENTRY)
+    entry["object"] += b"\0"
+    entry["sha256"] = hashlib.sha256(entry["object"]).hexdigest()
+    with pytest.raises(PrecompileError, match=f"kernel {key[:12]}…: sha256 .*python_code "
+                       "names sha256"):
+        precompile.load(code, _repacked(code, payload))
+
+
+def test_a_damaged_wrapper_object_is_rebuilt_with_a_warning(artifacts, caplog) -> None:
+    code, cache = artifacts.pair("mlp_infer", "inductor", wrapper="cpp")
+    payload = _payload(code, cache)
+    entry = next(e for e in payload["kernels"].values() if e["module"] == WRAPPER_ENTRY)
+    middle = len(entry["object"]) // 2
+    entry["object"] = entry["object"][:middle] + b"\xff" + entry["object"][middle + 1:]
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        run = precompile.load(code, _repacked(code, payload))
+    assert "its bytes are damaged" in caplog.text
+    eager, compiled, _, _ = run_eager_and_compiled("mlp_infer", run)
+    assert_same(compiled, eager)
+
+
+def test_wrapper_values_refused_by_name() -> None:
+    workload = WORKLOADS["mlp_infer"]
+    with pytest.raises(PrecompileError, match=r"wrapper must be one of \('python', 'cpp'\)"):
+        precompile(workload.fn, *workload.args(), wrapper="rust")
+    with pytest.raises(PrecompileError, match="backend='eager' has none"):
+        precompile(workload.fn, *workload.args(), backend="eager", wrapper="cpp")
+
+
+_DTENSOR_FALLBACK = """
+    import datetime, json, logging, socket, torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch_precompile import precompile
+    logging.basicConfig(level=logging.WARNING)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (1,))
+    model = torch.nn.Linear(4, 4)
+    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh,
+                                                        [Shard(0)]))
+    model.bias = torch.nn.Parameter(distribute_tensor(model.bias.detach(), mesh, [Shard(0)]))
+    x = distribute_tensor(torch.randn(2, 4), mesh, [Shard(0)])
+    code, cache = precompile(lambda m, x: m(x).sum(), model, x, wrapper="cpp")
+    run = precompile.load(code, cache)
+    torch.testing.assert_close(run(model, x), model(x).sum())
+    print(json.dumps([line for line in code.splitlines() if line.startswith("# Wrapper: ")]))
+    dist.destroy_process_group()
+"""
+
+
+def test_a_graph_that_communicates_falls_back_to_the_python_wrapper() -> None:
+    proc = run_python(_DTENSOR_FALLBACK, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrapper='cpp' cannot be used for this graph (the graph communicates" in proc.stderr
+    assert "# Wrapper: Python. wrapper='cpp' was asked for and cannot be used: the graph " \
+           "communicates" in proc.stdout
