@@ -172,12 +172,12 @@ def _emit(payload: dict[str, Any]) -> None:
     print(RESULT_MARKER + json.dumps(payload), flush=True)
 
 
-def _load_ours(workdir: Path, with_cache: bool) -> Callable[..., Any]:
+def _load_ours(workdir: Path, with_cache: bool, name: str = "ours") -> Callable[..., Any]:
     from torch_precompile import precompile
 
     logging.getLogger("torch_precompile").setLevel(logging.ERROR)
-    code = (workdir / "ours.py").read_text()
-    cache = (workdir / "ours.cache").read_bytes() if with_cache else None
+    code = (workdir / f"{name}.py").read_text()
+    cache = (workdir / f"{name}.cache").read_bytes() if with_cache else None
     return precompile.load(code, cache)
 
 
@@ -196,6 +196,10 @@ def _prepare(mode: str, workload: str, workdir: Path) -> Callable[..., Any]:
         return lambda _model, *inputs: runner(*inputs)
     if mode in ("ours-cache", "steady-ours"):
         return _load_ours(workdir, with_cache=True)
+    if mode in ("ours-cpp-cache", "steady-ours-cpp"):
+        return _load_ours(workdir, with_cache=True, name="ours_cpp")
+    if mode in ("builtin-cache", "steady-builtin") and BUILTIN_CAPTURES:
+        return torch.compiler.precompile.load(workdir / "builtin.py", workdir / "builtin.cache")
     if mode in ("builtin-cache", "steady-builtin"):
         code = (workdir / "builtin.py").read_text()
         return torch.compiler.precompile.load(code, (workdir / "builtin.cache").read_bytes())
@@ -224,6 +228,15 @@ def _build(mode: str, workload: str, workdir: Path) -> dict[str, Any]:
         path = workdir / "model.pt2"
         torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
         return {"seconds": time.perf_counter() - start, "bytes": path.stat().st_size}
+    if mode == "build-builtin" and BUILTIN_CAPTURES:
+        start = time.perf_counter()
+        mark_dynamic_dims(workload, inputs)
+        paths = workdir / "builtin.py", workdir / "builtin.cache"
+        with torch.compiler.precompile.capture(fn, artifact_path=paths[0],
+                                               cache_path=paths[1]) as cap:
+            cap(model, *inputs)
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "bytes": sum(p.stat().st_size for p in paths)}
     if mode == "build-builtin":
         start = time.perf_counter()
         mark_dynamic_dims(workload, inputs)
@@ -232,15 +245,16 @@ def _build(mode: str, workload: str, workdir: Path) -> dict[str, Any]:
         (workdir / "builtin.py").write_text(code)
         (workdir / "builtin.cache").write_bytes(cache)
         return {"seconds": seconds, "bytes": len(code.encode()) + len(cache)}
-    if mode == "build-ours":
+    if mode in ("build-ours", "build-ours-cpp"):
         from torch_precompile import precompile
 
+        wrapper, name = ("cpp", "ours_cpp") if mode == "build-ours-cpp" else ("python", "ours")
         start = time.perf_counter()
         mark_dynamic_dims(workload, inputs)
-        code, cache = precompile(fn, model, *inputs)
+        code, cache = precompile(fn, model, *inputs, wrapper=wrapper)
         seconds = time.perf_counter() - start
-        (workdir / "ours.py").write_text(code)
-        (workdir / "ours.cache").write_bytes(cache)
+        (workdir / f"{name}.py").write_text(code)
+        (workdir / f"{name}.cache").write_bytes(cache)
         return {"seconds": seconds, "bytes": len(code.encode()) + len(cache)}
     raise ValueError(f"unknown build mode {mode!r}")
 
@@ -288,8 +302,8 @@ def run_child(mode: str, workload: str, workdir: Path, warmup: int, calls: int) 
             sized = (torch.randn(batch, seq, inputs[0].shape[-1]),)
             by_size[f"{batch}x{seq}"] = _median_call_us(run, model, sized, warmup, calls)
         us = _median_call_us(run, model, inputs, warmup, calls)
-        graph_us = _median_graph_us(run, model, inputs, warmup, calls) if mode == (
-            "steady-ours") else None
+        graph_us = _median_graph_us(run, model, inputs, warmup, calls) if mode in (
+            "steady-ours", "steady-ours-cpp") else None
         _emit({"us_per_call": us, "calls": calls, "by_size": by_size, "graph_us": graph_us})
         return
     start = time.perf_counter()
@@ -319,6 +333,7 @@ COLD_MODES: dict[str, str] = {
     "aoti": "AOTInductor package",
     "builtin-cache": "torch.compiler.precompile, with cache",
     "ours-cache": "ours, with cache",
+    "ours-cpp-cache": "ours with wrapper='cpp', with cache",
     "ours-nocache": "ours, without cache",
 }
 STEADY_MODES: dict[str, str] = {
@@ -327,22 +342,25 @@ STEADY_MODES: dict[str, str] = {
     "steady-aoti": "AOTInductor",
     "steady-builtin": "torch.compiler.precompile",
     "steady-ours": "ours (with cache)",
+    "steady-ours-cpp": "ours, wrapper='cpp' (with cache)",
 }
 BUILD_MODES: dict[str, str] = {
     "build-compile": "torch.compile (save_cache_artifacts)",
     "build-aoti": "AOTInductor (export + aoti_compile_and_package)",
     "build-builtin": "torch.compiler.precompile",
     "build-ours": "ours (precompile)",
+    "build-ours-cpp": "ours (precompile, wrapper='cpp')",
 }
 PEER_MODES = {
     "compile-cold", "compile-warm", "aoti", "steady-compile", "steady-aoti",
     "build-compile", "build-aoti", "builtin-cache", "steady-builtin", "build-builtin",
 }  # fmt: skip
 # torch's own precompile, run as a black box through its public API: torch 2.14 has
-# precompile(fn, *inputs) -> (code, cache) and precompile.load(code, cache), the API ours
-# mirrors. In torch 2.15 it became a module with another API, which this script does not drive.
+# precompile(fn, *inputs) -> (code, cache) and precompile.load(code, cache); torch 2.15 has
+# the file-based capture(fn, artifact_path=..., cache_path=...) block and load(paths).
 BUILTIN_MODES = {"builtin-cache", "steady-builtin", "build-builtin"}
-HAS_BUILTIN = callable(getattr(torch.compiler, "precompile", None))
+BUILTIN_CAPTURES = callable(getattr(getattr(torch.compiler, "precompile", None), "capture", None))
+HAS_BUILTIN = BUILTIN_CAPTURES or callable(getattr(torch.compiler, "precompile", None))
 AOTI_MODES = {"aoti", "steady-aoti", "build-aoti"}
 NEEDS_BUILD = {
     "compile-warm": "build-compile",
@@ -351,6 +369,8 @@ NEEDS_BUILD = {
     "ours-cache": "build-ours",
     "ours-nocache": "build-ours",
     "steady-ours": "build-ours",
+    "ours-cpp-cache": "build-ours-cpp",
+    "steady-ours-cpp": "build-ours-cpp",
     "builtin-cache": "build-builtin",
     "steady-builtin": "build-builtin",
 }

@@ -31,8 +31,10 @@ SHIPPED = {
                "._optimizer_step_pre_hooks", "._optimizer_step_post_hooks", "._opt_called",
                "._wrapped_by_lr_sched", "._get_fsdp_state", "._fsdp_param_groups",
                "torch.distributed.tensor.placement_types._StridedShard"},
-    "kernel_loader": {"torch._inductor.async_compile.AsyncCompile", "torch._inductor.kernel",
-                      "torch._inductor.select_algorithm"},
+    "kernel_loader": {"torch._inductor.async_compile.AsyncCompile", "torch._inductor.config",
+                      "torch._inductor.cpu_vec_isa.pick_vec_isa",
+                      "torch._inductor.codecache.CppWrapperCodeCache"},
+    "wrapper_imports": {"torch._inductor.kernel", "torch._inductor.select_algorithm"},
 }
 _TORCH_NAME = re.compile(r"torch(\.\w+)+")
 _ATTRIBUTE_BUILTINS = {"getattr", "hasattr", "setattr", "delattr"}
@@ -154,7 +156,8 @@ def _package_names() -> frozenset[str]:
 def _shipped_part(relative: Path) -> str | None:
     if relative.parts[0] in {"driver", "driver.py"}:
         return "driver"
-    return "kernel_loader" if str(relative) == "kernel_loader.py" else None
+    return {"kernel_loader.py": "kernel_loader", "wrapper_imports.py": "wrapper_imports"}.get(
+        str(relative))
 
 
 def _longest(names: set[str]) -> set[str]:

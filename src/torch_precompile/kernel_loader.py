@@ -1,8 +1,8 @@
-"""Stand-ins for the ``torch._inductor`` names a generated wrapper imports.
+"""The stand-in for Inductor's kernel builders (``AsyncCompile``, ``CppWrapperCodeCache``).
 
-This module's source is copied into every inductor artifact in place of those imports, so it
-imports only torch and the standard library and never uses ``from __future__``. Kernels that
-``load()`` found prebuilt in the cache arrive in the artifact's namespace as
+This module's source is copied into every inductor artifact, so it imports only the
+standard library and never uses ``from __future__``. Kernels (and a C++ wrapper's shared
+object) that ``load()`` found prebuilt in the cache arrive in the artifact's namespace as
 ``PRECOMPILED_KERNELS`` ({kernel key: callable}); any other kernel, and anything else the
 wrapper asks of Inductor, goes to the real ``torch._inductor``, imported only then. A load
 with every kernel prebuilt therefore never imports Inductor and never runs a compiler.
@@ -13,12 +13,9 @@ no such vector unit: built for another width, it would read and write past its b
 """
 
 import hashlib
-import importlib
 import json
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
-
-import torch
+from typing import Any
 
 
 def kernel_key(argtypes: Any, source_code: str, options: Mapping[str, Any]) -> str:
@@ -96,42 +93,3 @@ class KernelLoader:
 
             self._inductor = AsyncCompile()
         return self._inductor
-
-
-class LazyImport:
-    """A module attribute that is imported the first time it is used."""
-
-    def __init__(self, module: str, name: str) -> None:
-        self.module = module
-        self.name = name
-        self._value: Any = None
-
-    def resolve(self) -> Any:
-        if self._value is None:
-            self._value = getattr(importlib.import_module(self.module), self.name)
-        return self._value
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.resolve()(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.resolve(), name)
-
-
-class ExternKernels:
-    """Replaces ``select_algorithm.extern_kernels``: the common ones are plain torch functions."""
-
-    _TORCH_FUNCTIONS: ClassVar[dict[str, str]] = {
-        "mm": "mm", "addmm": "addmm", "bmm": "bmm", "baddbmm": "baddbmm",
-        "convolution": "convolution", "mm_dtype": "mm", "bmm_dtype": "bmm", "_int_mm": "_int_mm",
-    }
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self._TORCH_FUNCTIONS:
-            value = getattr(torch, self._TORCH_FUNCTIONS[name])
-        else:
-            importlib.import_module("torch._inductor.kernel")
-            value = getattr(importlib.import_module("torch._inductor.select_algorithm")
-                            .extern_kernels, name)
-        setattr(self, name, value)
-        return value

@@ -151,7 +151,9 @@ def _execute(python_code: str, compiled: bytecode.CompiledModule | None,
         if vector_bits is None:
             exec(code, namespace)
         else:
-            with _kernels_built_for(vector_bits):
+            from torch_precompile.internals.inductor import kernels_built_for
+
+            with kernels_built_for(vector_bits):
                 exec(code, namespace)
     except PrecompileError:
         raise
@@ -162,22 +164,6 @@ def _execute(python_code: str, compiled: bytecode.CompiledModule | None,
             f"executing python_code failed ({type(e).__name__}: {e}); it is damaged, or needs "
             "what this process lacks (with no usable cache, a C++ compiler to build kernels)."
         ) from e
-
-
-@contextlib.contextmanager
-def _kernels_built_for(bits: int) -> Iterator[None]:
-    from torch._inductor import config
-
-    from torch_precompile.internals.inductor import vector_bits
-
-    with config.patch({"cpp.simdlen": bits}):
-        if vector_bits() != bits:
-            raise PrecompileError(
-                f"this artifact's kernels were generated for {bits}-bit vectors and this CPU "
-                "has no vector unit of that width, so they cannot be built here. Precompile "
-                "again on this machine."
-            )
-        yield
 
 
 def check_torch_build(spec: ArtifactSpec) -> None:

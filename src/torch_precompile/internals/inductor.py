@@ -9,9 +9,10 @@ where expected, so a torch change fails at build time, never silently at load ti
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -224,9 +225,26 @@ def vector_bits() -> int:
     return int(pick_vec_isa().bit_width())
 
 
+@contextlib.contextmanager
+def kernels_built_for(bits: int) -> Iterator[None]:
+    """Inductor's kernel builds, while inside, for ``bits``-bit vectors (refused where this
+    CPU has none of that width)."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"cpp.simdlen": bits}):
+        if vector_bits() != bits:
+            raise PrecompileError(
+                f"this artifact's kernels were generated for {bits}-bit vectors and this CPU "
+                "has no vector unit of that width, so they cannot be built here. Precompile "
+                "again on this machine."
+            )
+        yield
+
+
 def wrapper_with_stand_ins(wrapper: str, bits: int) -> str:
     """The wrapper with its Inductor imports replaced by the stand-ins of ``kernel_loader``
-    (kernels generated for ``bits``-bit vectors) and its ``call`` renamed ``inductor_call``."""
+    (kernels generated for ``bits``-bit vectors) and ``wrapper_imports``, and its ``call``
+    renamed ``inductor_call``."""
 
     def stand_in(match: re.Match[str]) -> str:
         module, name, alias = match.groups()

@@ -2,9 +2,10 @@
 
 The captured graph is functionalized (input mutations become stores inside the kernels),
 retraced with Inductor's decompositions on fake tensors and compiled with ``compile_fx_inner``.
-Section 2 of the artifact is the generated wrapper module, its ``torch._inductor`` imports
-replaced by the stand-ins of ``kernel_loader``, plus a ``call`` that adds the tensor literals,
-puts back the constant outputs and re-creates outputs that alias inputs.
+Section 2 of the artifact is the generated wrapper module (Python, or C++ with
+``wrapper="cpp"``), its ``torch._inductor`` imports replaced by the stand-ins of
+``kernel_loader`` and ``wrapper_imports``, plus a ``call`` that adds the tensor literals, puts
+back the constant outputs and re-creates outputs that alias inputs.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from typing import Any
 import torch
 import torch.fx
 
-from torch_precompile import kernel_loader
+from torch_precompile import kernel_loader, wrapper_imports
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.inductor import (
     asserted_inputs,
     compile_to_wrapper,
     data_dependent_condition,
+    is_cpp_wrapper,
     retrace_for_inductor,
     vector_bits,
     without_input_asserts,
@@ -72,11 +74,13 @@ def lower_inductor(capture: Capture, wrapper_kind: str = "python") -> LoweredGra
     # input checks); Inductor's own assert of each would repeat that check per call.
     wrapper = without_input_asserts(
         wrapper, {input_names[i] for i in _driver_checked(capture.spec, strides)})
-    stand_ins = shipped_source(kernel_loader)
+    shipped = [shipped_source(kernel_loader)]
+    if not is_cpp_wrapper(wrapper):
+        shipped.append(shipped_source(wrapper_imports))
     source = "\n".join([
-        stand_ins.comment,
-        import_block(stand_ins.imports),
-        stand_ins.body,
+        *(part.comment for part in shipped),
+        import_block([i for part in shipped for i in part.imports]),
+        *(part.body for part in shipped),
         f"{GENERATED_START}, its torch._inductor imports replaced by the stand-ins above.",
         *wrapper_note,
         wrapper_with_stand_ins(wrapper, vector_bits()).strip("\n"),
