@@ -74,3 +74,19 @@ def test_parameter_relaid_in_place_after_a_call(artifacts) -> None:
     with pytest.raises(PrecompileError, match="model parameter 'fc1.weight': the compiled "
                        "kernels assume strides"):
         run(model, x)
+
+
+def test_inputs_after_a_remembered_call_are_still_checked(artifacts) -> None:
+    """A call whose inputs match the last ones that passed skips the checks in Python; any
+    other input takes them all."""
+    run = artifacts.load("mlp_infer", "inductor")
+    model, x = WORKLOADS["mlp_infer"].args()
+    run(model, x)
+    run(model, x.clone())
+    with pytest.raises(PrecompileError, match=r"input x: the compiled kernels assume strides"):
+        run(model, _transposed_copy(x))
+    with pytest.raises(PrecompileError, match="input x: expected dtype torch.float32"):
+        run(model, x.double())
+    with pytest.raises(PrecompileError, match=r"input x: expected shape \(5, 4\)"):
+        run(model, x[:3])
+    assert_same(run(model, x), WORKLOADS["mlp_infer"].fn(model, x))

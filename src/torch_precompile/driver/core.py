@@ -62,6 +62,9 @@ class Driver:
         self.guards_start = self.num_results + len(self.grad_indices)
         self.values = values(self) if values is not None else None
         self.memo = memo(self.model) if memo is not None else None
+        # Positional tensors of static shapes: a layout check the memo can remember.
+        self.plain_inputs = values is None and sizes is None and all(
+            p.is_tensor and p.static and not p.subclass for p in self.leaves)
         self.sizes = sizes(spec) if sizes is not None else None
         self.optimizers = optimizers(self) if optimizers is not None else None
         self.data_parallel = data_parallel(self) if data_parallel is not None else None
@@ -172,6 +175,9 @@ class LeafPlan:
 
 def checked_inputs(driver: Driver, leaves: Sequence[Any]) -> list[torch.Tensor]:
     """The tensor leaves, each checked against its plan (Python values by ``values``)."""
+    remembers = driver.memo is not None and driver.plain_inputs
+    if remembers and driver.memo.inputs_unchanged(leaves):
+        return list(leaves)
     tensors = []
     for leaf_plan, leaf in zip(driver.leaves, leaves, strict=True):
         if leaf_plan.is_tensor:
@@ -181,6 +187,8 @@ def checked_inputs(driver: Driver, leaves: Sequence[Any]) -> list[torch.Tensor]:
             driver.values.check_value(leaf_plan, leaf)
     if driver.sizes is not None:
         driver.sizes.check_shared(driver.leaves, leaves)
+    if remembers:
+        driver.memo.remember_inputs(tensors)
     return tensors
 
 

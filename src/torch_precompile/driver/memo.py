@@ -1,5 +1,8 @@
 """A speed-up for artifacts with models: the full model walk, remembered per set of models.
 
+The input tensors' layouts are remembered too, where a call passes positional tensors of
+static shapes: inputs laid out as the last ones that passed skip the checks in Python.
+
 The walk's result is kept per set of model objects. While no parameter, buffer or submodule
 has been registered anywhere since (the public module-registration hooks of
 ``torch.nn.modules.module`` count each one) and no module lost a member, a call re-checks only
@@ -49,7 +52,17 @@ class ModelMemo:
         self.modes = [training for _, training in model.submodules]
         self.entries: dict[tuple[int, ...], RememberedModels] = {}
         self.lock = threading.Lock()
+        self.input_guard: Any = None
         REGISTRATIONS.start()
+
+    def inputs_unchanged(self, leaves: Sequence[torch.Tensor]) -> bool:
+        """Whether the input tensors match, in C++, the last ones that passed every check
+        (their type, dtype, device, sizes, strides and requires_grad)."""
+        guard = self.input_guard
+        return guard is not None and guard.check(*leaves)
+
+    def remember_inputs(self, leaves: Sequence[torch.Tensor]) -> None:
+        self.input_guard = tensor_guard(leaves)
 
     def lookup(self, models: Sequence[Any]) -> list[torch.Tensor] | None:
         """The models' tensors if nothing about them can have changed since they passed."""
