@@ -202,6 +202,12 @@ def test_model_changes_between_calls_are_seen(backend: str, artifacts) -> None:
         run(model, x)
     del model.extra
     torch.testing.assert_close(run(model, x), model(x).detach())
+    bias = model.fc2.bias
+    del model.fc2.bias  # a member removed from a remembered model
+    with pytest.raises(PrecompileError, match="'fc2.bias'"):
+        run(model, x)
+    model.fc2.bias = bias
+    torch.testing.assert_close(run(model, x), model(x).detach())
     model.fc2.weight = model.fc1.weight  # re-tied: now one tensor under two names
     with pytest.raises(PrecompileError, match="'fc2.weight' is tied to 'fc1.weight' at runtime"):
         run(model, x)
@@ -222,6 +228,10 @@ def test_module_mode_is_part_of_the_contract(backend: str, artifacts) -> None:
         run(model, x)
     model.fc1.eval()
     torch.testing.assert_close(run(model, x), model(x).detach())
+    model.fc2.training = True  # set directly, not by .train()
+    with pytest.raises(PrecompileError, match="module 'fc2' is in training mode"):
+        run(model, x)
+    model.fc2.training = False
     train_run = artifacts.load("mlp_train", backend)  # captured in training mode
     trained, tx, tt = WORKLOADS["mlp_train"].args()
     trained.eval()

@@ -25,17 +25,23 @@ from torch_precompile.driver.core import ModelPlan, WalkedModels
 class RememberedModels:
     """One set of models that passed the full walk, and what a cheap re-check compares."""
 
-    __slots__ = ("member_total", "members", "models", "registrations", "submodules",
-                 "tensor_guard", "tensors")
+    __slots__ = ("member_total", "members", "models", "modes_of", "registrations",
+                 "submodules", "tensor_guard", "tensors")
 
     def __init__(self, models: Sequence[Any], walked: WalkedModels, registrations: int) -> None:
         self.models = [weakref.ref(m) for m in models]
         self.registrations = registrations
         self.tensors = walked.tensors
-        self.submodules = walked.submodules
-        # Every member dict the walk read: a removed member shrinks one of them.
+        # Where each submodule's training flag is read: its instance dict when the flag lives
+        # there alone (as nn.Module keeps it; a dict read is the cheaper one), else the module.
+        plain = all("training" in vars(m) and not hasattr(type(m), "training")
+                    for m in walked.submodules)
+        self.submodules = [vars(m) for m in walked.submodules] if plain else walked.submodules
+        self.modes_of = _TRAINING_IN_DICT if plain else _TRAINING
+        # The member dicts the walk found non-empty: a removed member shrinks one of them (one
+        # added anywhere is a registration).
         self.members = [d for m in walked.submodules
-                        for d in (m._parameters, m._buffers, m._modules)]
+                        for d in (m._parameters, m._buffers, m._modules) if d]
         self.member_total = self.member_count()
         self.tensor_guard = tensor_guard(walked.tensors)
 
@@ -70,7 +76,7 @@ class ModelMemo:
         if (entry is not None and entry.registrations == REGISTRATIONS.value
                 and all([r() is m for r, m in zip(entry.models, models, strict=True)])
                 and entry.member_count() == entry.member_total
-                and list(map(_TRAINING, entry.submodules)) == self.modes
+                and list(map(entry.modes_of, entry.submodules)) == self.modes
                 and entry.tensor_guard.check(*entry.tensors)):
             return list(entry.tensors)
         return None
@@ -101,6 +107,7 @@ def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
 
 
 _TRAINING = operator.attrgetter("training")
+_TRAINING_IN_DICT = operator.itemgetter("training")
 
 
 class RegistrationCount:
