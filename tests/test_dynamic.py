@@ -14,7 +14,7 @@ from torch._dynamo.decorators import mark_dynamic, mark_unbacked
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.trace import capture
 
-from conftest import assert_same, model_state, run_python
+from conftest import assert_same, model_state, poisoned_toolchain, run_python
 from workloads import MLP, Block, PartlyFrozen, block_step, infer, mse_step
 
 SIZES = [0, 1, 5, 33]  # 5 is the example size
@@ -246,13 +246,11 @@ def test_channels_last_marked_input_round_trips() -> None:
 def test_dynamic_artifact_loads_from_cache_without_a_compiler(mlp_train, tmp_path) -> None:
     """In a fresh process with no compiler, two training steps at two new batch sizes, no
     zero_grad between them: losses, accumulated gradients and parameters equal eager's."""
-    from test_kernel_cache import _poisoned_toolchain
-
     model, code, cache, _ = mlp_train
     (tmp_path / "a.py").write_text(code)
     (tmp_path / "a.cache").write_bytes(cache)
     torch.save(model.state_dict(), tmp_path / "state.pt")
-    env, marker = _poisoned_toolchain(tmp_path)
+    env, marker = poisoned_toolchain(tmp_path)
     proc = run_python(f"""
         import copy, json, sys, torch
         from torch_precompile import precompile
