@@ -137,7 +137,8 @@ def asserted_inputs(wrapper: str) -> list[str]:
     """The wrapper's inputs whose sizes and strides it asserts.
 
     torch 2.13 writes ``assert_size_stride(name, sizes, strides)`` per input; from 2.14 inputs
-    checked at one spot share ``assert_size_stride_grouped((a, b), sizes, strides, 'input')``.
+    checked at one spot share ``assert_size_stride_grouped((a, b), (sizes_a, sizes_b),
+    (strides_a, strides_b), 'input')``.
     The C++ wrapper asserts each input on a line of its own.
     """
     if is_cpp_wrapper(wrapper):
@@ -193,10 +194,11 @@ def without_input_asserts(wrapper: str, names: set[str]) -> str:
         if call.func.id == "assert_size_stride" and isinstance(first, ast.Name):
             kept = [] if first.id in names else None
         elif call.func.id == "assert_size_stride_grouped" and isinstance(first, ast.Tuple):
-            kept = [e for e in first.elts if not (isinstance(e, ast.Name) and e.id in names)]
+            kept = [i for i, e in enumerate(first.elts)
+                    if not (isinstance(e, ast.Name) and e.id in names)]
             kept = None if len(kept) == len(first.elts) else kept
             if kept:
-                call.args[0] = ast.Tuple(elts=kept, ctx=ast.Load())
+                call = _grouped_assert_of(call, kept)
         else:
             continue
         if kept is None:
@@ -205,6 +207,26 @@ def without_input_asserts(wrapper: str, names: set[str]) -> str:
         indent = lines[start][: len(lines[start]) - len(lines[start].lstrip())]
         lines[start:end] = [f"{indent}{ast.unparse(call)}\n"] if kept else []
     return "".join(lines)
+
+
+def _grouped_assert_of(call: ast.Call, kept: list[int]) -> ast.Call:
+    """A grouped assert (names, sizes and strides, one entry each per input) of the inputs at
+    ``kept``; a single one becomes a plain ``assert_size_stride``."""
+    parts = call.args[:3]
+    if not all(isinstance(part, ast.Tuple) and len(part.elts) == len(parts[0].elts)
+               for part in parts):
+        raise PrecompileError(
+            "internal: Inductor's grouped layout assert is not in the form (names), (sizes), "
+            f"(strides) (torch {torch.__version__}); this torch release is not supported yet. "
+            "Use backend='eager'."
+        )
+    picked = [[part.elts[i] for i in kept] for part in parts]
+    rest = call.args[3:]
+    if len(kept) == 1:
+        return ast.Call(ast.Name("assert_size_stride", ast.Load()),
+                        [p[0] for p in picked] + rest, call.keywords)
+    return ast.Call(call.func, [ast.Tuple(p, ast.Load()) for p in picked] + rest,
+                    call.keywords)
 
 
 def _replace_once(source: str, old: str, new: str) -> str:
