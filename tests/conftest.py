@@ -23,6 +23,12 @@ BACKENDS = ["eager", "inductor"]
 TESTS_DIR = Path(__file__).parent
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "release_independent: exercises only the package's own file handling; "
+        ".ci/matrix leaves it to the default release's run")
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return request.param

@@ -57,8 +57,12 @@ _RUN_GOLDEN = """
     from torch_precompile import precompile
     run = precompile.load_file({path!r})
     model, eager_model = golden_model(), golden_model()
-    for step in range(2):  # the second call accumulates onto .grad
-        x, target = golden_inputs()
+    # The second call accumulates onto .grad; from schema 7 the third runs the second variant.
+    calls = [golden_inputs(), golden_inputs()]
+    if run.spec.variants:
+        from make_golden import wider_inputs
+        calls.append(wider_inputs())
+    for step, (x, target) in enumerate(calls):
         x = x + step
         loss = run(model, x, target)
         expected = train_step(eager_model, x, target)

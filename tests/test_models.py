@@ -237,9 +237,10 @@ def test_recurrent_training_steps(pairs: PairCache, backend: str) -> None:
     check_training(pairs, "rnn_train", backend, mean_square_step, model.train(), x, h0)
 
 
-def test_recurrent_inference(pairs: PairCache, backend: str) -> None:
+def test_recurrent_inference(pairs: PairCache) -> None:
+    """On eager only: Inductor lowers the same recurrent cells in the training step."""
     model, x, h0 = recurrent_inputs()
-    check_inference(pairs, "rnn_infer", backend, infer, model.eval(), x, h0)
+    check_inference(pairs, "rnn_infer", "eager", infer, model.eval(), x, h0)
 
 
 def test_recurrent_capture_keeps_onednn_setting() -> None:

@@ -174,6 +174,7 @@ def _start_writer(base: str, target: Path, start: int) -> int:
     return pid
 
 
+@pytest.mark.release_independent
 def test_kill_at_any_moment_leaves_a_whole_pair(artifacts, tmp_path) -> None:
     """SIGKILL a forked writer that keeps saving new pairs over one path, at random moments;
     after each kill what is on disk must be one whole pair, and it must load."""
@@ -186,7 +187,7 @@ def test_kill_at_any_moment_leaves_a_whole_pair(artifacts, tmp_path) -> None:
     # first pair, so that kills land among writes on a busy machine too.
     window = max(0.05, 6 * (time.perf_counter() - started))
     replaced = 0
-    for trial in range(80):
+    for trial in range(40):
         pid = _start_writer(base, target, start=trial * 100_000)
         time.sleep(rng.uniform(0.0, window))
         os.kill(pid, signal.SIGKILL)
@@ -200,4 +201,4 @@ def test_kill_at_any_moment_leaves_a_whole_pair(artifacts, tmp_path) -> None:
             window = min(1.5 * window, max(window, 2.0))
         precompile.load_file(target)  # a mismatched pair would raise here
     # Kills must land among the writes, not all before the first one.
-    assert replaced >= 20, (replaced, window)
+    assert replaced >= 10, (replaced, window)

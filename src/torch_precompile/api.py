@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -221,9 +221,22 @@ def build(fn: Callable[..., Any], example_inputs: tuple[Any, ...],
 
 def _build(fn: Callable[..., Any], example_inputs: tuple[Any, ...], options: BuildOptions,
            on_fakes: bool = False) -> ArtifactPair:
+    return package([compile_variant(fn, example_inputs, options, on_fakes)], options)
+
+
+@dataclass(frozen=True)
+class CompiledVariant:
+    """One captured call, lowered: its spec (strides and kernels filled in) and its graph."""
+
+    spec: ArtifactSpec
+    graph: LoweredGraph
+
+
+def compile_variant(fn: Callable[..., Any], example_inputs: tuple[Any, ...],
+                    options: BuildOptions, on_fakes: bool = False) -> CompiledVariant:
+    """Capture and lower one call of ``fn``; ``options.progress`` hears about each stage."""
     report = options.progress or (lambda stage: None)
     # The build pipeline is imported here, not at module level: load() never needs it.
-    from torch_precompile.artifact.render import render
     from torch_precompile.trace import capture
 
     with _lock:
@@ -232,11 +245,23 @@ def _build(fn: Callable[..., Any], example_inputs: tuple[Any, ...], options: Bui
                            on_fakes=on_fakes)
         report("lower")
         lowered = _lower(captured, options.backend, options.wrapper)
-        spec = captured.spec.with_strides(lowered.input_strides).with_kernels(lowered.kernels)
-        report("render")
-        python_code = render(spec, lowered)
-    python_code, compiled = bytecode.seal(python_code)
-    cache = envelope.pack(options.backend, python_code, lowered.acceleration, compiled)
+    spec = captured.spec.with_strides(lowered.input_strides).with_kernels(lowered.kernels)
+    return CompiledVariant(spec, lowered)
+
+
+def package(variants: Sequence[CompiledVariant], options: BuildOptions) -> ArtifactPair:
+    """The pair holding ``variants`` (the first is the top level of the spec); kernels the
+    variants share are built and cached once."""
+    from torch_precompile.artifact.kernel_payload import merged_payloads
+    from torch_precompile.artifact.render import render
+
+    (options.progress or (lambda stage: None))("render")
+    spec = variants[0].spec.with_variants([v.spec for v in variants[1:]])
+    python_code, compiled = bytecode.seal(render(spec, [v.graph for v in variants]))
+    payloads = [v.graph.acceleration for v in variants if v.graph.acceleration is not None]
+    acceleration = (payloads[0] if len(payloads) <= 1 else merged_payloads(payloads)
+                    ) if payloads else None
+    cache = envelope.pack(options.backend, python_code, acceleration, compiled)
     if options.sign_key is not None:
         cache = signature.sign(options.sign_key, python_code, cache)
     return ArtifactPair(python_code, cache)

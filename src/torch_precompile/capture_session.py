@@ -4,9 +4,11 @@
         loss = cap(model, x, target)      # runs for real; this call is the one captured
     run = precompile.load("step.py")
 
-The captured call is traced as ``precompile()`` traces it, then run for real by the artifact
-just built, so its result, gradients and state updates are the artifact's own. One call per
-block: a second is refused, since a make_fx trace specializes on the call it saw.
+Each call is run for real by the artifact built so far, so its result, gradients and state
+updates are the artifact's own. A call the artifact does not fit (another batch size, another
+Python value, the model in another mode: whatever its checks refuse) is traced as
+``precompile()`` traces it and becomes one more variant of the same artifact; a call that fits
+an existing variant runs it. The loaded artifact picks a variant the same way at every call.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from types import TracebackType
 from typing import Any
 
 from torch_precompile import runtime, storage
-from torch_precompile.api import ArtifactPair, BuildOptions, build
+from torch_precompile.api import (
+    ArtifactPair,
+    BuildOptions,
+    CompiledVariant,
+    build,
+    compile_variant,
+    package,
+)
 from torch_precompile.errors import PrecompileError
 
 
@@ -31,7 +40,7 @@ class _State(enum.Enum):
 
 
 class CaptureSession:
-    """The object ``capture()`` returns: enter it, call it once like ``fn``, leave it."""
+    """The object ``capture()`` returns: enter it, call it like ``fn``, leave it."""
 
     def __init__(self, fn: Callable[..., Any], artifact_path: Path, cache_path: Path | None,
                  options: BuildOptions) -> None:
@@ -41,6 +50,8 @@ class CaptureSession:
         self._options = options
         self._state = _State.NEW
         self._pair: ArtifactPair | None = None
+        self._variants: list[CompiledVariant] = []
+        self._forward: Any = None  # the loaded artifact's dispatch: Driver or Variants
         self._saved = False
 
     def __enter__(self) -> CaptureSession:
@@ -59,16 +70,32 @@ class CaptureSession:
                 f"call the capture with positional arguments only (got {sorted(kwargs)}): the "
                 "artifact matches arguments by position, at capture and at every call."
             )
-        if self._pair is not None:
-            raise PrecompileError(
-                "this capture already took its call: a make_fx capture specializes on exactly "
-                "one call. Call the loaded artifact for the next ones, or capture again for "
-                "another shape or mode."
-            )
-        pair = build(self._fn, args, self._options)
-        runner = runtime.load(pair.code, pair.cache)
+        if self._forward is not None:
+            try:
+                checked = self._forward.checked(args, {})
+            except PrecompileError:
+                pass  # a call of another kind: it becomes a variant
+            else:
+                return self._forward.run(args, checked)
+        self._add_variant(args)
+        return self._forward(*args)
+
+    def _add_variant(self, args: tuple[Any, ...]) -> None:
+        if self._options.compile_on_one_rank:
+            if self._pair is not None:
+                raise PrecompileError(
+                    "with compile_on_one_rank=True a capture takes one kind of call, and this "
+                    "one differs from the first (see the artifact's checks). Capture each kind "
+                    "in a capture of its own, or capture without compile_on_one_rank."
+                )
+            pair = build(self._fn, args, self._options)
+        else:
+            variants = [*self._variants, compile_variant(self._fn, args, self._options)]
+            pair = package(variants, self._options)
+            self._variants = variants
+        self._forward = runtime.load(pair.code, pair.cache)._forward
         self._pair = pair
-        return runner(*args)
+        self._saved = False
 
     def save(self) -> Path:
         """Write the pair now (atomically); the block's end then leaves it as it is."""
@@ -108,14 +135,17 @@ def capture(
 ) -> CaptureSession:
     """Capture ``fn`` from the call your code makes inside a ``with`` block.
 
-    Enter the returned object, call it exactly as you would call ``fn``: that call is traced
-    (as ``precompile(fn, *args)`` traces it), then run for real by the built artifact, and
-    its result is returned. When the block ends the pair is written atomically to
-    ``artifact_path`` and ``cache_path`` (by default a cache file beside the source, named
-    after its hash, as ``precompile.save`` does); ``save()`` writes it earlier. A block that
-    raises writes nothing new; a block without a call raises ``PrecompileError``. One call
-    per capture, and one use: to capture again, call ``capture()`` again. ``options`` are
-    ``precompile()``'s keywords (``backend``, ``sign_key``, ``compile_on_one_rank``, ...).
+    Enter the returned object, call it exactly as you would call ``fn``: the first call is
+    traced (as ``precompile(fn, *args)`` traces it), then run for real by the built artifact,
+    and its result is returned. A later call that the artifact's checks refuse (another input
+    shape, Python value or module mode) is traced too and added as a variant; one that fits a
+    variant runs it. When the block ends the pair is written atomically to ``artifact_path``
+    and ``cache_path`` (by default a cache file beside the source, named after its hash, as
+    ``precompile.save`` does); ``save()`` writes it earlier (a variant added after it is
+    written at the end). A block that raises writes nothing new; a block without a call raises
+    ``PrecompileError``. One use: to capture again, call ``capture()`` again. ``options`` are
+    ``precompile()``'s keywords (``backend``, ``sign_key``, ``compile_on_one_rank``, ...; with
+    ``compile_on_one_rank`` a capture takes one kind of call).
     """
     if not callable(fn):
         raise PrecompileError(f"fn must be callable, got {type(fn).__name__}.")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from torch_precompile.artifact import bytecode, envelope, signature
+from torch_precompile.driver.variants import variant_label
 from torch_precompile.errors import PrecompileError
 from torch_precompile.lower import WRAPPER_LINE
 from torch_precompile.spec import ArtifactSpec, InputLeaf, parse_spec
@@ -80,6 +81,7 @@ def describe(path: Path) -> dict[str, Any]:
         "subclasses": _describe_subclasses(spec),
         "data_parallel": _describe_data_parallel(spec),
         "wrapper": _describe_wrapper(code, spec),
+        "variants": [variant_label(v) for v in spec.variants and spec.all_variants],
         "cache": _describe_cache(code, spec, cache_file, cache),
     }
     return report
@@ -89,12 +91,17 @@ def _describe_wrapper(code: str, spec: ArtifactSpec) -> str | None:
     """What calls the kernels, as section 2 says (None for the eager backend)."""
     if spec.backend != "inductor":
         return None
-    said = re.search(f"^{re.escape(WRAPPER_LINE)}(.*)$", code, re.MULTILINE)
-    if said is None:
-        return "python"
-    if said[1].startswith("C++."):
+    # One line per graph that says (indented in a variant's function); none: Python.
+    said = [_shown_wrapper(line) for line in re.findall(
+        f"^ *{re.escape(WRAPPER_LINE)}(.*)$", code, re.MULTILINE)]
+    shown = sorted({*said, *["python"] * (len(spec.all_variants) - len(said))})
+    return shown[0] if len(shown) == 1 else "per variant: " + "; ".join(shown)
+
+
+def _shown_wrapper(said: str) -> str:
+    if said.startswith("C++."):
         return "cpp"
-    return "python (" + said[1].removeprefix("Python. ").rstrip(".") + ")"
+    return "python (" + said.removeprefix("Python. ").rstrip(".") + ")"
 
 
 def _describe_data_parallel(spec: ArtifactSpec) -> list[str]:
@@ -278,6 +285,9 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"    flatten context {w['context']}")
     if report.get("wrapper"):
         lines.append(f"  wrapper   : {report['wrapper']}")
+    for number, label in enumerate(report.get("variants", ()), 1):
+        lines.append(f"  variant {number} : {label}" + ("   (the spec's top level, shown above)"
+                                                      if number == 1 else ""))
     cache = report["cache"]
     if not cache["present"]:
         lines.append(f"  cache     : missing ({Path(cache['path']).name}); loads build kernels")

@@ -32,11 +32,16 @@ class KernelLoader:
     """Replaces ``AsyncCompile()``: hands out prebuilt kernels, builds the rest on demand.
 
     ``vector_bits`` is the vector width the kernels' source was generated for (0: scalar).
+    ``resolve_now`` makes a kernel Inductor builds in the background ready before it is
+    handed out: a graph defined inside a function (one variant of several) cannot have its
+    names rebound by ``wait(globals())``.
     """
 
-    def __init__(self, prebuilt: Mapping[str, Callable[..., Any]], vector_bits: int) -> None:
+    def __init__(self, prebuilt: Mapping[str, Callable[..., Any]], vector_bits: int,
+                 resolve_now: bool = False) -> None:
         self.prebuilt = prebuilt
         self.vector_bits = vector_bits
+        self.resolve_now = resolve_now
         self.built_here: list[str] = []
         self._inductor: Any = None
 
@@ -77,7 +82,8 @@ class KernelLoader:
                     "the cache built with them on a machine like the one they were made on, "
                     "or precompile again on this machine."
                 )
-            return build()
+            built = build()
+        return built.result() if self.resolve_now and hasattr(built, "result") else built
 
     def wait(self, scope: dict[str, Any]) -> None:
         if self._inductor is not None:

@@ -68,6 +68,10 @@ SCHEMA_HISTORY = (
                  "forward-sync flag before and after the call when it broadcasts buffers) and "
                  "fully_sharded (per FSDP2 param group: its module, whether it reshards after "
                  "forward, its mixed-precision dtypes)."),
+    SchemaChange(7, "2026-12-02", "Variants: variants (the artifact's further variants, each "
+                 "a spec of its own less the fields all variants share: schema_version, "
+                 "backend, torch, args and kernels, which the top level holds for all). The top "
+                 "level is the first variant."),
 )
 SCHEMA_VERSION = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""
@@ -380,7 +384,10 @@ class ArtifactSpec:
     wrapped_inner: tuple[InnerTensor, ...] = ()
     data_parallel: tuple[DataParallel, ...] = ()
     fully_sharded: tuple[FullyShardedGroup, ...] = ()
+    variants: tuple[ArtifactSpec, ...] = ()
 
+    # What every variant has in common, held once at the top level (the first variant's).
+    SHARED: ClassVar[tuple[str, ...]] = ("schema_version", "backend", "torch", "args", "kernels")
     RECORDS: ClassVar[dict[str, type]] = {
         "torch": TorchBuild, "args": Argument, "model": ModelTensor, "submodules": Submodule,
         "inputs": InputLeaf, "value_guards": ValueGuard, "dynamic_dims": DynamicDim,
@@ -461,23 +468,40 @@ class ArtifactSpec:
         """The spec naming the kernel objects a lowering built."""
         return dataclasses.replace(self, kernels=tuple(kernels))
 
+    @property
+    def all_variants(self) -> tuple[ArtifactSpec, ...]:
+        """Every variant, the first (this spec, less its ``variants``) included."""
+        return (dataclasses.replace(self, variants=()), *self.variants)
+
+    def with_variants(self, others: Sequence[ArtifactSpec]) -> ArtifactSpec:
+        """This spec as the first variant of an artifact that also holds ``others``; the
+        kernels of all of them are named at the top level."""
+        for other in others:
+            if other.args != self.args or other.backend != self.backend:
+                raise PrecompileError(
+                    "the calls of one capture must take the same arguments (models in the same "
+                    f"positions) and use one backend; got ({_arguments(self)}) and then "
+                    f"({_arguments(other)}). Capture each calling convention on its own."
+                )
+        kernels = {k.key: k for spec in (self, *others) for k in spec.kernels}
+        kept = tuple(sorted(kernels.values(), key=lambda k: k.key))
+        return dataclasses.replace(
+            self, kernels=kept,
+            variants=tuple(dataclasses.replace(o, kernels=kept, variants=()) for o in others))
+
     def to_literal(self) -> dict[str, Any]:
         """The spec as plain dicts, tuples and scalars (what ``ARTIFACT_SPEC`` holds)."""
-        return dataclasses.asdict(self)
+        literal = dataclasses.asdict(dataclasses.replace(self, variants=()))
+        literal["variants"] = tuple(
+            {k: v for k, v in variant.to_literal().items() if k not in (*self.SHARED, "variants")}
+            for variant in self.variants)
+        return literal
 
     def source(self, notes: Mapping[str, str] | None = None) -> str:
         """``ARTIFACT_SPEC = {...}``: the assignment written into ``python_code``, one field
-        a line and one record a line (wrapped), each ``notes[field]`` as a comment above it."""
-        lines = [f"{SPEC_NAME} = {{"]
-        for name, value in self.to_literal().items():
-            if notes and name in notes:
-                lines.append(f"    # {notes[name]}")
-            if isinstance(value, tuple) and value and isinstance(value[0], dict):
-                lines.append(f"    {name!r}: (")
-                lines.extend(_wrapped(record, "        ") + "," for record in value)
-                lines.append("    ),")
-            else:
-                lines.append(_wrapped(value, "    ", f"{name!r}: ") + ",")
+        a line and one record a line (wrapped), each ``notes[field]`` as a comment above it.
+        Each further variant is a dict laid out the same way inside ``variants``."""
+        lines = [f"{SPEC_NAME} = {{", *_field_lines(self.to_literal(), "    ", notes or {})]
         return "\n".join([*lines, "}"]) + "\n"
 
     @classmethod
@@ -498,7 +522,50 @@ class ArtifactSpec:
                 )
             fields[name] = (_record(record, value) if name == "torch"
                             else tuple(_record(record, item) for item in value))
+        variants = fields.get("variants", ())
+        if not isinstance(variants, list | tuple):
+            raise PrecompileError(
+                f"python_code's {SPEC_NAME} holds {type(variants).__name__} for 'variants' "
+                f"where a list of variant dicts belongs; {_NOT_AN_ARTIFACT}."
+            )
+        fields["variants"] = tuple(cls._variant(literal, v) for v in variants)
         return cls(**fields)
+
+    @classmethod
+    def _variant(cls, top: dict[str, Any], literal: Any) -> ArtifactSpec:
+        if not isinstance(literal, dict) or literal.keys() & {*cls.SHARED, "variants"}:
+            raise PrecompileError(
+                f"python_code's {SPEC_NAME} holds a malformed variant (not a dict, or one with "
+                f"fields only the top level holds); {_NOT_AN_ARTIFACT}."
+            )
+        return cls.from_literal({**{k: top[k] for k in cls.SHARED if k in top}, **literal})
+
+
+def _arguments(spec: ArtifactSpec) -> str:
+    return ", ".join(
+        f"{a.name}: {'model' if a.is_model else 'optimizer' if a.is_optimizer else 'input'}"
+        for a in spec.args)
+
+
+def _field_lines(literal: Mapping[str, Any], indent: str, notes: Mapping[str, str]
+                 ) -> list[str]:
+    lines = []
+    for name, value in literal.items():
+        if name in notes:
+            lines.append(f"{indent}# {notes[name]}")
+        if name == "variants" and value:
+            lines.append(f"{indent}'variants': (")
+            for variant in value:
+                lines += [f"{indent}    {{", *_field_lines(variant, indent + "        ", {}),
+                          f"{indent}    }},"]
+            lines.append(f"{indent}),")
+        elif isinstance(value, tuple) and value and isinstance(value[0], dict):
+            lines.append(f"{indent}{name!r}: (")
+            lines.extend(_wrapped(record, indent + "    ") + "," for record in value)
+            lines.append(f"{indent}),")
+        else:
+            lines.append(_wrapped(value, indent, f"{name!r}: ") + ",")
+    return lines
 
 
 def _wrapped(value: Any, indent: str, prefix: str = "") -> str:

@@ -21,7 +21,7 @@ import os
 import platform
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -138,6 +138,14 @@ def write_payload(fingerprint: dict[str, Any], kernels: Mapping[str, dict[str, A
     text = json.dumps(header).encode()
     return b"".join([_MAGIC, len(text).to_bytes(_LENGTH_BYTES, "little"), text,
                      *(entry["object"] for entry in kernels.values())])
+
+
+def merged_payloads(payloads: Sequence[bytes]) -> bytes:
+    """One payload holding every kernel of ``payloads`` (all built here, at one build), each
+    object once."""
+    read = [read_payload(data) for data in payloads]
+    kernels = {key: entry for payload in read for key, entry in payload["kernels"].items()}
+    return write_payload(read[0]["fingerprint"], kernels)
 
 
 def read_payload(data: bytes) -> dict[str, Any]:

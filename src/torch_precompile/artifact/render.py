@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import ast
 import datetime
+import io
 import os
 import textwrap
+import tokenize
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -25,6 +28,7 @@ from torch_precompile.driver import (
     planned,
     subclasses,
     values,
+    variants,
 )
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
@@ -87,6 +91,12 @@ _FULLY_SHARDED_NOTE = (
     "gradients as FSDP2 does."
 )
 
+_VARIANTS_NOTE = (
+    " This artifact holds {count} variants, one per call captured (section 1 lists each one's "
+    "spec): a call runs the first variant whose checks it passes, trying the one that ran last "
+    "first, and a call that fits none is refused."
+)
+
 _MAIN = '''
 if __name__ == "__main__":
     print("This is a precompiled computation; exec it and call forward({call_example}).")
@@ -110,6 +120,9 @@ _SUBCLASSES = DriverPart(subclasses, "subclasses", "WrappedCall")
 _PLANNED = DriverPart(planned, None, None)
 _OPTIMIZERS = DriverPart(optimizers, "optimizers", "OptimizerSteps")
 _DATA_PARALLEL = DriverPart(data_parallel, "data_parallel", "DataParallelSteps")
+_VARIANTS = DriverPart(variants, None, None)
+_PART_ORDER = (_VALUES, _MEMO, _PLANNED, _SIZES, _DISTRIBUTED, _SUBCLASSES, _OPTIMIZERS,
+               _DATA_PARALLEL)
 
 
 def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
@@ -127,6 +140,13 @@ def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
             if needed]
 
 
+def _all_parts(variants: Sequence[ArtifactSpec]) -> list[DriverPart]:
+    """The parts any variant needs, in driver order, and the dispatch over several."""
+    needed = {id(part) for variant in variants for part in driver_parts(variant)}
+    parts = [part for part in _PART_ORDER if id(part) in needed]
+    return [*parts, _VARIANTS] if len(variants) > 1 else parts
+
+
 def _has_values(spec: ArtifactSpec) -> bool:
     """Whether a call passes more than positional tensors, or fn decided on tensor values."""
     positional = pytree.treespec_dumps(pytree.tree_flatten(tuple(spec.inputs))[1])
@@ -134,32 +154,107 @@ def _has_values(spec: ArtifactSpec) -> bool:
             or any(leaf.kind != "tensor" for leaf in spec.inputs))
 
 
-def render(spec: ArtifactSpec, lowered: LoweredGraph, tracer: str = "make_fx") -> str:
-    """Return the artifact's source; the driver's modules are copied in (see ``shipped``)."""
+def render(spec: ArtifactSpec, graphs: Sequence[LoweredGraph], tracer: str = "make_fx") -> str:
+    """Return the artifact's source: one graph per variant of ``spec`` (one, mostly); the
+    driver's modules are copied in (see ``shipped``)."""
+    variants = spec.all_variants
+    if len(graphs) != len(variants):
+        raise PrecompileError(f"internal: {len(variants)} variants and {len(graphs)} graphs")
     call_example = ", ".join(a.name for a in spec.args)
-    parts = driver_parts(spec)
-    driver_source = _driver_source([core, *(p.module for p in parts)], lowered.source)
-    _check_no_clash(lowered.source, driver_source)
-    keywords = "".join(f", {p.keyword}={p.factory}" for p in parts
-                       if p.keyword and (p is not _MEMO or spec.model_names))
+    graph_section = _graph_section(variants, graphs)
+    driver_source = _driver_source([core, *(p.module for p in _all_parts(variants))],
+                                   graph_section)
+    _check_no_clash(graph_section, driver_source)
     sections = [
         _HEADER.format(
             provenance=_provenance(spec, tracer), call_example=call_example,
-            checks=_checks(spec),
+            checks=_checks(variants),
         ),
         _section(1, "The spec: the calling convention, read by load() without executing"),
         spec.source(_structure_notes(spec)),
-        _section(2, "The compiled graph: call(flat_inputs) -> flat_outputs"),
-        lowered.source,
+        _section(2, "The compiled graph: call(flat_inputs) -> flat_outputs" if len(graphs) == 1
+                 else f"The compiled graphs, one per variant: call_1 to call_{len(graphs)}"),
+        graph_section,
         _section(3, "The driver: forward(*args) checks a call, then runs call()"),
         driver_source,
         "",
         _RULE,
-        "# forward: the driver over this spec and graph.",
-        f"forward = Driver(ARTIFACT_SPEC, call{keywords})",
+        *_binding(variants),
         _MAIN.format(call_example=call_example),
     ]
     return "\n".join(sections)
+
+
+def _binding(variants: Sequence[ArtifactSpec]) -> list[str]:
+    """The lines that bind ``forward``."""
+    def keywords(variant: ArtifactSpec) -> str:
+        return "".join(f", {p.keyword}={p.factory}" for p in driver_parts(variant)
+                       if p.keyword and (p is not _MEMO or variant.model_names))
+
+    if len(variants) == 1:
+        return ["# forward: the driver over this spec and graph.",
+                f"forward = Driver(ARTIFACT_SPEC, call{keywords(variants[0])})"]
+    return [
+        "# forward: a driver over each variant's spec and graph; a call runs the variant it "
+        "fits.",
+        "forward = Variants([",
+        *(f"    Driver(variant_spec(ARTIFACT_SPEC, {n}), call_{n}{keywords(v)}),"
+          for n, v in enumerate(variants, 1)),
+        "])",
+    ]
+
+
+def _graph_section(variants: Sequence[ArtifactSpec], graphs: Sequence[LoweredGraph]) -> str:
+    """The stand-ins the graphs use, once, then the graph (or each variant's, in a function
+    of its own so that their names stay apart)."""
+    stand_ins = list(dict.fromkeys(module for graph in graphs for module in graph.stand_ins))
+    shipped = [shipped_source(module) for module in stand_ins]
+    pieces = [*(part.comment for part in shipped),
+              import_block([i for part in shipped for i in part.imports]) if shipped else "",
+              *(part.body for part in shipped)]
+    if len(graphs) == 1:
+        return "\n".join([*pieces, graphs[0].source]) if shipped else graphs[0].source
+    for number, (variant, graph) in enumerate(zip(variants, graphs, strict=True), 1):
+        pieces.append(_graph_function(number, len(graphs), variant, graph))
+    return "\n".join(pieces)
+
+
+def _graph_function(number: int, count: int, variant: ArtifactSpec, graph: LoweredGraph) -> str:
+    source = graph.source
+    if graph.stand_ins:  # an inductor graph: its kernel loader runs inside the function
+        from torch_precompile.internals.inductor import loader_resolving_now
+
+        source = loader_resolving_now(source)
+    return "\n".join([
+        "",
+        f"# Variant {number} of {count}: {variants.variant_label(variant)}.",
+        f"def graph_{number}():",
+        f'    """Variant {number}\'s compiled graph; returns its call(flat_inputs)."""',
+        _indented(source).rstrip("\n"),
+        "    return call",
+        "",
+        "",
+        f"call_{number} = graph_{number}()",
+        "",
+    ])
+
+
+def _indented(source: str) -> str:
+    """``source`` one level in, but for the lines inside a multi-line string: a kernel's C++
+    text is what its kernel key hashes, so it stays as it is."""
+    inside: set[int] = set()
+    opened: list[int] = []
+    fstring_start = getattr(tokenize, "FSTRING_START", None)
+    fstring_end = getattr(tokenize, "FSTRING_END", None)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == fstring_start:
+            opened.append(token.start[0])
+            continue
+        first = opened.pop() if token.type == fstring_end else token.start[0]
+        if token.type in (tokenize.STRING, fstring_end) and token.end[0] > first:
+            inside.update(range(first + 1, token.end[0] + 1))
+    return "\n".join(line if number in inside or not line.strip() else "    " + line
+                     for number, line in enumerate(source.splitlines(), 1)) + "\n"
 
 
 def _driver_source(modules: list[ModuleType], graph_source: str) -> str:
@@ -183,12 +278,17 @@ def _provenance(spec: ArtifactSpec, tracer: str) -> str:
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
 
 
-def _checks(spec: ArtifactSpec) -> str:
-    text = _CHECKS.format(optimizers=_OPTIMIZER_NOTE if spec.optimizers else "",
-                          subclasses=_SUBCLASS_NOTE if spec.wrapped else "",
-                          data_parallel=(_DATA_PARALLEL_NOTE if spec.data_parallel else "")
-                          + (_FULLY_SHARDED_NOTE if spec.fully_sharded else ""),
-                          layout=_INDUCTOR_LAYOUT if spec.backend == "inductor" else "")
+def _checks(specs: Sequence[ArtifactSpec]) -> str:
+    def anywhere(field: str) -> bool:
+        return any(getattr(spec, field) for spec in specs)
+
+    text = _CHECKS.format(optimizers=_OPTIMIZER_NOTE if anywhere("optimizers") else "",
+                          subclasses=_SUBCLASS_NOTE if anywhere("wrapped") else "",
+                          data_parallel=(_DATA_PARALLEL_NOTE if anywhere("data_parallel") else "")
+                          + (_FULLY_SHARDED_NOTE if anywhere("fully_sharded") else ""),
+                          layout=_INDUCTOR_LAYOUT if specs[0].backend == "inductor" else "")
+    if len(specs) > 1:
+        text += _VARIANTS_NOTE.format(count=len(specs))
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
 
 

@@ -20,6 +20,13 @@ class PrecompileError(RuntimeError):
     """A precompile contract was broken: at capture, at load, or by a call to an artifact."""
 
 
+CheckedCall = namedtuple("CheckedCall", ["state", "inputs", "stepped"])
+"""A call that passed the checks: the model tensors, input tensors and optimizer inputs."""
+
+# The checks in call order; how far a refused call got names the nearest variant.
+CHECK_STAGES = ("arguments", "input structure", "inputs", "models", "optimizers")
+
+
 class Driver:
     """``forward``: the captured computation over the artifact's spec and compiled graph.
 
@@ -74,16 +81,36 @@ class Driver:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the precompiled computation on ``args`` (the captured fn's positional
         arguments, models included)."""
-        check_arguments(self, args, kwargs)
-        if self.values is None:  # the inputs are positional tensors
-            leaves: Sequence[Any] = positional_leaves(self, args)
-        else:
-            leaves = self.values.input_leaves(args)
-        inputs = checked_inputs(self, leaves)
-        if self.data_parallel is not None:
-            self.data_parallel.check(args)
-        state = model_tensors(self, [args[i] for i in self.model_positions])
-        stepped = () if self.optimizers is None else self.optimizers.flat_inputs(args, state)
+        return self.run(args, self.checked(args, kwargs))
+
+    def checked(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> CheckedCall:
+        """Check a call without running anything; a failure's ``check_stage`` says how far
+        the checks got (``Variants`` names the variant that came nearest)."""
+        stage = "arguments"
+        try:
+            check_arguments(self, args, kwargs)
+            stage = "input structure"
+            if self.values is None:  # the inputs are positional tensors
+                leaves: Sequence[Any] = positional_leaves(self, args)
+            else:
+                leaves = self.values.input_leaves(args)
+            stage = "inputs"
+            inputs = checked_inputs(self, leaves)
+            stage = "models"
+            if self.data_parallel is not None:
+                self.data_parallel.check(args)
+            state = model_tensors(self, [args[i] for i in self.model_positions])
+            stage = "optimizers"
+            stepped = (() if self.optimizers is None
+                       else self.optimizers.flat_inputs(args, state))
+        except PrecompileError as error:
+            error.check_stage = CHECK_STAGES.index(stage)
+            raise
+        return CheckedCall(state, inputs, stepped)
+
+    def run(self, args: Sequence[Any], checked: CheckedCall) -> Any:
+        """Run the graph on a checked call, then put its gradients and results in place."""
+        state, inputs, stepped = checked
         if self.data_parallel is not None:
             self.data_parallel.average_left_gradients(args, state)
         grad_enabled = torch.is_grad_enabled()
@@ -441,7 +468,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
                      "inputs", "in_spec", "out_spec", "value_guards", "dynamic_dims",
                      "size_relations", "output_aliases", "meshes", "distributed", "kernels",
                      "optimizers", "param_groups", "optimizer_state", "wrapped",
-                     "wrapped_inner", "data_parallel", "fully_sharded"),
+                     "wrapped_inner", "data_parallel", "fully_sharded", "variants"),
     "TorchBuild": ("version", "git"),
     "Argument": ("name", "is_model", "is_optimizer"),
     "ModelTensor": ("name", "kind", "tied_to", "shape", "dtype", "device", "strides",
@@ -481,8 +508,9 @@ _RECORD_TYPES = {name: namedtuple(name, fields) for name, fields in SPEC_RECORDS
 
 
 def read_spec(literal: Mapping[str, Any]) -> Any:
-    """``ARTIFACT_SPEC`` as named tuples (``spec.model[0].shape``)."""
-    fields = dict(literal)
+    """``ARTIFACT_SPEC`` as named tuples (``spec.model[0].shape``); ``variants`` stays as
+    the literal holds it (``Variants`` reads it)."""
+    fields = {"variants": (), **literal}
     for name, record in SPEC_LISTS.items():
         make = _RECORD_TYPES[record]
         value = fields[name]

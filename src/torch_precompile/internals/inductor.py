@@ -292,6 +292,19 @@ def wrapper_with_stand_ins(wrapper: str, bits: int) -> str:
     return _replace_once(source, "\ncall = runner.call\n", "\ninductor_call = runner.call\n")
 
 
+_LOADER_WIDTH = re.compile(r"(= KernelLoader\(globals\(\)\.get\('PRECOMPILED_KERNELS', \{\}\), "
+                           r"vector_bits=\d+)\)\n")
+
+
+def loader_resolving_now(graph_source: str) -> str:
+    """A graph's source whose kernel loader readies each kernel as it hands it out, for a
+    graph that runs inside a function (see ``KernelLoader``)."""
+    source, count = _LOADER_WIDTH.subn(r"\1, resolve_now=True)\n", graph_source)
+    if count != 1:
+        raise PrecompileError("internal: a graph's source creates no kernel loader, or several")
+    return source
+
+
 def _cpp_wrapper_with_stand_ins(wrapper: str, loader: str) -> str:
     """A C++ wrapper module whose shared object comes from the kernel loader: prebuilt from
     the cache, else built here from ``cpp_wrapper_src``."""

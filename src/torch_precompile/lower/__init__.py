@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 from torch_precompile.spec import KernelObject
 
@@ -13,8 +14,11 @@ WRAPPER_LINE = "# Wrapper: "
 
 @dataclass(frozen=True)
 class LoweredGraph:
-    """Section 2 of the artifact, and the acceleration bytes that go into the cache.
+    """A compiled graph as section 2 of the artifact holds it, and the acceleration bytes that
+    go into the cache.
 
+    ``source`` defines ``call(flat_inputs)``; ``stand_ins`` are the shipped modules it uses
+    (the kernel loader, say), written once ahead of every graph that uses them.
     ``input_strides`` holds, per flat graph input, the strides the compiled kernels assume
     (None where any layout will do); None altogether for a layout-flexible backend.
     ``kernels`` names every built kernel object in ``acceleration``, with its digest.
@@ -24,3 +28,4 @@ class LoweredGraph:
     acceleration: bytes | None
     input_strides: list[tuple[int, ...] | str | None] | None = None
     kernels: tuple[KernelObject, ...] = ()
+    stand_ins: tuple[ModuleType, ...] = ()

@@ -36,7 +36,6 @@ from torch_precompile.internals.tracing import (
 )
 from torch_precompile.lower import WRAPPER_LINE, LoweredGraph
 from torch_precompile.lower.kernels import collect_built_kernels
-from torch_precompile.shipped import import_block, shipped_source
 from torch_precompile.spec import ArtifactSpec, Layout
 from torch_precompile.trace import Capture
 from torch_precompile.trace.checks import MAX_LITERAL_ELEMENTS, literal_source
@@ -74,13 +73,8 @@ def lower_inductor(capture: Capture, wrapper_kind: str = "python") -> LoweredGra
     # input checks); Inductor's own assert of each would repeat that check per call.
     wrapper = without_input_asserts(
         wrapper, {input_names[i] for i in _driver_checked(capture.spec, strides)})
-    shipped = [shipped_source(kernel_loader)]
-    if not is_cpp_wrapper(wrapper):
-        shipped.append(shipped_source(wrapper_imports))
+    stand_ins = (kernel_loader,) if is_cpp_wrapper(wrapper) else (kernel_loader, wrapper_imports)
     source = "\n".join([
-        *(part.comment for part in shipped),
-        import_block([i for part in shipped for i in part.imports]),
-        *(part.body for part in shipped),
         f"{GENERATED_START}, its torch._inductor imports replaced by the stand-ins above.",
         *wrapper_note,
         wrapper_with_stand_ins(wrapper, vector_bits()).strip("\n"),
@@ -89,7 +83,8 @@ def lower_inductor(capture: Capture, wrapper_kind: str = "python") -> LoweredGra
         _call_source(capture, tensor_outputs, constants, len(outputs)),
     ])
     kernels = collect_built_kernels(wrapper)
-    return LoweredGraph(source, kernels.payload, input_strides=strides, kernels=kernels.objects)
+    return LoweredGraph(source, kernels.payload, input_strides=strides, kernels=kernels.objects,
+                        stand_ins=stand_ins)
 
 
 def _has_compute(gm: torch.fx.GraphModule) -> bool:

@@ -1,0 +1,81 @@
+"""Variants: several captured calls in one artifact; each call runs the variant it fits.
+
+``forward = Variants([Driver(...), ...])`` holds one driver per variant, each over its own
+spec and graph. A call fits a variant when it passes that driver's checks, which run before
+anything is computed. The variant that ran last is tried first, so a run of calls of one
+kind pays for one variant's checks; a call that fits none is refused, naming every variant
+and the first difference from the one whose checks it got furthest through.
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch_precompile.driver.core import PrecompileError
+
+
+def variant_spec(literal: Mapping[str, Any], number: int) -> dict[str, Any]:
+    """Variant ``number`` (counting from 1, the top level) of ``ARTIFACT_SPEC`` as a whole
+    spec: its own fields over those every variant shares."""
+    own = literal["variants"][number - 2] if number > 1 else {}
+    return {**literal, **own, "variants": ()}
+
+
+def variant_label(spec: Any) -> str:
+    """What a variant specializes on, for messages: input shapes, Python values, mode."""
+    shown = []
+    for leaf in spec.inputs:
+        if leaf.kind == "tensor":
+            dims = ", ".join("*" if size is None else str(size) for size in leaf.shape or ())
+            shown.append(f"{leaf.path} ({dims})")
+        else:
+            shown.append(f"{leaf.path}={leaf.value[1]!r}")
+    if spec.submodules:
+        shown.append("training" if spec.submodules[0].training else "eval")
+    return ", ".join(shown) or "no inputs"
+
+
+class Variants:
+    """``forward`` of an artifact with several variants."""
+
+    def __init__(self, drivers: Sequence[Any]) -> None:
+        self.drivers = list(drivers)
+        self.last = self.drivers[0]
+        self.labels = [variant_label(d.spec) for d in self.drivers]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the variant this call fits (the captured fn's positional arguments)."""
+        return self.run(args, self.checked(args, kwargs))
+
+    def checked(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
+        """The driver of the variant this call fits, and the call as it checked it."""
+        driver = self.last
+        try:
+            return driver, driver.checked(args, kwargs)
+        except PrecompileError as refused:
+            found = self._fitting(args, kwargs, driver, refused)
+            self.last = found[0]
+            return found
+
+    def run(self, args: Sequence[Any], fitted: tuple[Any, Any]) -> Any:
+        driver, checked = fitted
+        return driver.run(args, checked)
+
+    def _fitting(self, args: Sequence[Any], kwargs: Mapping[str, Any], tried: Any,
+                 refused: Exception) -> tuple[Any, Any]:
+        refusals = {id(tried): refused}
+        for driver in self.drivers:
+            if driver is tried:
+                continue
+            try:
+                return driver, driver.checked(args, kwargs)
+            except PrecompileError as error:
+                refusals[id(driver)] = error
+        errors = [refusals[id(d)] for d in self.drivers]
+        nearest = max(range(len(errors)),
+                      key=lambda i: (getattr(errors[i], "check_stage", 0), -i))
+        listed = "; ".join(f"{i + 1}: {label}" for i, label in enumerate(self.labels))
+        raise PrecompileError(
+            f"this call fits none of the artifact's {len(self.drivers)} variants ({listed}). "
+            f"Nearest is variant {nearest + 1}: {errors[nearest]} Capture this call too (one "
+            "more call inside the capture block) to add a variant for it."
+        ) from None
