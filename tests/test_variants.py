@@ -231,3 +231,19 @@ def test_a_graph_inside_a_function_gets_kernels_ready_not_pending() -> None:
         loader._inductor = Inductor()
         kernel = loader.cpp_pybinding(["float*"], "source")
         assert kernel == expected if resolve_now else isinstance(kernel, expected)
+
+
+def test_variants_of_one_shape_in_two_modes_each_run_their_own(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    eager = copy.deepcopy(model)
+    xs = [torch.randn(6, 4) for _ in range(6)]
+    with capture(lambda m, x: m(x), artifact_path=tmp_path / "a.py", backend="eager") as cap:
+        cap(model.train(), xs[0])
+        cap(model.eval(), xs[0])
+    eager.load_state_dict(model.state_dict())
+    run = precompile.load(tmp_path / "a.py")
+    for step, x in enumerate(xs):  # train, eval, train, ...: BatchNorm's stats tell them apart
+        training = step % 2 == 0
+        assert_same(run(model.train(training), x), eager.train(training)(x))
+        assert_same(model_state(model), model_state(eager))

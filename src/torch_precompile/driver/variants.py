@@ -2,9 +2,11 @@
 
 ``forward = Variants([Driver(...), ...])`` holds one driver per variant, each over its own
 spec and graph. A call fits a variant when it passes that driver's checks, which run before
-anything is computed. The variant that ran last is tried first, so a run of calls of one
-kind pays for one variant's checks; a call that fits none is refused, naming every variant
-and the first difference from the one whose checks it got furthest through.
+anything is computed. Where every variant takes positional tensors of static shapes (batch
+size buckets, say), the call's input shapes pick the variant to try; otherwise the variant
+that ran last is tried first. Either way a steady run of calls of one kind pays for one
+variant's checks. A call that fits none is refused, naming every variant and the first
+difference from the one whose checks it got furthest through.
 """
 
 from collections.abc import Mapping, Sequence
@@ -41,6 +43,13 @@ class Variants:
         self.drivers = list(drivers)
         self.last = self.drivers[0]
         self.labels = [variant_label(d.spec) for d in self.drivers]
+        # The variants by their inputs' shapes, when each is positional tensors of static shape.
+        self.positions = self.drivers[0].input_positions
+        self.by_shape: dict[tuple[Any, ...], Any] | None = None
+        if all(d.plain_inputs for d in self.drivers):
+            self.by_shape = {}
+            for driver in reversed(self.drivers):  # the first variant of a shape wins
+                self.by_shape[tuple(p.shape for p in driver.leaves)] = driver
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the variant this call fits (the captured fn's positional arguments)."""
@@ -48,12 +57,17 @@ class Variants:
 
     def checked(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
         """The driver of the variant this call fits, and the call as it checked it."""
-        driver = self.last
+        driver, shapes = self.last, None
+        if self.by_shape is not None:
+            shapes = _shapes(args, self.positions)
+            driver = self.by_shape.get(shapes, driver)
         try:
             return driver, driver.checked(args, kwargs)
         except PrecompileError as refused:
             found = self._fitting(args, kwargs, driver, refused)
             self.last = found[0]
+            if self.by_shape is not None and shapes in self.by_shape:
+                self.by_shape[shapes] = found[0]  # variants of one shape: the last runs first
             return found
 
     def run(self, args: Sequence[Any], fitted: tuple[Any, Any]) -> Any:
@@ -79,3 +93,12 @@ class Variants:
             f"Nearest is variant {nearest + 1}: {errors[nearest]} Capture this call too (one "
             "more call inside the capture block) to add a variant for it."
         ) from None
+
+
+def _shapes(args: Sequence[Any], positions: Sequence[int]) -> tuple[Any, ...] | None:
+    """The shapes of the inputs at ``positions``; None where one is not a tensor (the checks
+    then say what is wrong)."""
+    try:
+        return tuple([args[i].shape for i in positions])
+    except (AttributeError, IndexError):
+        return None
