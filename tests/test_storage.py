@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.artifact import envelope
@@ -100,25 +99,25 @@ def test_precompile_signs_in_memory(backend: str) -> None:
 def test_verification_comes_before_anything_runs(pair, backend: str, tmp_path, monkeypatch,
                                                  caplog) -> None:
     """With verify_key, a changed or unsigned pair is refused for that reason, before any of
-    its source runs or any of its cache is unpickled."""
+    its source runs or any of its cache is read."""
     code, cache = pair
     marker = tmp_path / "executed"
     hostile = f"open({str(marker)!r}, 'w').close()\n" + code
-    unpickled: list[Any] = []
-    real_load = torch.load
+    opened: list[Any] = []
+    real_read = envelope.read
 
-    def recording_load(*args: Any, **kwargs: Any) -> Any:
-        unpickled.append(args)
-        return real_load(*args, **kwargs)
+    def recording_read(*args: Any, **kwargs: Any) -> Any:
+        opened.append(args)
+        return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "load", recording_load)
+    monkeypatch.setattr(envelope, "read", recording_read)
     # The probes work: paired with its own cache and loaded without a key, the hostile
-    # source runs (the marker appears) and its cache is unpickled.
+    # source runs (the marker appears) and its cache is read.
     acceleration = envelope.unpack(cache, backend, code)
     precompile.load(hostile, envelope.pack(backend, hostile, acceleration))
-    assert marker.exists() and unpickled
+    assert marker.exists() and opened
     marker.unlink()
-    unpickled.clear()
+    opened.clear()
 
     precompile.save(code, cache, tmp_path / "m.py", sign_key=KEY)
     signed = cache_path(tmp_path / "m.py", code).read_bytes()
@@ -133,12 +132,12 @@ def test_verification_comes_before_anything_runs(pair, backend: str, tmp_path, m
     ]
     for candidate_code, candidate_cache, message in cases:
         caplog.clear()
-        unpickled.clear()
+        opened.clear()
         with caplog.at_level(logging.WARNING, logger="torch_precompile"), pytest.raises(
                 PrecompileError, match=rf"{message}.*[Nn]othing was executed"):
             precompile.load(candidate_code, candidate_cache, verify_key=KEY)
         assert not marker.exists(), f"refused ({message}), but its source ran"
-        assert unpickled == [], f"refused ({message}), but its cache was unpickled"
+        assert opened == [], f"refused ({message}), but its cache was read"
         assert not [r for r in caplog.records if "executing python_code" in r.getMessage()]
 
 

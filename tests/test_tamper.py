@@ -77,13 +77,20 @@ def test_bit_flipped_kernel_objects(artifacts) -> None:
 
 def test_foreign_and_future_caches(backend: str, artifacts) -> None:
     code, cache = artifacts.pair(NAME, backend)
-    envelope_dict = torch.load(io.BytesIO(cache), weights_only=True)
-    for change in ({"version": 2}, {"format": "other-tool"}, {"artifact": "not bytes"}):
+    envelope_dict = envelope.decode(cache)
+    # Written the version-1 way (torch.save), which load still reads.
+    for change in ({"version": 99}, {"format": "other-tool"}, {"artifact": "not bytes"}):
         buffer = io.BytesIO()
         torch.save({**envelope_dict, **change}, buffer)
         assert _expect_refused_or_correct(code, buffer.getvalue()) == "ran", change
     for junk in (b"", b"\0" * 100, b"PK\x03\x04garbage", bytearray(b"junk")):
         assert _expect_refused_or_correct(code, junk) == "ran"  # type: ignore[arg-type]
+    # The current layout cut short, grown, or with a header that lies about its blobs.
+    magic_end = cache.index(b"\n") + 1
+    header_end = magic_end + 8 + int.from_bytes(cache[magic_end:magic_end + 8], "little")
+    lying = cache[:header_end].replace(b'"artifact": ', b'"artifact": 9', 1) + cache[header_end:]
+    for damaged in (cache[:-7], cache + b"x", cache[:header_end - 3], lying):
+        assert _expect_refused_or_correct(code, damaged) == "ran"
     with pytest.raises(PrecompileError, match="no cache at a string"):
         precompile.load(code, "a string")  # a string names the cache's file
 

@@ -1,18 +1,15 @@
 """What ``inspect`` and ``verify`` report about a saved pair, read without executing it.
 
-The source is parsed (never run); the cache is read with ``torch.load(weights_only=True)``,
-which only rebuilds plain data.
+The source is parsed (never run); the cache's envelope is read as data (``envelope.decode``:
+JSON and raw bytes, or ``torch.load(weights_only=True)`` for a version-1 one).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import re
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from torch_precompile.artifact import bytecode, envelope, signature
 from torch_precompile.driver.variants import variant_label
@@ -31,10 +28,6 @@ def _read_pair(path: Path) -> tuple[str, ArtifactSpec, Path, bytes | None]:
     cache_file = cache_path(path, code)
     cache = cache_file.read_bytes() if cache_file.exists() else None
     return code, spec, cache_file, cache
-
-
-def _load_plain(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def describe(path: Path) -> dict[str, Any]:
@@ -211,7 +204,7 @@ def _describe_cache(code: str, spec: ArtifactSpec, cache_file: Path, cache: byte
     info: dict[str, Any] = {"path": str(cache_file), "present": True, "bytes": len(cache),
                             "signed": signed is not None}
     try:
-        outer = _load_plain(body)
+        outer = envelope.decode(body)
     except Exception as e:
         info["readable"] = f"no ({type(e).__name__})"
         return info
@@ -360,16 +353,16 @@ def verify(path: Path, key: bytes | None) -> tuple[list[str], list[str]]:
     else:
         notes.append("signed (not checked: no --key-file)" if signed else "unsigned")
     try:
-        outer = _load_plain(body)
+        outer = envelope.decode(body)
     except Exception as e:
         problems.append(f"the cache is unreadable ({type(e).__name__}: {e})")
         return problems, notes
     if not isinstance(outer, dict) or outer.get("format") != envelope.FORMAT:
         problems.append("the cache is not a torch-precompile envelope")
         return problems, notes
-    if outer.get("version") != envelope.VERSION:
+    if outer.get("version") not in envelope.READABLE_VERSIONS:
         problems.append(f"the cache has version {outer.get('version')!r}; this version reads "
-                        f"{envelope.VERSION}")
+                        f"{' and '.join(map(str, envelope.READABLE_VERSIONS))}")
     if outer.get("backend") != spec.backend or outer.get("code_hash") != envelope.code_hash(
             code):
         problems.append("the cache belongs to a different source (code_hash or backend differ)")
