@@ -169,3 +169,24 @@ def write_pair(tmp_path: Path, name: str, code: str, cache: bytes) -> dict[str, 
     paths["cache"].write_bytes(cache)
     torch.save(expected, paths["expected"])
     return {k: str(v) for k, v in paths.items()}
+
+
+def kernel_payload(code: str, cache: bytes) -> dict[str, Any]:
+    """The kernel payload of an inductor pair's cache, as ``read_payload`` gives it."""
+    from torch_precompile.artifact import envelope
+    from torch_precompile.artifact.kernel_payload import read_payload
+
+    return read_payload(envelope.unpack(cache, "inductor", code))
+
+
+def with_kernel_payload(code: str, payload: dict[str, Any]) -> bytes:
+    """A cache for ``code`` holding ``payload`` (edited, say), in the payload's torch.save
+    layout, which load still reads."""
+    import io
+
+    from torch_precompile.artifact import envelope
+
+    buffer = io.BytesIO()
+    torch.save({**payload, "version": 1}, buffer)
+    return envelope.pack("inductor", code, buffer.getvalue())
+

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
 import logging
 from pathlib import Path
 
@@ -18,17 +17,17 @@ import torch
 from torch._dynamo.decorators import mark_unbacked
 
 from torch_precompile import PrecompileError, precompile
-from torch_precompile.artifact import envelope
-from torch_precompile.artifact.kernel_payload import read_payload
 from torch_precompile.inspection import describe
 
 from conftest import (
     FRESH_LOAD,
     assert_same,
+    kernel_payload,
     model_state,
     poisoned_toolchain,
     run_eager_and_compiled,
     run_python,
+    with_kernel_payload,
     write_pair,
 )
 from workloads import WORKLOADS
@@ -36,21 +35,11 @@ from workloads import WORKLOADS
 WRAPPER_ENTRY = "inductor_entry_cpp"
 
 
-def _payload(code: str, cache: bytes) -> dict:
-    return read_payload(envelope.unpack(cache, "inductor", code))
-
-
-def _repacked(code: str, payload: dict) -> bytes:
-    buffer = io.BytesIO()
-    torch.save({**payload, "version": 1}, buffer)  # the torch.save layout, still read
-    return envelope.pack("inductor", code, buffer.getvalue())
-
-
 def test_inference_runs_in_the_cpp_wrapper_and_says_so(artifacts, tmp_path: Path) -> None:
     code, cache = artifacts.pair("mlp_infer", "inductor", wrapper="cpp")
     assert "\n# Wrapper: C++." in code and "\ncpp_wrapper_src = (" in code
     assert "def call(self, args)" not in code  # no Python wrapper beside it
-    modules = {entry["module"] for entry in _payload(code, cache)["kernels"].values()}
+    modules = {entry["module"] for entry in kernel_payload(code, cache)["kernels"].values()}
     assert modules == {WRAPPER_ENTRY}  # on CPU the kernels are inside the wrapper's object
     precompile.save(code, cache, tmp_path / "a.py")
     assert describe(tmp_path / "a.py")["wrapper"] == "cpp"
@@ -110,24 +99,24 @@ def test_without_the_cache_the_wrapper_is_built_from_its_source(artifacts,
 
 def test_a_swapped_wrapper_object_is_refused(artifacts) -> None:
     code, cache = artifacts.pair("mlp_infer", "inductor", wrapper="cpp")
-    payload = _payload(code, cache)
+    payload = kernel_payload(code, cache)
     key, entry = next((k, e) for k, e in payload["kernels"].items()
                       if e["module"] == WRAPPER_ENTRY)
     entry["object"] += b"\0"
     entry["sha256"] = hashlib.sha256(entry["object"]).hexdigest()
     with pytest.raises(PrecompileError, match=f"kernel {key[:12]}…: sha256 .*python_code "
                        "names sha256"):
-        precompile.load(code, _repacked(code, payload))
+        precompile.load(code, with_kernel_payload(code, payload))
 
 
 def test_a_damaged_wrapper_object_is_rebuilt_with_a_warning(artifacts, caplog) -> None:
     code, cache = artifacts.pair("mlp_infer", "inductor", wrapper="cpp")
-    payload = _payload(code, cache)
+    payload = kernel_payload(code, cache)
     entry = next(e for e in payload["kernels"].values() if e["module"] == WRAPPER_ENTRY)
     middle = len(entry["object"]) // 2
     entry["object"] = entry["object"][:middle] + b"\xff" + entry["object"][middle + 1:]
     with caplog.at_level(logging.WARNING, logger="torch_precompile"):
-        run = precompile.load(code, _repacked(code, payload))
+        run = precompile.load(code, with_kernel_payload(code, payload))
     assert "its bytes are damaged" in caplog.text
     eager, compiled, _, _ = run_eager_and_compiled("mlp_infer", run)
     assert_same(compiled, eager)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import io
 import json
 import logging
 import re
@@ -11,14 +10,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.artifact import envelope
 from torch_precompile.artifact import kernel_payload as kernels
-from torch_precompile.artifact.kernel_payload import read_payload
 
-from conftest import FRESH_LOAD, assert_same, poisoned_toolchain, run_python, write_pair
+from conftest import (
+    FRESH_LOAD,
+    assert_same,
+    kernel_payload,
+    poisoned_toolchain,
+    run_python,
+    with_kernel_payload,
+    write_pair,
+)
 from workloads import WORKLOADS
 
 
@@ -45,12 +50,9 @@ def test_poisoned_toolchain_really_fails_without_the_cache(artifacts, tmp_path) 
 
 
 def _repacked(code: str, cache: bytes, edit) -> bytes:
-    acceleration = envelope.unpack(cache, "inductor", code)
-    payload = read_payload(acceleration)
+    payload = kernel_payload(code, cache)
     edit(payload)
-    buffer = io.BytesIO()
-    torch.save({**payload, "version": 1}, buffer)  # the torch.save layout, still read
-    return envelope.pack("inductor", code, buffer.getvalue())
+    return with_kernel_payload(code, payload)
 
 
 def test_stale_fingerprint_rebuilds_in_a_fresh_process(artifacts, tmp_path) -> None:
@@ -143,7 +145,7 @@ def test_cache_holds_every_kernel_of_the_artifact(artifacts, tmp_path) -> None:
     calls = _kernel_calls(code)
     assert calls, "the artifact builds no C++ kernel"
     assert code.count("async_compile.cpp_pybinding(") == len(calls)  # none in another form
-    payload = read_payload(envelope.unpack(cache, "inductor", code))
+    payload = kernel_payload(code, cache)
     held, needed = len(payload["kernels"]), len(set(calls))
     assert held == needed, f"the cache holds {held} kernel objects, the source calls {needed}"
     assert payload["fingerprint"] == kernels.machine_fingerprint()

@@ -7,36 +7,22 @@ binds, says which bytes belong to it.
 
 from __future__ import annotations
 
-import io
 import logging
 
 import pytest
-import torch
 
 from torch_precompile import PrecompileError, precompile
-from torch_precompile.artifact import envelope
-from torch_precompile.artifact.kernel_payload import read_payload
 
-from conftest import assert_same, run_python
+from conftest import assert_same, kernel_payload, run_python, with_kernel_payload
 from workloads import WORKLOADS
 
 NAME = "mlp_train"
 
 
-def _payload(code: str, cache: bytes) -> dict:
-    return read_payload(envelope.unpack(cache, "inductor", code))
-
-
-def _packed(code: str, payload: dict) -> bytes:
-    buffer = io.BytesIO()
-    torch.save({**payload, "version": 1}, buffer)  # the torch.save layout, still read
-    return envelope.pack("inductor", code, buffer.getvalue())
-
-
 def test_the_spec_names_every_object_of_the_cache(artifacts) -> None:
     code, cache = artifacts.pair(NAME, "inductor")
     named = {k.key: k.sha256 for k in precompile.inspect(code).kernels}
-    held = {key: entry["sha256"] for key, entry in _payload(code, cache)["kernels"].items()}
+    held = {key: entry["sha256"] for key, entry in kernel_payload(code, cache)["kernels"].items()}
     assert named == held and named
     assert precompile.inspect(artifacts.pair(NAME, "eager")[0]).kernels == ()
 
@@ -45,11 +31,11 @@ def _swapped(code: str, cache: bytes) -> bytes:
     """One object replaced by other bytes, its checksum updated to match them."""
     import hashlib
 
-    payload = _payload(code, cache)
+    payload = kernel_payload(code, cache)
     entry = next(iter(payload["kernels"].values()))
     entry["object"] = entry["object"] + b"\0"
     entry["sha256"] = hashlib.sha256(entry["object"]).hexdigest()
-    return _packed(code, payload)
+    return with_kernel_payload(code, payload)
 
 
 _LOAD_SWAPPED = """
@@ -86,12 +72,12 @@ def test_a_swapped_object_is_refused_before_anything_is_mapped(key, artifacts, t
 
 def test_an_object_the_source_does_not_name_is_refused(artifacts) -> None:
     code, cache = artifacts.pair(NAME, "inductor")
-    payload = _payload(code, cache)
+    payload = kernel_payload(code, cache)
     entry = dict(next(iter(payload["kernels"].values())))
     payload["kernels"]["f" * 64] = entry
     with pytest.raises(PrecompileError, match="kernel ffffffffffff…: .*python_code names no such "
                        "kernel"):
-        precompile.load(code, _packed(code, payload))
+        precompile.load(code, with_kernel_payload(code, payload))
 
 
 def test_an_edited_pin_unbinds_the_pair(artifacts) -> None:
@@ -114,11 +100,11 @@ def test_verify_and_inspect_name_the_swapped_object(artifacts, tmp_path) -> None
 
 def test_a_malformed_entry_is_skipped_with_a_warning(artifacts, caplog) -> None:
     code, cache = artifacts.pair(NAME, "inductor")
-    payload = _payload(code, cache)
+    payload = kernel_payload(code, cache)
     key = next(iter(payload["kernels"]))
     payload["kernels"][key] = {"object": "not bytes"}
     with caplog.at_level(logging.WARNING, logger="torch_precompile"):
-        run = precompile.load(code, _packed(code, payload))
+        run = precompile.load(code, with_kernel_payload(code, payload))
     assert any(f"kernel {key[:12]}… is unusable (a malformed entry)" in r.message
                for r in caplog.records)
     workload = WORKLOADS[NAME]

@@ -15,10 +15,9 @@ import torch
 
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.artifact import envelope
-from torch_precompile.artifact.kernel_payload import read_payload
 from torch_precompile.spec import OLDEST_READABLE_SCHEMA, SCHEMA_VERSION
 
-from conftest import assert_same
+from conftest import assert_same, kernel_payload, with_kernel_payload
 from workloads import WORKLOADS
 
 NAME = "mlp_train"
@@ -66,13 +65,10 @@ def test_bit_flipped_caches(backend: str, artifacts, caplog) -> None:
 
 def test_bit_flipped_kernel_objects(artifacts) -> None:
     code, cache = artifacts.pair(NAME, "inductor")
-    payload = read_payload(envelope.unpack(cache, "inductor", code))
+    payload = kernel_payload(code, cache)
     for entry in payload["kernels"].values():
         entry["object"] = _flip(entry["object"], len(entry["object"]) // 2)
-    buffer = io.BytesIO()
-    torch.save({**payload, "version": 1}, buffer)  # the torch.save layout, still read
-    assert _expect_refused_or_correct(code, envelope.pack("inductor", code,
-                                                          buffer.getvalue())) == "ran"
+    assert _expect_refused_or_correct(code, with_kernel_payload(code, payload)) == "ran"
 
 
 def test_foreign_and_future_caches(backend: str, artifacts) -> None:

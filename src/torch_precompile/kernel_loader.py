@@ -46,20 +46,12 @@ class KernelLoader:
         self._inductor: Any = None
 
     def cpp_pybinding(self, argtypes: list[str], source_code: str, **options: Any) -> Any:
-        key = kernel_key(argtypes, source_code, options)
-        kernel = self.prebuilt.get(key)
-        if kernel is not None:
-            return kernel
-        self.built_here.append(key)
-        return self._build(lambda: self._jit().cpp_pybinding(argtypes, source_code, **options))
+        return self._prebuilt_or_built(
+            kernel_key(argtypes, source_code, options),
+            lambda: self._jit().cpp_pybinding(argtypes, source_code, **options))
 
     def load_pybinding(self, argtypes: list[str], main_code: str, **options: Any) -> Any:
         """Replaces ``CppWrapperCodeCache.load_pybinding``: the C++ wrapper's entry point."""
-        key = kernel_key(argtypes, main_code, options)
-        entry = self.prebuilt.get(key)
-        if entry is not None:
-            return entry
-        self.built_here.append(key)
 
         def build() -> Any:
             from torch._inductor.codecache import CppWrapperCodeCache
@@ -67,6 +59,13 @@ class KernelLoader:
             return CppWrapperCodeCache.load_pybinding(argtypes=argtypes, main_code=main_code,
                                                       **options)
 
+        return self._prebuilt_or_built(kernel_key(argtypes, main_code, options), build)
+
+    def _prebuilt_or_built(self, key: str, build: Callable[[], Any]) -> Any:
+        prebuilt = self.prebuilt.get(key)
+        if prebuilt is not None:
+            return prebuilt
+        self.built_here.append(key)
         return self._build(build)
 
     def _build(self, build: Callable[[], Any]) -> Any:
