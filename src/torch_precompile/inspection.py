@@ -74,7 +74,7 @@ def describe(path: Path) -> dict[str, Any]:
         "subclasses": _describe_subclasses(spec),
         "data_parallel": _describe_data_parallel(spec),
         "wrapper": _describe_wrapper(code, spec),
-        "variants": [variant_label(v) for v in spec.variants and spec.all_variants],
+        "variants": [variant_label(v) for v in spec.all_variants] if spec.variants else [],
         "cache": _describe_cache(code, spec, cache_file, cache),
     }
     return report

@@ -20,10 +20,12 @@ class PrecompileError(RuntimeError):
     """A precompile contract was broken: at capture, at load, or by a call to an artifact."""
 
 
-CheckedCall = namedtuple("CheckedCall", ["state", "inputs", "stepped"])
-"""A call that passed the checks: the model tensors, input tensors and optimizer inputs."""
+# A call that passed the checks, as a plain tuple (cheapest per call): the model tensors,
+# the input tensors and the optimizer inputs.
+CheckedCall = tuple
 
-# The checks in call order; how far a refused call got names the nearest variant.
+# The checks in call order; a refused call records how far it got (an artifact with variants
+# names the nearest one by it).
 CHECK_STAGES = ("arguments", "input structure", "inputs", "models", "optimizers")
 
 
@@ -106,7 +108,7 @@ class Driver:
         except PrecompileError as error:
             error.check_stage = CHECK_STAGES.index(stage)
             raise
-        return CheckedCall(state, inputs, stepped)
+        return state, inputs, stepped
 
     def run(self, args: Sequence[Any], checked: CheckedCall) -> Any:
         """Run the graph on a checked call, then put its gradients and results in place."""
