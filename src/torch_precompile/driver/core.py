@@ -24,9 +24,6 @@ class PrecompileError(RuntimeError):
 # the input tensors and the optimizer inputs.
 CheckedCall = tuple
 
-# The checks in call order; a refused call records how far it got (an artifact with variants
-# names the nearest one by it).
-CHECK_STAGES = ("arguments", "input structure", "inputs", "models", "optimizers")
 
 
 class Driver:
@@ -88,25 +85,28 @@ class Driver:
     def checked(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> CheckedCall:
         """Check a call without running anything; a failure's ``check_stage`` says how far
         the checks got (``Variants`` names the variant that came nearest)."""
-        stage = "arguments"
+        # How far the checks got, in call order: arguments, input structure, inputs, models,
+        # optimizers.
+        stage = 0
         try:
-            check_arguments(self, args, kwargs)
-            stage = "input structure"
+            if kwargs or len(args) != self.arity:
+                check_arguments(self, args, kwargs)
+            stage = 1
             if self.values is None:  # the inputs are positional tensors
                 leaves: Sequence[Any] = positional_leaves(self, args)
             else:
                 leaves = self.values.input_leaves(args)
-            stage = "inputs"
+            stage = 2
             inputs = checked_inputs(self, leaves)
-            stage = "models"
+            stage = 3
             if self.data_parallel is not None:
                 self.data_parallel.check(args)
             state = model_tensors(self, [args[i] for i in self.model_positions])
-            stage = "optimizers"
+            stage = 4
             stepped = (() if self.optimizers is None
                        else self.optimizers.flat_inputs(args, state))
         except PrecompileError as error:
-            error.check_stage = CHECK_STAGES.index(stage)
+            error.check_stage = stage
             raise
         return state, inputs, stepped
 
@@ -121,8 +121,9 @@ class Driver:
             outputs = self.call([*state, *inputs, *stepped])
             if self.value_guards:
                 self.values.check_guards(outputs[self.guards_start:])
-            accumulate_grads(state, self.grad_indices,
-                             outputs[self.num_results:self.guards_start])
+            if self.grad_indices:
+                accumulate_grads(state, self.grad_indices,
+                                 outputs[self.num_results:self.guards_start])
         finally:
             torch._C._set_grad_enabled(grad_enabled)
         if self.optimizers is not None:
@@ -289,7 +290,7 @@ class ModelPlan:
         self.submodules = [(s.name, s.training) for s in spec.submodules]
 
 
-def model_tensors(driver: Driver, models: Sequence[Any]) -> list[torch.Tensor]:
+def model_tensors(driver: Driver, models: Sequence[Any]) -> Sequence[torch.Tensor]:
     """The models' tensors in flat-input order, after checking them against the capture."""
     memo = driver.memo
     if memo is not None:

@@ -31,7 +31,7 @@ class RememberedModels:
     def __init__(self, models: Sequence[Any], walked: WalkedModels, registrations: int) -> None:
         self.models = [weakref.ref(m) for m in models]
         self.registrations = registrations
-        self.tensors = walked.tensors
+        self.tensors = tuple(walked.tensors)  # handed out as is: no call mutates it
         # Where each submodule's training flag is read: its instance dict when the flag lives
         # there alone (as nn.Module keeps it; a dict read is the cheaper one), else the module.
         plain = all("training" in vars(m) and not hasattr(type(m), "training")
@@ -70,15 +70,15 @@ class ModelMemo:
     def remember_inputs(self, leaves: Sequence[torch.Tensor]) -> None:
         self.input_guard = tensor_guard(leaves)
 
-    def lookup(self, models: Sequence[Any]) -> list[torch.Tensor] | None:
+    def lookup(self, models: Sequence[Any]) -> Sequence[torch.Tensor] | None:
         """The models' tensors if nothing about them can have changed since they passed."""
-        entry = self.entries.get(tuple([id(m) for m in models]))
+        entry = self.entries.get(tuple(map(id, models)))
         if (entry is not None and entry.registrations == REGISTRATIONS.value
-                and all([r() is m for r, m in zip(entry.models, models, strict=True)])
+                and all(map(operator.is_, map(_DEREF, entry.models), models))
                 and entry.member_count() == entry.member_total
                 and list(map(entry.modes_of, entry.submodules)) == self.modes
                 and entry.tensor_guard.check(*entry.tensors)):
-            return list(entry.tensors)
+            return entry.tensors
         return None
 
     def remember(self, models: Sequence[Any], walked: WalkedModels) -> None:
@@ -88,7 +88,7 @@ class ModelMemo:
         with self.lock:
             if len(self.entries) >= self.SIZE:
                 self.entries.pop(next(iter(self.entries), None), None)
-            self.entries[tuple([id(m) for m in models])] = entry
+            self.entries[tuple(map(id, models))] = entry
 
 
 def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
@@ -107,6 +107,7 @@ def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
 
 
 _TRAINING = operator.attrgetter("training")
+_DEREF = weakref.ref.__call__
 _TRAINING_IN_DICT = operator.itemgetter("training")
 
 

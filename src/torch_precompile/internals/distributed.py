@@ -127,7 +127,9 @@ def all_gather_rows(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     from torch.distributed import _functional_collectives as funcol
 
     size = group.size()
-    return funcol.all_gather_tensor(tensor, 0, group).view(size, -1)
+    # The *_single names replace *_tensor, which warn as deprecated where both exist.
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return gather(tensor, 0, group).view(size, -1)
 
 
 def reduce_scatter_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
@@ -135,4 +137,5 @@ def reduce_scatter_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     on rank r."""
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.reduce_scatter_tensor(tensor.reshape(-1), "sum", 0, group)
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return scatter(tensor.reshape(-1), "sum", 0, group)
