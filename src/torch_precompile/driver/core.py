@@ -25,7 +25,6 @@ class PrecompileError(RuntimeError):
 CheckedCall = tuple
 
 
-
 class Driver:
     """``forward``: the captured computation over the artifact's spec and compiled graph.
 

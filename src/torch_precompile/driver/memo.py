@@ -107,8 +107,8 @@ def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
 
 
 _TRAINING = operator.attrgetter("training")
-_DEREF = weakref.ref.__call__
 _TRAINING_IN_DICT = operator.itemgetter("training")
+_DEREF = weakref.ref.__call__  # a remembered model, or None once it is gone
 
 
 class RegistrationCount:
