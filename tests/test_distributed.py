@@ -19,6 +19,8 @@ import torch
 
 from torch_precompile import precompile
 
+from conftest import run_python
+
 TESTS_DIR = Path(__file__).parent
 WORKER_TIMEOUT_S = 900
 TOLERANCE = 1e-5
@@ -378,3 +380,25 @@ def test_compile_on_one_rank_needs_a_process_group() -> None:
     with pytest.raises(precompile.PrecompileError, match="init_process_group"):
         precompile(lambda m, x: m(x), torch.nn.Linear(2, 2), torch.ones(1, 2),
                    backend="eager", compile_on_one_rank=True)
+
+
+def test_collectives_the_package_adds_are_current_and_silent() -> None:
+    """The FSDP2 all-gather and reduce-scatter the package traces use torch's current
+    functional-collective names: a capture prints no deprecation warning."""
+    result = run_python("""
+        import datetime, socket, warnings
+        import torch, torch.distributed as dist
+        from torch_precompile.internals.distributed import all_gather_rows, reduce_scatter_sum
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1, timeout=datetime.timedelta(seconds=60))
+        warnings.simplefilter("error", FutureWarning)
+        group = dist.group.WORLD
+        assert all_gather_rows(torch.arange(3.0), group).tolist() == [[0.0, 1.0, 2.0]]
+        assert reduce_scatter_sum(torch.ones(1, 3), group).tolist() == [1.0, 1.0, 1.0]
+        dist.destroy_process_group()
+        print("ok")
+    """, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -59,7 +59,8 @@ _HEADER = '''\
 _CHECKS = (
     "Checked at every call: the number of arguments, the structure of the inputs, each input "
     "tensor's shape, dtype and device (and Python values, which are baked), and each model's "
-    "parameter and buffer names, order, tying, shapes, dtypes and devices.{optimizers}"
+    "parameter and buffer names, order, tying, shapes, dtypes and devices, and every "
+    "submodule's training mode.{optimizers}"
     "{subclasses}{data_parallel}{layout} "
     "Yours to keep: control flow and data-dependent decisions follow the example the "
     "computation was captured with. Input and buffer mutations land on what you pass in; "

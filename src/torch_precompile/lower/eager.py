@@ -23,7 +23,8 @@ def lower_eager(capture: Capture) -> LoweredGraph:
         "",
         "def call(flat_inputs):",
         '    """Run the graph on the flat inputs (they are consumed) and return its outputs."""',
-        "    args = [*flat_inputs, *TENSOR_LITERALS]",
+        "    args = [*flat_inputs, *TENSOR_LITERALS]" if capture.literals
+        else "    args = list(flat_inputs)",
         "    flat_inputs.clear()",
         "    return captured_graph(*args)",
     ]
@@ -39,7 +40,7 @@ def _used_imports(graph_code: str) -> list[str]:
 
 def _literal_lines(capture: Capture) -> list[str]:
     if not capture.literals:
-        return ["TENSOR_LITERALS = []", "", ""]
+        return [""]
     lines = ["# Tensor literals built inside fn (torch.tensor(...)), in graph-input order."]
     lines.append("TENSOR_LITERALS = [")
     lines.extend(f"    {literal_source(t)}," for t in capture.literals)

@@ -335,9 +335,11 @@ def _driver_checked(spec: ArtifactSpec, strides: list[Layout]) -> list[int]:
 
 
 def _literal_lines(capture: Capture) -> list[str]:
+    if not capture.literals:
+        return [""]
     items = "".join(f"    {literal_source(t)},\n" for t in capture.literals)
     return ["", "# Tensor literals built inside fn, passed after the flat inputs.",
-            f"TENSOR_LITERALS = [\n{items}]" if items else "TENSOR_LITERALS = []", ""]
+            f"TENSOR_LITERALS = [\n{items}]", ""]
 
 
 def _call_source(
@@ -352,7 +354,8 @@ def _call_source(
     if aliases:
         lines.append("    inputs = list(flat_inputs)")
     lines += [
-        "    args = [*flat_inputs, *TENSOR_LITERALS]",
+        "    args = [*flat_inputs, *TENSOR_LITERALS]" if capture.literals
+        else "    args = list(flat_inputs)",
         "    flat_inputs.clear()",
         "    computed = inductor_call(args)",
     ]
