@@ -59,6 +59,20 @@ def test_training_matches_eager_over_three_calls(artifacts) -> None:
     assert all(p.grad is not None for p in compiled_args[0].parameters())
 
 
+def test_the_driver_checks_layouts_so_the_wrapper_does_not(artifacts) -> None:
+    """Every input's layout is the driver's check, so the C++ source asserts none of them
+    (each assert costs a string stream per call there); a wrong layout is still refused."""
+    code, cache = artifacts.pair("mlp_infer", "inductor", wrapper="cpp")
+    source = code[code.index("\ncpp_wrapper_src = ("):code.index("\ninductor_entry = ")]
+    assert "inductor_entry_impl" in source and "assert_size_stride(" not in source
+    assert "unsafe_alloc_void_ptrs_from_tensors(args)" in code  # no Python walk of the inputs
+    model, x = WORKLOADS["mlp_infer"].args()
+    run = precompile.load(code, cache)
+    assert_same(run(model, x), WORKLOADS["mlp_infer"].fn(model, x))
+    with pytest.raises(PrecompileError, match="strides"):
+        run(model, torch.randn(4, 5).t())
+
+
 @pytest.mark.parametrize("name", ["mlp_infer", "mlp_train"])
 def test_dynamic_dims(name: str) -> None:
     """A dim of its own (inference) and one shared by inputs (training, shape_id)."""

@@ -32,9 +32,9 @@ INDUCTOR_OPTIONS: dict[str, Any] = {
 # The C++ source and the building of Inductor's C++ wrapper, in the module it generates.
 _CPP_WRAPPER_SOURCE = "cpp_wrapper_src"
 _CPP_WRAPPER_BUILD = "CppWrapperCodeCache.load_pybinding"
-# One layout assert of an input in the C++ wrapper.
-_CPP_INPUT_ASSERT = re.compile(r'^\s*assert_size_stride\((\w+), \{[^}]*\}, \{[^}]*\}, "input"\);$',
-                               re.MULTILINE)
+# One layout assert of an input in the C++ wrapper, a line of its own.
+_CPP_INPUT_ASSERT = re.compile(
+    r'^[ \t]*assert_size_stride\((\w+), \{[^}]*\}, \{[^}]*\}, "input"\);\n', re.MULTILINE)
 _INDUCTOR_IMPORT = re.compile(r"^from (torch\._inductor[\w.]*) import (\w+)(?: as (\w+))?$",
                               re.MULTILINE)
 
@@ -180,10 +180,10 @@ def cpp_wrapper_source(wrapper: str) -> str:
 
 def without_input_asserts(wrapper: str, names: set[str]) -> str:
     """The wrapper without its layout asserts of the inputs ``names`` (a grouped assert keeps
-    the inputs not in ``names``). A C++ wrapper keeps its asserts: its source is what the
-    build of its shared object is keyed on."""
+    the inputs not in ``names``). A C++ wrapper loses them before its shared object is built
+    (each one costs a string stream per call there)."""
     if is_cpp_wrapper(wrapper):
-        return wrapper
+        return _CPP_INPUT_ASSERT.sub(lambda m: "" if m[1] in names else m[0], wrapper)
     lines = wrapper.splitlines(keepends=True)
     statements = [n for n in ast.walk(ast.parse(wrapper)) if isinstance(n, ast.Expr)]
     for node in sorted(statements, key=lambda n: -n.lineno):  # bottom up: lines shift
@@ -315,8 +315,47 @@ def _cpp_wrapper_with_stand_ins(wrapper: str, loader: str) -> str:
             "internal: Inductor's C++ wrapper module imports more of torch._inductor than "
             f"this torch-precompile replaces (torch {torch.__version__}). Use wrapper='python'."
         )
-    return _replace_once(source, "\ncall = _wrap_func(inductor_entry)\n",
-                         "\ninductor_call = _wrap_func(inductor_entry)\n")
+    source = _replace_once(source, "\ncall = _wrap_func(inductor_entry)\n",
+                           "\ninductor_call = _wrap_func(inductor_entry)\n")
+    return _with_direct_handles(source)
+
+
+# Inductor's own glue walks the inputs in Python one by one (to convert any that is not a
+# tensor), which on a graph of many small inputs costs more per call than the whole entry.
+_DIRECT_HANDLES = """\
+# In place of Inductor's glue: the inputs go to the entry as they are (the driver passes
+# tensors), converted one by one only where one is a Python number.
+def _wrap_func(f):
+    def g(args):
+        try:
+            input_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(args)
+        except TypeError:  # a Python number among the inputs: passed as a tensor
+            input_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(
+                [a if isinstance(a, torch.Tensor) else torch.tensor(a, device='cpu')
+                 for a in args])
+        args.clear()
+        return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(f(input_handles))
+
+    return g
+"""
+
+
+def _with_direct_handles(source: str) -> str:
+    """The module with ``_DIRECT_HANDLES`` for Inductor's ``_wrap_func``, where that one only
+    converts tensors to handles and back (no Python-only inputs, constants or scalar results)."""
+    tree = ast.parse(source)
+    glue = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_wrap_func"]
+    if len(glue) != 1 or glue[0].end_lineno is None:
+        return source
+    lines = source.splitlines(keepends=True)
+    start, end = glue[0].lineno - 1, glue[0].end_lineno
+    text = "".join(lines[start:end])
+    tensors_only = ("python_only_input_indices" not in text
+                    or "python_only_input_indices = set()" in text)
+    if not (tensors_only and "return output_tensors" in text
+            and "constants_tensor" not in text):
+        return source
+    return "".join([*lines[:start], _DIRECT_HANDLES, *lines[end:]])
 
 
 def built_kernel_object(argtypes: list[str], source: str, options: dict[str, Any]
