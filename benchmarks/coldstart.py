@@ -332,24 +332,24 @@ COLD_MODES: dict[str, str] = {
     "compile-warm": "torch.compile warm (mega-cache)",
     "aoti": "AOTInductor package",
     "builtin-cache": "torch.compiler.precompile, with cache",
-    "ours-cache": "ours, with cache",
-    "ours-cpp-cache": "ours with wrapper='cpp', with cache",
-    "ours-nocache": "ours, without cache",
+    "ours-cache": "ours with wrapper='python', with cache",
+    "ours-cpp-cache": "ours with wrapper='cpp' (the default), with cache",
+    "ours-nocache": "ours with wrapper='python', without cache",
 }
 STEADY_MODES: dict[str, str] = {
     "steady-eager": "eager",
     "steady-compile": "torch.compile",
     "steady-aoti": "AOTInductor",
     "steady-builtin": "torch.compiler.precompile",
-    "steady-ours": "ours (with cache)",
-    "steady-ours-cpp": "ours, wrapper='cpp' (with cache)",
+    "steady-ours": "ours, wrapper='python' (with cache)",
+    "steady-ours-cpp": "ours, wrapper='cpp', the default (with cache)",
 }
 BUILD_MODES: dict[str, str] = {
     "build-compile": "torch.compile (save_cache_artifacts)",
     "build-aoti": "AOTInductor (export + aoti_compile_and_package)",
     "build-builtin": "torch.compiler.precompile",
-    "build-ours": "ours (precompile)",
-    "build-ours-cpp": "ours (precompile, wrapper='cpp')",
+    "build-ours": "ours (precompile, wrapper='python')",
+    "build-ours-cpp": "ours (precompile, wrapper='cpp', the default)",
 }
 PEER_MODES = {
     "compile-cold", "compile-warm", "aoti", "steady-compile", "steady-aoti",

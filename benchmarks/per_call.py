@@ -6,10 +6,12 @@
 Each (workload, batch) runs in one fresh child process with its own Inductor cache. The child
 builds every approach first, checks each result against eager, then times them in alternating
 rounds (``--calls`` calls per approach per round, one thread) so that drift of the machine hits
-all alike; a cell is the median over rounds of each round's median call. "ours, graph only" is
-the artifact's compiled ``call`` without the driver around it: the difference to "ours" is the
-driver's checks. Inference runs under ``torch.no_grad()`` for every approach; AOTInductor (which
-bakes the weights in) is built for inference only.
+all alike; a cell is the median over rounds of each round's median call. "ours (default)" is
+``precompile``'s default wrapper (the C++ one wherever it can run the graph), next to
+``wrapper="python"``; "ours, graph only" is the default artifact's compiled ``call`` without
+the driver around it: the difference to "ours (default)" is the driver's checks. Inference
+runs under ``torch.no_grad()`` for every approach; AOTInductor (which bakes the weights in) is
+built for inference only.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = ("mlp", "block", "block_train", "deep")
-MODES = ("eager", "torch.compile", "AOTInductor", "torch.compiler.precompile", "ours",
-         "ours, wrapper='cpp'", "ours, graph only")
+MODES = ("eager", "torch.compile", "AOTInductor", "torch.compiler.precompile",
+         "ours (default)", "ours, wrapper='python'", "ours, graph only")
 
 
 def build(workload: str, batch: int) -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
@@ -76,9 +78,9 @@ def approaches(workload: str, batch: int, workdir: Path) -> dict[str, Callable[[
     if builtin is not None:
         runs["torch.compiler.precompile"] = lambda: builtin(model, *inputs)
     forward = precompile.load(*precompile(fn, model, *inputs))
-    runs["ours"] = lambda: forward(model, *inputs)
-    with_cpp = precompile.load(*precompile(fn, model, *inputs, wrapper="cpp"))
-    runs["ours, wrapper='cpp'"] = lambda: with_cpp(model, *inputs)
+    runs["ours (default)"] = lambda: forward(model, *inputs)
+    with_python = precompile.load(*precompile(fn, model, *inputs, wrapper="python"))
+    runs["ours, wrapper='python'"] = lambda: with_python(model, *inputs)
     driver = forward._forward  # the artifact's Driver: its compiled call, checked tensors
     state = type(driver).__call__.__globals__["model_tensors"](driver, [model])
 

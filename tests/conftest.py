@@ -40,16 +40,16 @@ class Artifacts:
     def __init__(self) -> None:
         self._built: dict[tuple[str, str, str], tuple[str, bytes]] = {}
 
-    def pair(self, name: str, backend: str, wrapper: str = "python") -> tuple[str, bytes]:
+    def pair(self, name: str, backend: str, wrapper: str = "auto") -> tuple[str, bytes]:
         key = (name, backend, wrapper)
         if key not in self._built:
             workload = WORKLOADS[name]
-            options = {"wrapper": wrapper} if wrapper != "python" else {}
+            options = {"wrapper": wrapper} if wrapper != "auto" else {}
             self._built[key] = precompile(workload.fn, *workload.args(), backend=backend,
                                           **options)
         return self._built[key]
 
-    def load(self, name: str, backend: str, wrapper: str = "python") -> Callable[..., Any]:
+    def load(self, name: str, backend: str, wrapper: str = "auto") -> Callable[..., Any]:
         return precompile.load(*self.pair(name, backend, wrapper))
 
 

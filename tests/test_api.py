@@ -39,7 +39,7 @@ def test_object_identity_and_introspection() -> None:
     parameters = inspect.signature(precompile).parameters
     assert {name: p.default for name, p in parameters.items() if p.default is not p.empty} == {
         "backend": "inductor", "tracer": "make_fx", "decompositions": None, "sign_key": None,
-        "progress": None, "compile_on_one_rank": False, "wrapper": "python"}
+        "progress": None, "compile_on_one_rank": False, "wrapper": "auto"}
     for method in (precompile.load, precompile.save, precompile.load_file, precompile.inspect):
         assert method.__doc__ and len(method.__doc__.split()) > 8, method
     # Pickled in one process, it is the same object in another.

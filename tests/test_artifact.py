@@ -155,9 +155,12 @@ def test_eager_graph_bakes_inf_nan_and_device(artifacts) -> None:
     assert "-inf" in code and " nan" in code and "device(type='cpu')" in code
 
 
-def test_inductor_section_is_the_python_wrapper_without_benchmark_harness(artifacts) -> None:
-    code, _ = artifacts.pair("mlp_train", "inductor")
-    assert "def call(self, args)" in code
+@pytest.mark.parametrize("wrapper", ["python", "auto"])
+def test_inductor_section_is_the_wrapper_without_benchmark_harness(artifacts,
+                                                                   wrapper: str) -> None:
+    code, _ = artifacts.pair("mlp_train", "inductor", wrapper=wrapper)
+    assert ("def call(self, args)" in code) == (wrapper == "python")
+    assert ("\ncpp_wrapper_src = (" in code) == (wrapper == "auto")
     assert "benchmark_compiled_module" not in code and "def get_args" not in code
     # Inductor is imported only lazily (inside functions), never at the module's top level.
     top_level = [line for line in code.splitlines() if line.startswith(("from ", "import "))]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -138,7 +139,8 @@ def test_a_damaged_wrapper_object_is_rebuilt_with_a_warning(artifacts, caplog) -
 
 def test_wrapper_values_refused_by_name() -> None:
     workload = WORKLOADS["mlp_infer"]
-    with pytest.raises(PrecompileError, match=r"wrapper must be one of \('python', 'cpp'\)"):
+    with pytest.raises(PrecompileError,
+                       match=r"wrapper must be one of \('auto', 'cpp', 'python'\)"):
         precompile(workload.fn, *workload.args(), wrapper="rust")
     with pytest.raises(PrecompileError, match="backend='eager' has none"):
         precompile(workload.fn, *workload.args(), backend="eager", wrapper="cpp")
@@ -165,7 +167,9 @@ _DTENSOR_FALLBACK = """
     code, cache = precompile(lambda m, x: m(x).sum(), model, x, wrapper="cpp")
     run = precompile.load(code, cache)
     torch.testing.assert_close(run(model, x), model(x).sum())
-    print(json.dumps([line for line in code.splitlines() if line.startswith("# Wrapper: ")]))
+    default, _ = precompile(lambda m, x: m(x).sum(), model, x)
+    print(json.dumps([line for text in (code, default) for line in text.splitlines()
+                      if line.startswith("# Wrapper: ")]))
     dist.destroy_process_group()
 """
 
@@ -173,6 +177,21 @@ _DTENSOR_FALLBACK = """
 def test_a_graph_that_communicates_falls_back_to_the_python_wrapper() -> None:
     proc = run_python(_DTENSOR_FALLBACK, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "wrapper='cpp' cannot be used for this graph (the graph communicates" in proc.stderr
-    assert "# Wrapper: Python. wrapper='cpp' was asked for and cannot be used: the graph " \
-           "communicates" in proc.stdout
+    # Asked for, the C++ wrapper's absence is a warning; by default it is only said in the source.
+    assert proc.stderr.count("wrapper='cpp' cannot be used for this graph (the graph "
+                             "communicates") == 1
+    asked, by_default = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert asked.startswith("# Wrapper: Python. wrapper='cpp' was asked for and cannot be used: "
+                            "the graph communicates")
+    assert by_default.startswith("# Wrapper: Python. the C++ wrapper cannot be used: the graph "
+                                 "communicates")
+
+
+def test_the_default_is_the_cpp_wrapper_and_python_stays_on_request(artifacts) -> None:
+    default, _ = artifacts.pair("mlp_infer", "inductor")
+    assert "\n# Wrapper: C++." in default
+    code, cache = precompile(WORKLOADS["mlp_infer"].fn, *WORKLOADS["mlp_infer"].args(),
+                             wrapper="python")
+    assert "# Wrapper: " not in code and "def call(self, args)" in code
+    model, x = WORKLOADS["mlp_infer"].args()
+    assert_same(precompile.load(code, cache)(model, x), WORKLOADS["mlp_infer"].fn(model, x))

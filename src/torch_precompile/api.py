@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 BACKENDS = ("inductor", "eager")
 TRACERS = ("make_fx", "dynamo")
-WRAPPERS = ("python", "cpp")
+WRAPPERS = ("auto", "cpp", "python")
 
 # Tracing reparametrizes the caller's modules and swaps their .grad fields, and lowering drives
 # process-global compiler state: one capture at a time. Reentrant so that fn may itself call
@@ -50,9 +50,11 @@ class Precompile:
             ``loss.backward()`` (gradients then land on the runtime model's ``.grad``).
         example_inputs: positional arguments for one call of ``fn``.
         backend: ``"inductor"`` (compiled kernels) or ``"eager"`` (the captured ATen graph).
-        wrapper: for the inductor backend, what calls the kernels: ``"python"`` (Inductor's
-            Python wrapper) or ``"cpp"`` (its C++ wrapper, built into the cache beside the
-            kernels; the Python one is used, with a warning, where it cannot be).
+        wrapper: for the inductor backend, what calls the kernels: ``"auto"`` (the default:
+            Inductor's C++ wrapper wherever it can run the graph, else its Python wrapper),
+            ``"cpp"`` (the C++ wrapper, built into the cache beside the kernels; the Python one
+            is used, with a warning, where it cannot be) or ``"python"``. The artifact and
+            ``inspect`` say which one runs, and why.
         tracer: ``"make_fx"``; ``"dynamo"`` is not implemented yet.
         decompositions: optional ``{OpOverload: fn}`` table applied while tracing.
         sign_key: optional bytes; the returned cache then carries an HMAC over the pair, which
@@ -78,7 +80,7 @@ class Precompile:
         sign_key: bytes | None = None,
         progress: Callable[[str], None] | None = None,
         compile_on_one_rank: bool = False,
-        wrapper: str = "python",
+        wrapper: str = "auto",
     ) -> ArtifactPair:
         options = BuildOptions(backend=backend, tracer=tracer, decompositions=decompositions,
                                sign_key=sign_key, progress=progress,
@@ -179,13 +181,13 @@ class BuildOptions:
     sign_key: bytes | None = None
     progress: Callable[[str], None] | None = None
     compile_on_one_rank: bool = False
-    wrapper: str = "python"
+    wrapper: str = "auto"
 
     def __post_init__(self) -> None:
         if self.wrapper not in WRAPPERS:
             raise PrecompileError(
                 f"wrapper must be one of {WRAPPERS}, got {self.wrapper!r}.")
-        if self.wrapper != "python" and self.backend != "inductor":
+        if self.wrapper == "cpp" and self.backend != "inductor":
             raise PrecompileError(
                 f"wrapper={self.wrapper!r} chooses how the inductor backend calls its kernels; "
                 f"backend={self.backend!r} has none. Leave wrapper out, or use "

@@ -2,17 +2,18 @@
 
 The captured graph is functionalized (input mutations become stores inside the kernels),
 retraced with Inductor's decompositions on fake tensors and compiled with ``compile_fx_inner``.
-Section 2 of the artifact is the generated wrapper module (Python, or C++ with
-``wrapper="cpp"``), its ``torch._inductor`` imports replaced by the stand-ins of
-``kernel_loader`` and ``wrapper_imports``, plus a ``call`` that adds the tensor literals, puts
-back the constant outputs and re-creates outputs that alias inputs.
+Section 2 of the artifact is the generated wrapper module (C++ wherever Inductor's C++ wrapper
+can run the graph, else Python, or as ``wrapper=`` asks), its ``torch._inductor`` imports
+replaced by the stand-ins of ``kernel_loader`` and ``wrapper_imports``, plus a ``call`` that
+adds the tensor literals, puts back the constant outputs and re-creates outputs that alias
+inputs.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -53,20 +54,52 @@ GENERATED_START = "# Inductor's generated wrapper module follows"
 GENERATED_END = "# End of Inductor's generated wrapper module."
 
 
-def lower_inductor(capture: Capture, wrapper_kind: str = "python") -> LoweredGraph:
-    """Compile the capture; ``wrapper_kind`` "cpp" asks for Inductor's C++ wrapper, and the
-    Python wrapper is used where that one cannot be (the source says why)."""
+def lower_inductor(capture: Capture, wrapper_kind: str = "auto") -> LoweredGraph:
+    """Compile the capture; ``wrapper_kind`` "cpp" or "auto" asks for Inductor's C++ wrapper,
+    and the Python wrapper is used where that one cannot be (the source says why)."""
     inputs = [t.detach() for t in (*capture.example_inputs, *capture.literals)]
-    outputs = list(capture.graph.graph.output_node().args[0])
-    tensor_outputs = [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)]
-    constants = {i: o for i, o in enumerate(outputs) if not isinstance(o, torch.fx.Node)}
+    outputs = _GraphOutputs.of(capture)
     if not _has_compute(capture.graph):
         raise PrecompileError(
             "the inductor backend has nothing to compile: fn returns its inputs or constants "
             "without computing on them. Use backend='eager' for such a computation."
         )
-    graph = _functional_graph(capture.graph, tensor_outputs, inputs, capture.fake_mode)
+    graph = _functional_graph(capture.graph, outputs.tensors, inputs, capture.fake_mode)
     wrapper, wrapper_note = _compile_wrapper(graph, capture, wrapper_kind)
+    if not is_cpp_wrapper(wrapper):
+        return _lowered(capture, graph, wrapper, wrapper_note, outputs)
+    try:
+        return _lowered(capture, graph, wrapper, wrapper_note, outputs)
+    except PrecompileError as e:  # a C++ wrapper module in a form this package cannot read
+        if wrapper_kind == "cpp":
+            raise
+        reason = _reason(e)
+    except Exception as e:  # its build failed
+        if wrapper_kind == "cpp":
+            raise _inductor_failure("building the C++ wrapper", e) from e
+        reason = _reason(e)
+    wrapper, wrapper_note = _python_wrapper(graph, capture, wrapper_kind, reason)
+    return _lowered(capture, graph, wrapper, wrapper_note, outputs)
+
+
+class _GraphOutputs(NamedTuple):
+    """The captured graph's outputs: which are tensors, and the constants among them."""
+
+    tensors: list[int]
+    constants: dict[int, Any]
+    count: int
+
+    @classmethod
+    def of(cls, capture: Capture) -> _GraphOutputs:
+        outputs = list(capture.graph.graph.output_node().args[0])
+        return cls([i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)],
+                   {i: o for i, o in enumerate(outputs) if not isinstance(o, torch.fx.Node)},
+                   len(outputs))
+
+
+def _lowered(capture: Capture, graph: torch.fx.GraphModule, wrapper: str,
+             wrapper_note: list[str], outputs: _GraphOutputs) -> LoweredGraph:
+    """Section 2 of the artifact around a generated wrapper, and its built kernels."""
     input_names = [n.name for n in graph.graph.find_nodes(op="placeholder")]
     strides = _asserted_strides(wrapper, input_names, capture)
     # The driver checks these layouts before every call (the model walk or its memo, the
@@ -80,7 +113,7 @@ def lower_inductor(capture: Capture, wrapper_kind: str = "python") -> LoweredGra
         wrapper_with_stand_ins(wrapper, vector_bits()).strip("\n"),
         GENERATED_END,
         *_literal_lines(capture),
-        _call_source(capture, tensor_outputs, constants, len(outputs)),
+        _call_source(capture, outputs.tensors, outputs.constants, outputs.count),
     ])
     kernels = collect_built_kernels(wrapper)
     return LoweredGraph(source, kernels.payload, input_strides=strides, kernels=kernels.objects,
@@ -199,31 +232,51 @@ def _reshape_unwritten_views(graph: torch.fx.Graph) -> None:
 
 def _compile_wrapper(graph: torch.fx.GraphModule, capture: Capture, kind: str
                      ) -> tuple[str, list[str]]:
-    """The generated wrapper module, and the lines that say which wrapper it is."""
+    """The generated wrapper module, and the lines that say which wrapper it is: the C++ one
+    for "cpp" and "auto" where it can run the graph, else the Python one."""
+    if kind == "python":
+        return _compile(graph, capture.fake_mode, capture.symbol_names), []
+    reason = _cpp_wrapper_obstacle(capture)
+    if reason is None:
+        try:
+            wrapper = _compile(graph, capture.fake_mode, capture.symbol_names, cpp=True)
+            return wrapper, [
+                f"{WRAPPER_LINE}C++. One compiled function runs the whole call; its shared "
+                "object is in the",
+                "# cache beside the kernels, and without the cache it is built from "
+                "cpp_wrapper_src below."]
+        except PrecompileError as e:
+            reason = _reason(e)
+    return _python_wrapper(graph, capture, kind, reason)
+
+
+def _python_wrapper(graph: torch.fx.GraphModule, capture: Capture, kind: str, reason: str
+                    ) -> tuple[str, list[str]]:
+    """The Python wrapper where the C++ one was asked for (``kind``) and cannot be used (a
+    warning where "cpp" was asked for explicitly)."""
     if kind == "cpp":
-        reason = _cpp_wrapper_obstacle(capture)
-        if reason is None:
-            try:
-                wrapper = _compile(graph, capture.fake_mode, capture.symbol_names, cpp=True)
-                return wrapper, [
-                    f"{WRAPPER_LINE}C++. One compiled function runs the whole call; its shared "
-                    "object is in the",
-                    "# cache beside the kernels, and without the cache it is built from "
-                    "cpp_wrapper_src below."]
-            except PrecompileError as e:
-                reason = str(e).split(". ")[0]
         log.warning("wrapper='cpp' cannot be used for this graph (%s); the Python wrapper "
                     "runs it.", reason)
-        note = [f"{WRAPPER_LINE}Python. wrapper='cpp' was asked for and cannot be used: "
-                f"{reason}."]
-        return _compile(graph, capture.fake_mode, capture.symbol_names), note
-    return _compile(graph, capture.fake_mode, capture.symbol_names), []
+    said = ("wrapper='cpp' was asked for and cannot be used" if kind == "cpp"
+            else "the C++ wrapper cannot be used")
+    note = [f"{WRAPPER_LINE}Python. {said}: {reason}."]
+    return _compile(graph, capture.fake_mode, capture.symbol_names), note
+
+
+def _reason(error: BaseException) -> str:
+    """The first sentence of why the C++ wrapper could not be used."""
+    text = str(error).split(". ")[0].strip()
+    return text if isinstance(error, PrecompileError) else f"{type(error).__name__}: {text}"
 
 
 def _cpp_wrapper_obstacle(capture: Capture) -> str | None:
-    """Why Inductor's C++ wrapper cannot run this capture, if it cannot."""
-    if capture.spec.distributed:
+    """Why Inductor's C++ wrapper does not run this capture, if it does not."""
+    spec = capture.spec
+    if spec.distributed:
         return "the graph communicates (DTensor collectives), which the C++ wrapper does not run"
+    if spec.fully_sharded or spec.data_parallel:
+        return ("the graph communicates (FSDP2 or DDP collectives), which this package runs "
+                "with the Python wrapper only")
     return None
 
 
@@ -338,7 +391,10 @@ def _literal_lines(capture: Capture) -> list[str]:
     if not capture.literals:
         return [""]
     items = "".join(f"    {literal_source(t)},\n" for t in capture.literals)
-    return ["", "# Tensor literals built inside fn, passed after the flat inputs.",
+    # The C++ wrapper's module, unlike the Python one, does not import these names.
+    names = sorted(set(re.findall(r"\b(inf|nan)\b", items)))
+    imports = [f"from math import {', '.join(names)}"] if names else []
+    return ["", "# Tensor literals built inside fn, passed after the flat inputs.", *imports,
             f"TENSOR_LITERALS = [\n{items}]", ""]
 
 
