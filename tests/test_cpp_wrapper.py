@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -195,3 +196,37 @@ def test_the_default_is_the_cpp_wrapper_and_python_stays_on_request(artifacts) -
     assert "# Wrapper: " not in code and "def call(self, args)" in code
     model, x = WORKLOADS["mlp_infer"].args()
     assert_same(precompile.load(code, cache)(model, x), WORKLOADS["mlp_infer"].fn(model, x))
+
+
+def test_a_failed_cpp_build_falls_back_by_default_and_is_refused_on_request(monkeypatch) -> None:
+    """Where the C++ wrapper's build fails, the default takes the Python wrapper and says why;
+    asked for explicitly, the failure is a PrecompileError, never torch's own exception."""
+    import torch_precompile.lower.inductor as lowering
+    from torch_precompile.internals.inductor import is_cpp_wrapper
+
+    real = lowering.collect_built_kernels
+
+    def failing_for_cpp(wrapper: str) -> Any:
+        if is_cpp_wrapper(wrapper):
+            raise RuntimeError("C++ compile failed (simulated)")
+        return real(wrapper)
+
+    monkeypatch.setattr(lowering, "collect_built_kernels", failing_for_cpp)
+    workload = WORKLOADS["mlp_infer"]
+    code, cache = precompile(workload.fn, *workload.args())
+    assert ("\n# Wrapper: Python. the C++ wrapper cannot be used: RuntimeError: C++ compile "
+            "failed (simulated).") in code
+    model, x = workload.args()
+    assert_same(precompile.load(code, cache)(model, x), workload.fn(model, x))
+    with pytest.raises(PrecompileError, match="C[+][+] wrapper could not be built .*simulated"):
+        precompile(workload.fn, *workload.args(), wrapper="cpp")
+
+
+def test_by_default_a_graph_above_the_size_limit_takes_the_python_wrapper(monkeypatch) -> None:
+    import torch_precompile.lower.inductor as lowering
+
+    monkeypatch.setattr(lowering, "AUTO_CPP_MAX_OPERATIONS", 1)
+    workload = WORKLOADS["mlp_infer"]
+    code, _ = precompile(workload.fn, *workload.args())
+    assert "\n# Wrapper: Python. the C++ wrapper cannot be used: the graph has " in code
+    assert "more than the 1 up to which" in code
