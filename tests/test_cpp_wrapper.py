@@ -184,7 +184,7 @@ def test_a_graph_that_communicates_falls_back_to_the_python_wrapper() -> None:
     asked, by_default = json.loads(proc.stdout.strip().splitlines()[-1])
     assert asked.startswith("# Wrapper: Python. wrapper='cpp' was asked for and cannot be used: "
                             "the graph communicates")
-    assert by_default.startswith("# Wrapper: Python. the C++ wrapper cannot be used: the graph "
+    assert by_default.startswith("# Wrapper: Python. the C++ wrapper is not used: the graph "
                                  "communicates")
 
 
@@ -208,14 +208,15 @@ def test_a_failed_cpp_build_falls_back_by_default_and_is_refused_on_request(monk
 
     def failing_for_cpp(wrapper: str) -> Any:
         if is_cpp_wrapper(wrapper):
-            raise RuntimeError("C++ compile failed (simulated)")
+            raise RuntimeError("C++ compile failed (simulated)\nerror: line 2 of the log")
         return real(wrapper)
 
     monkeypatch.setattr(lowering, "collect_built_kernels", failing_for_cpp)
     workload = WORKLOADS["mlp_infer"]
     code, cache = precompile(workload.fn, *workload.args())
-    assert ("\n# Wrapper: Python. the C++ wrapper cannot be used: RuntimeError: C++ compile "
+    assert ("\n# Wrapper: Python. the C++ wrapper is not used: RuntimeError: C++ compile "
             "failed (simulated).") in code
+    assert "line 2 of the log" not in code  # the reason is one comment line
     model, x = workload.args()
     assert_same(precompile.load(code, cache)(model, x), workload.fn(model, x))
     with pytest.raises(PrecompileError, match="C[+][+] wrapper could not be built .*simulated"):
@@ -228,5 +229,5 @@ def test_by_default_a_graph_above_the_size_limit_takes_the_python_wrapper(monkey
     monkeypatch.setattr(lowering, "AUTO_CPP_MAX_OPERATIONS", 1)
     workload = WORKLOADS["mlp_infer"]
     code, _ = precompile(workload.fn, *workload.args())
-    assert "\n# Wrapper: Python. the C++ wrapper cannot be used: the graph has " in code
+    assert "\n# Wrapper: Python. the C++ wrapper is not used: the graph has " in code
     assert "more than the 1 up to which" in code

@@ -43,7 +43,7 @@ _HEADER = '''\
 #
 {provenance}
 #
-# Run it with torch_precompile.precompile.load(code, cache) (no kernel builds with the cache),
+# Run it with torch_precompile.precompile.load(code, cache) (with its cache nothing is built),
 # or with torch alone:
 #
 #     namespace = {{}}

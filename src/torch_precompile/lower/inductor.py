@@ -273,14 +273,16 @@ def _python_wrapper(graph: torch.fx.GraphModule, capture: Capture, kind: str, re
         log.warning("wrapper='cpp' cannot be used for this graph (%s); the Python wrapper "
                     "runs it.", reason)
     said = ("wrapper='cpp' was asked for and cannot be used" if kind == "cpp"
-            else "the C++ wrapper cannot be used")
+            else "the C++ wrapper is not used")
     note = [f"{WRAPPER_LINE}Python. {said}: {reason}."]
     return _compile(graph, capture.fake_mode, capture.symbol_names), note
 
 
 def _reason(error: BaseException) -> str:
-    """The first sentence of why the C++ wrapper could not be used."""
-    text = str(error).split(". ")[0].strip()
+    """The first sentence of why the C++ wrapper could not be used, on one line (it becomes a
+    comment of the artifact), at most 200 characters."""
+    lines = str(error).strip().splitlines()
+    text = (lines[0] if lines else "").split(". ")[0].strip()[:200]
     return text if isinstance(error, PrecompileError) else f"{type(error).__name__}: {text}"
 
 
