@@ -3,10 +3,12 @@
     .venv/bin/python benchmarks/per_call.py                       # writes benchmarks/PER_CALL.md
     .venv/bin/python benchmarks/per_call.py --workloads deep --batches 1 --rounds 5
 
-Each (workload, batch) runs in one fresh child process with its own Inductor cache. The child
-builds every approach first, checks each result against eager, then times them in alternating
-rounds (``--calls`` calls per approach per round, one thread) so that drift of the machine hits
-all alike; a cell is the median over rounds of each round's median call. "ours (default)" is
+Each (workload, batch) runs in ``--processes`` fresh child processes, each with its own Inductor
+cache. A child builds every approach first, checks each result against eager, then times them
+in alternating rounds (``--calls`` calls per approach per round, one thread) so that drift of
+the machine hits all alike; a child's number is the median over rounds of each round's median
+call, and a cell is the median over children (one process can run every approach of a row
+alike fast or slow, by a third at ~20 us). "ours (default)" is
 ``precompile``'s default wrapper (the C++ one wherever it can run the graph), next to
 ``wrapper="python"``; "ours, graph only" is the default artifact's compiled ``call`` without
 the driver around it, and "ours, checks only" is the driver's checks of the call without the
@@ -172,7 +174,14 @@ def child(workload: str, batch: int, rounds: int, calls: int) -> None:
     print(json.dumps({name: statistics.median(v) for name, v in per_round.items()}))
 
 
-def measure(workload: str, batch: int, rounds: int, calls: int) -> dict[str, float]:
+def measure(workload: str, batch: int, args: argparse.Namespace) -> dict[str, float]:
+    """The median over ``args.processes`` children of each approach's time."""
+    runs = [_measure_once(workload, batch, args.rounds, args.calls)
+            for _ in range(args.processes)]
+    return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+
+
+def _measure_once(workload: str, batch: int, rounds: int, calls: int) -> dict[str, float]:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="per_call_"))
     proc = subprocess.run([sys.executable, __file__, "--child", workload, str(batch),
                            "--rounds", str(rounds), "--calls", str(calls)],
@@ -197,6 +206,7 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--out", type=Path, default=HERE / "PER_CALL.md")
     parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "BATCH"),
@@ -210,14 +220,15 @@ def main() -> None:
     results = {}
     for workload in args.workloads.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            results[(workload, batch)] = measure(workload, batch, args.rounds, args.calls)
+            results[(workload, batch)] = measure(workload, batch, args)
             print(f"{workload} batch {batch}: {results[(workload, batch)]}", flush=True)
     text = "\n".join([
         "# Per call: eager, torch.compile, AOTInductor and ours",
         "",
         f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} cores, "
-        f"one thread; {args.rounds} rounds of {args.calls} calls per approach. Rerun with "
-        f"`.venv/bin/python benchmarks/per_call.py`.",
+        f"one thread; {args.rounds} rounds of {args.calls} calls per approach in each of "
+        f"{args.processes} processes. Rerun with `.venv/bin/python benchmarks/per_call.py "
+        f"--processes {args.processes}`.",
         "",
         table(results),
         "",
