@@ -227,7 +227,7 @@ def main() -> None:
         "",
         f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} cores, "
         f"one thread; {args.rounds} rounds of {args.calls} calls per approach in each of "
-        f"{args.processes} processes. Rerun with `.venv/bin/python benchmarks/per_call.py "
+        f"{args.processes} processes. Rerun with `{_interpreter()} benchmarks/per_call.py "
         f"--processes {args.processes}`.",
         "",
         table(results),
@@ -235,6 +235,15 @@ def main() -> None:
     ])
     args.out.write_text(text)
     print(text)
+
+
+def _interpreter() -> str:
+    """The interpreter running this, relative to the checkout when it lives in one."""
+    exe = Path(sys.executable)
+    try:
+        return str(exe.relative_to(Path(__file__).resolve().parent.parent))
+    except ValueError:
+        return str(exe)
 
 
 if __name__ == "__main__":
