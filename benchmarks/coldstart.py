@@ -799,12 +799,16 @@ def machine_description() -> str:
     return f"{', '.join(parts)}; os.cpu_count() = {os.cpu_count()}; {platform.platform()}"
 
 
+def interpreter() -> str:
+    """The running interpreter, relative to the working directory where it can be."""
+    with contextlib.suppress(ValueError):
+        return os.path.relpath(sys.executable)
+    return sys.executable
+
+
 def command_line() -> str:
     """The command as it was invoked, with the interpreter relative to the working directory."""
-    exe = sys.executable
-    with contextlib.suppress(ValueError):
-        exe = os.path.relpath(exe)
-    return shlex.join([exe, *sys.argv])
+    return shlex.join([interpreter(), *sys.argv])
 
 
 def report(

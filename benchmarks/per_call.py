@@ -217,6 +217,9 @@ def main() -> None:
         return
     import torch
 
+    sys.path.insert(0, str(HERE))
+    from coldstart import interpreter
+
     results = {}
     for workload in args.workloads.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
@@ -227,7 +230,7 @@ def main() -> None:
         "",
         f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} cores, "
         f"one thread; {args.rounds} rounds of {args.calls} calls per approach in each of "
-        f"{args.processes} processes. Rerun with `{_interpreter()} benchmarks/per_call.py "
+        f"{args.processes} processes. Rerun with `{interpreter()} benchmarks/per_call.py "
         f"--processes {args.processes}`.",
         "",
         table(results),
@@ -235,15 +238,6 @@ def main() -> None:
     ])
     args.out.write_text(text)
     print(text)
-
-
-def _interpreter() -> str:
-    """The interpreter running this, relative to the checkout when it lives in one."""
-    exe = Path(sys.executable)
-    try:
-        return str(exe.relative_to(Path(__file__).resolve().parent.parent))
-    except ValueError:
-        return str(exe)
 
 
 if __name__ == "__main__":

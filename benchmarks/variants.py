@@ -120,6 +120,9 @@ def main() -> None:
         return
     import torch
 
+    sys.path.insert(0, str(HERE))
+    from coldstart import interpreter
+
     lines = ["| workload | batch | " + " | ".join(f"{m} us" for m in MODES) + " |",
              "|---|---:|" + "---:|" * len(MODES)]
     for workload in args.workloads.split(","):
@@ -133,7 +136,7 @@ def main() -> None:
         "",
         f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} cores, "
         f"one thread; {args.rounds} rounds of {args.calls} calls. Rerun with "
-        "`.venv/bin/python benchmarks/variants.py`.",
+        f"`{interpreter()} benchmarks/variants.py`.",
         "",
         *lines,
         "",
