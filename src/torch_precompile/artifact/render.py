@@ -58,14 +58,19 @@ _HEADER = '''\
 
 _CHECKS = (
     "Checked at every call: the number of arguments, the structure of the inputs, each input "
-    "tensor's shape, dtype and device (and Python values, which are baked), and each model's "
-    "parameter and buffer names, order, tying, shapes, dtypes and devices, and every "
-    "submodule's training mode.{optimizers}"
+    "tensor's shape, dtype and device{values}{models}.{optimizers}"
     "{subclasses}{data_parallel}{layout} "
     "Yours to keep: control flow and data-dependent decisions follow the example the "
-    "computation was captured with. Input and buffer mutations land on what you pass in; "
-    "gradients of a backward inside fn are added to the parameters' .grad, as eager backward "
-    "does."
+    "computation was captured with. Mutations of inputs{buffers} land on what you pass in{grads}."
+)
+_VALUES_NOTE = " (and Python values, which are baked)"
+_MODELS_NOTE = (
+    ", and each model's parameter and buffer names, order, tying, shapes, dtypes and devices, "
+    "and every submodule's training mode"
+)
+_GRADS_NOTE = (
+    "; gradients of the backward inside fn are added to the parameters' .grad, as eager "
+    "backward does"
 )
 _INDUCTOR_LAYOUT = (
     " The kernels also assume the memory layout (strides) of every tensor they read; another "
@@ -176,7 +181,7 @@ def render(spec: ArtifactSpec, graphs: Sequence[LoweredGraph], tracer: str = "ma
         _section(2, "The compiled graph: call(flat_inputs) -> flat_outputs" if len(graphs) == 1
                  else f"The compiled graphs, one per variant: call_1 to call_{len(graphs)}"),
         graph_section,
-        _section(3, "The driver: forward(*args) checks a call, then runs call()"),
+        _section(3, "The driver: forward and the checks it runs"),
         driver_source,
         "",
         _RULE,
@@ -280,14 +285,24 @@ def _provenance(spec: ArtifactSpec, tracer: str) -> str:
 
 
 def _checks(specs: Sequence[ArtifactSpec]) -> str:
+    """The header's paragraph on what a call must pass: only what this artifact checks."""
     def anywhere(field: str) -> bool:
         return any(getattr(spec, field) for spec in specs)
 
-    text = _CHECKS.format(optimizers=_OPTIMIZER_NOTE if anywhere("optimizers") else "",
-                          subclasses=_SUBCLASS_NOTE if anywhere("wrapped") else "",
-                          data_parallel=(_DATA_PARALLEL_NOTE if anywhere("data_parallel") else "")
-                          + (_FULLY_SHARDED_NOTE if anywhere("fully_sharded") else ""),
-                          layout=_INDUCTOR_LAYOUT if specs[0].backend == "inductor" else "")
+    def note(applies: bool, text: str) -> str:
+        return text if applies else ""
+
+    text = _CHECKS.format(
+        values=note(any(leaf.kind == "value" for s in specs for leaf in s.inputs), _VALUES_NOTE),
+        models=note(bool(specs[0].model_names), _MODELS_NOTE),
+        buffers=note(bool(specs[0].model_names), " and buffers"),
+        grads=note(any(t.gets_grad for s in specs for t in s.model), _GRADS_NOTE),
+        optimizers=note(anywhere("optimizers"), _OPTIMIZER_NOTE),
+        subclasses=note(anywhere("wrapped"), _SUBCLASS_NOTE),
+        data_parallel=note(anywhere("data_parallel"), _DATA_PARALLEL_NOTE)
+        + note(anywhere("fully_sharded"), _FULLY_SHARDED_NOTE),
+        layout=note(specs[0].backend == "inductor", _INDUCTOR_LAYOUT),
+    )
     if len(specs) > 1:
         text += _VARIANTS_NOTE.format(count=len(specs))
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
