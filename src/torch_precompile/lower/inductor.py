@@ -64,6 +64,7 @@ def lower_inductor(capture: Capture, wrapper_kind: str = "auto") -> LoweredGraph
             "the inductor backend has nothing to compile: fn returns its inputs or constants "
             "without computing on them. Use backend='eager' for such a computation."
         )
+    _refuse_packing(capture.graph)
     graph = _functional_graph(capture.graph, outputs.tensors, inputs, capture.fake_mode)
     wrapper, wrapper_note = _compile_wrapper(graph, capture, wrapper_kind)
     if not is_cpp_wrapper(wrapper):
@@ -129,6 +130,27 @@ def _has_compute(gm: torch.fx.GraphModule) -> bool:
         and n.target is not aten.detach.default
         for n in gm.graph.nodes
     )
+
+
+def _refuse_packing(gm: torch.fx.GraphModule) -> None:
+    """Refuse ``aten._pack_padded_sequence`` left in the graph.
+
+    A capture on real tensors replaces it by fixed-index operations for the lengths it saw
+    (and guards them). Where that could not happen (dims marked dynamic), Inductor can only
+    keep the operator with a fake implementation of the wrong output size, and the artifact
+    would fail at every call.
+    """
+    for node in gm.graph.find_nodes(op="call_function", target=aten._pack_padded_sequence.default):
+        lines = re.findall(r'File "(?:[^"]*/)?([^"/]*)", line (\d+)', node.stack_trace or "")
+        where = f" at {lines[-1][0]}:{lines[-1][1]}" if lines else ""
+        raise PrecompileError(
+            f"fn calls torch.nn.utils.rnn.pack_padded_sequence (aten._pack_padded_sequence)"
+            f"{where}, whose output sizes follow the values of its lengths, which this capture "
+            "could not fix (dims marked dynamic); the inductor backend cannot compile the "
+            "operator. Leave the dims static (the lengths are then fixed and checked at every "
+            "call), or pad and mask instead of packing (run the RNN over the padded batch and "
+            "mask the steps past each length)."
+        )
 
 
 def _functional_graph(

@@ -1,16 +1,22 @@
 """Value guards: a trace that reads tensor values into Python must re-check them at every call.
 
 A non-strict trace follows the path the example took. Where ``fn`` turns a tensor into a
-Python value (``bool(t)``, ``t.item()``, ``torch.equal``) or calls an operator whose output
-size depends on values (``nonzero``, boolean-mask indexing), the trace bakes that decision.
-Each such read becomes a guard: a tensor the graph also returns, and the value it had at
-capture. The driver compares them after every call, so a call that would have taken another
-path fails loudly instead of returning a result computed along the captured one.
+Python value (``bool(t)``, ``t.item()``, ``torch.equal``, ``t.tolist()``, ``t.numpy()``) or
+calls an operator whose output size depends on values (``nonzero``, boolean-mask indexing,
+``pack_padded_sequence``), the trace bakes that decision. Each such read becomes a guard: a
+tensor the graph also returns, and the value it had at capture. The driver compares them
+after every call, so a call that would have taken another path fails loudly instead of
+returning a result computed along the captured one.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
+import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +24,8 @@ from typing import Any
 import torch
 
 from torch_precompile.errors import PrecompileError
-from torch_precompile.internals.tracing import TorchDispatchMode
+from torch_precompile.internals.tracing import FakeTensor, TorchDispatchMode
+from torch_precompile.trace.checks import MAX_LITERAL_ELEMENTS
 
 aten = torch.ops.aten
 _SKIPPED_ROOTS = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
@@ -32,7 +39,11 @@ class Guard:
 
 
 class GuardRecorder(TorchDispatchMode):
-    """Pushed inside the trace, above make_fx's proxy mode: sees each op before it is traced."""
+    """Pushed inside the trace, above make_fx's proxy mode: sees each op before it is traced.
+
+    While it is entered, ``Tensor.tolist`` and ``Tensor.numpy`` (which read the data in C++,
+    never reaching a dispatch mode) are patched to report their reads to it.
+    """
 
     # Control-flow operators pass straight through; capture rejects them afterwards.
     supports_higher_order_operators = True
@@ -40,13 +51,43 @@ class GuardRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.guards: list[Guard] = []
+        self._ops_seen = 0  # dispatches this recorder received: tells a live read from print's
+        self._depth = 0  # > 0 while an operator is being dispatched (reads there are torch's)
+        self._fixed: list[torch.Tensor] = []  # batch sizes of packings: fixed by a guard
+
+    def __enter__(self) -> GuardRecorder:
+        super().__enter__()
+        try:
+            _READS.enter(self)
+        except BaseException:
+            super().__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            _READS.exit(self)
+        finally:
+            super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         kwargs = kwargs or {}
+        self._ops_seen += 1
+        self._depth += 1
+        try:
+            return self._dispatch(func, args, kwargs)
+        finally:
+            self._depth -= 1
+
+    def _dispatch(self, func: Any, args: Any, kwargs: Any) -> Any:
+        if func is aten._pack_padded_sequence.default and not _is_fake(args[1]):
+            return self._pack_padded_sequence(func, *args, **kwargs)
         out = func(*args, **kwargs)
         if func is aten._local_scalar_dense.default or func is aten.item.default:
-            self._add(args[0], out, "a tensor value read into Python (bool(), .item(), int())")
+            if not self._is_fixed(args[0]):
+                self._add(args[0], out,
+                          "a tensor value read into Python (bool(), .item(), int())")
         elif func is aten.is_nonzero.default:
             self._add(args[0] != 0, out, "a tensor's truth value (if tensor:, bool(tensor))")
         elif func is aten.equal.default:
@@ -56,8 +97,69 @@ class GuardRecorder(TorchDispatchMode):
             self._guard_output_size(func, args, kwargs, out)
         return out
 
-    def _add(self, tensor: torch.Tensor, value: Any, what: str) -> None:
-        self.guards.append(Guard(tensor.detach(), value, f"{what} at {_user_location()}"))
+    def _add(self, tensor: torch.Tensor, value: Any, what: str, after: str = "") -> None:
+        self.guards.append(Guard(tensor.detach(), value, f"{what} at {_user_location()}{after}"))
+
+    def record_read(self, tensor: torch.Tensor, method: str) -> None:
+        """Guard the values ``tensor.<method>()`` just read, unless torch itself read them
+        (inside an operator, or with the modes switched off, as printing a tensor does)."""
+        if self._depth or tensor.numel() == 0 or _is_fake(tensor):
+            return
+        seen = self._ops_seen
+        try:
+            if tensor.numel() == 1 and not tensor.is_complex():
+                guard = tensor.detach().reshape(())
+                expected = _TOLIST(guard)
+                what, after = f"the value of a tensor read with .{method}()", ""
+            else:
+                guard, expected = _equals_captured(tensor, method), True
+                what = f"whether the values of a tensor read with .{method}()"
+                after = " equal those at capture"
+        except PrecompileError:
+            raise
+        except Exception as e:  # a tensor subclass that cannot be compared with a literal
+            raise PrecompileError(
+                f"fn reads the values of a {type(tensor).__name__} with .{method}() at "
+                f"{_user_location()}, and precompile cannot check them at every call "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Keep the "
+                "computation on tensors, or move the read out of fn."
+            ) from e
+        if self._ops_seen != seen:  # the comparison was traced: the read was fn's
+            self._add(guard, expected, what, after)
+
+    def _pack_padded_sequence(self, func: Any, data: torch.Tensor, lengths: torch.Tensor,
+                              batch_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packing as fixed-index operations, with the lengths it was built for guarded.
+
+        The operator reads ``lengths`` in C++ and its outputs' sizes follow them, so the
+        graph can hold it only for those lengths (and Inductor cannot lower it at all).
+        """
+        values = _TOLIST(lengths) if lengths.dim() == 1 else []
+        if values:
+            shown = f" ({values})" if len(values) <= 16 else ""
+            self._add((lengths == torch.tensor(values, dtype=lengths.dtype)).all(), True,
+                      "whether the lengths given to pack_padded_sequence "
+                      "(aten._pack_padded_sequence)", f" equal those at capture{shown}")
+        if not _packable(data, lengths, values, batch_first):
+            return func(data, lengths, batch_first)  # raises the operator's own error
+        steps = data.transpose(0, 1) if batch_first else data  # (time, batch, *features)
+        width = steps.shape[1]
+        sizes = [sum(1 for n in values if n > t) for t in range(values[0])]
+        rows = [t * width + b for t, size in enumerate(sizes) for b in range(size)]
+        flat = steps.reshape(steps.shape[0] * width, *steps.shape[2:])
+        packed = flat.index_select(0, torch.tensor(rows, device=data.device))
+        batch_sizes = torch.tensor(sizes, dtype=torch.int64)
+        self._fixed.append(batch_sizes)  # the RNN reads batch_sizes[0]: no guard of its own
+        return packed, batch_sizes
+
+    def _is_fixed(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` views the batch sizes of a packing, which the lengths' guard
+        already fixes."""
+        if (not self._fixed or tensor.device.type != "cpu" or tensor.layout is not torch.strided
+                or _is_fake(tensor)):
+            return False
+        address = tensor.untyped_storage().data_ptr()
+        return any(address == f.untyped_storage().data_ptr() for f in self._fixed)
 
     def _guard_output_size(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         where = f"in {func}"
@@ -79,6 +181,124 @@ class GuardRecorder(TorchDispatchMode):
             "a precompiled graph has fixed sizes and cannot check this one. Express it with "
             "fixed-size operations (torch.where, masked arithmetic) or move it out of fn."
         )
+
+
+def _equals_captured(tensor: torch.Tensor, method: str) -> torch.Tensor:
+    """A traced 0-dim bool: whether ``tensor`` holds the values it holds now (NaN equal to
+    NaN), compared with a literal built inside the trace."""
+    real = torch.view_as_real(tensor.detach()) if tensor.is_complex() else tensor.detach()
+    if real.numel() > MAX_LITERAL_ELEMENTS:
+        raise PrecompileError(
+            f"fn reads {real.numel()} values of a tensor with .{method}() at "
+            f"{_user_location()}; the artifact would bake them all and has to check them at "
+            f"every call, which it does for at most {MAX_LITERAL_ELEMENTS}. Keep the "
+            "computation on tensors (torch operations instead of Python lists), or move the "
+            "read out of fn."
+        )
+    values = _flat(_TOLIST(real))
+    if not real.is_floating_point():
+        captured = torch.tensor(values, dtype=real.dtype, device=real.device)
+        return (real == captured.reshape(real.shape)).all()
+    # The literal holds finite values only (the artifact writes literals as source); the
+    # others are put in by the graph, where nan and inf are named constants.
+    finite = [v if math.isfinite(v) else 0.0 for v in values]
+    captured = torch.tensor(finite, dtype=real.dtype, device=real.device).reshape(real.shape)
+    for special in (math.inf, -math.inf, math.nan):
+        at = [v == special or (math.isnan(v) and math.isnan(special)) for v in values]
+        if any(at):
+            mask = torch.tensor(at, device=real.device).reshape(real.shape)
+            captured = torch.where(mask, special, captured)
+    return ((real == captured) | (real.isnan() & captured.isnan())).all()
+
+
+def _flat(values: Any) -> list[Any]:
+    """The numbers of a nested list (as ``tolist`` returns), in order."""
+    if not isinstance(values, list):
+        return [values]
+    return [v for item in values for v in _flat(item)]
+
+
+def _packable(data: torch.Tensor, lengths: torch.Tensor, values: list[int],
+              batch_first: bool) -> bool:
+    """Whether ``aten._pack_padded_sequence`` accepts these arguments: lengths a 1-D CPU int64
+    tensor, one per sequence, decreasing, positive, none beyond the padded length."""
+    if (data.dim() < 2 or data.numel() == 0 or lengths.dtype != torch.int64
+            or lengths.device.type != "cpu" or not values):
+        return False
+    time, batch = (data.shape[1], data.shape[0]) if batch_first else data.shape[:2]
+    return (len(values) == batch and values[-1] > 0 and values[0] <= time
+            and all(later <= earlier for earlier, later in itertools.pairwise(values)))
+
+
+def _is_fake(tensor: Any) -> bool:
+    return isinstance(tensor, FakeTensor)
+
+
+class _ValueReads:
+    """Patches ``Tensor.tolist`` and ``Tensor.numpy`` while any recorder is entered.
+
+    The patch is process-wide but the recorders are per thread: a read reports to the
+    innermost recorder its own thread entered, so other threads only pay a lookup.
+    """
+
+    METHODS = ("tolist", "numpy")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._local = threading.local()
+        self._saved: dict[str, tuple[bool, Any]] = {}
+
+    def enter(self, recorder: GuardRecorder) -> None:
+        with self._lock:
+            if self._users == 0:
+                for name in self.METHODS:
+                    self._saved[name] = (name in vars(torch.Tensor), getattr(torch.Tensor, name))
+                    setattr(torch.Tensor, name, self._reporting(name, self._saved[name][1]))
+            self._users += 1
+        self._stack().append(recorder)
+
+    def exit(self, recorder: GuardRecorder) -> None:
+        stack = self._stack()
+        if recorder in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(recorder)]
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                for name, (own, original) in self._saved.items():
+                    if own:
+                        setattr(torch.Tensor, name, original)
+                    else:
+                        delattr(torch.Tensor, name)
+                self._saved.clear()
+
+    def _stack(self) -> list[GuardRecorder]:
+        if not hasattr(self._local, "stack"):
+            self._local.stack = []
+        return self._local.stack
+
+    def _reporting(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            stack = self._stack()
+            if not stack or getattr(self._local, "reading", False):
+                # A torch function mode hands the call back here, and so does the guard's
+                # own read: only the outermost read is fn's.
+                return original(tensor, *args, **kwargs)
+            self._local.reading = True
+            try:
+                value = original(tensor, *args, **kwargs)
+                if isinstance(tensor, torch.Tensor):
+                    stack[-1].record_read(tensor, name)
+            finally:
+                self._local.reading = False
+            return value
+
+        return read
+
+
+_READS = _ValueReads()
+_TOLIST = torch.Tensor.tolist  # reads the data without dispatch (and without the patch)
 
 
 def _user_location() -> str:

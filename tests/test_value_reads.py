@@ -1,0 +1,423 @@
+"""Tensor values read into Python outside the dispatcher are guarded like ``.item()``.
+
+``Tensor.tolist()`` and ``Tensor.numpy()`` read the data in C++, and
+``aten._pack_padded_sequence`` reads its lengths inside the operator: the trace bakes what
+they read. Each call of an artifact must either match eager or be refused with a
+PrecompileError naming the read, and a refused call leaves buffers and inputs as they were.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.decorators import mark_unbacked
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from torch_precompile import PrecompileError, precompile
+
+from conftest import BACKENDS
+
+try:
+    import numpy as np
+except ImportError:  # an optional dependency: the .numpy() test needs it
+    np = None
+
+TOLIST_READ = r"values of a tensor read with \.tolist\(\) at test_value_reads\.py:\d+ "
+PACKED_READ = (r"lengths given to pack_padded_sequence \(aten\._pack_padded_sequence\) at "
+               r"test_value_reads\.py:\d+ \(forward\) equal those at capture \(\[5, 3, 2\]\)")
+
+
+class Tagger(torch.nn.Module):
+    """A projection and a BatchNorm in eval mode (its buffers are read, never written)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.proj = torch.nn.Linear(3, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+        with torch.no_grad():
+            self.norm.running_mean.uniform_(-0.5, 0.5)
+            self.norm.running_var.uniform_(0.5, 1.5)
+        self.eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)  # (batch, time, 4)
+        return self.norm(h.flatten(0, 1)).unflatten(0, h.shape[:2])
+
+
+class PackedLSTM(torch.nn.Module):
+    """An LSTM over the packed sequences, padded back to the input's length."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lstm = torch.nn.LSTM(3, 4, batch_first=True)
+        self.register_buffer("offset", torch.rand(4))
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+        return out + self.offset
+
+
+def mean_over_lengths(model: Tagger, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    h = model(x)
+    return torch.stack([h[i, :n].mean(0) for i, n in enumerate(lengths.tolist())])
+
+
+def mean_over_numpy_lengths(model: Tagger, x: torch.Tensor, lengths: torch.Tensor
+                            ) -> torch.Tensor:
+    h = model(x)
+    return torch.stack([h[i, :int(n)].mean(0) for i, n in enumerate(lengths.numpy())])
+
+
+def mean_over_asarray_lengths(model: Tagger, x: torch.Tensor, lengths: torch.Tensor
+                              ) -> torch.Tensor:
+    h = model(x)
+    return torch.stack([h[i, :int(n)].mean(0) for i, n in enumerate(np.asarray(lengths))])
+
+
+def mean_over_first_steps(model: Tagger, x: torch.Tensor, steps: torch.Tensor
+                          ) -> torch.Tensor:
+    return model(x)[:, :steps.tolist()].mean(1)
+
+
+def packed_sum(model: PackedLSTM, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    return model(x, lengths).sum(1)
+
+
+def x_of(seed: int, batch: int = 3, time: int = 5) -> torch.Tensor:
+    return torch.randn(batch, time, 3, generator=torch.Generator().manual_seed(seed))
+
+
+def lengths_of(*values: int) -> torch.Tensor:
+    return torch.tensor(values)
+
+
+def check_call(run: Callable[..., Any], fn: Callable[..., Any], model: torch.nn.Module,
+               *inputs: torch.Tensor, refused: str | None = None) -> None:
+    """The call matches eager, or (``refused`` a pattern of its message) is refused and
+    leaves the model's parameters and buffers and the inputs unchanged."""
+    if refused is None:
+        with torch.no_grad():
+            torch.testing.assert_close(run(model, *inputs), fn(model, *inputs))
+        return
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    copies = [t.clone() for t in inputs]
+    with pytest.raises(PrecompileError, match=refused):
+        run(model, *inputs)
+    for name, t in model.state_dict().items():
+        torch.testing.assert_close(t, state[name], rtol=0, atol=0, msg=name)
+    for t, copy in zip(inputs, copies, strict=True):
+        torch.testing.assert_close(t, copy, rtol=0, atol=0, equal_nan=True)
+
+
+def second_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """``model`` with the weights (and buffers) of another instance loaded."""
+    model.load_state_dict(type(model)(seed).state_dict())
+    return model
+
+
+# -- Tensor.tolist() ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def tolist_run(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    code, cache = precompile(mean_over_lengths, Tagger(0), x_of(0), lengths_of(5, 3, 2),
+                             backend=request.param)
+    return precompile.load(code, cache)
+
+
+def test_tolist_lengths_are_guarded(tolist_run: Callable[..., Any]) -> None:
+    """Lengths read with .tolist() slice the rows; other lengths are refused.
+
+    before: lengths (4, 4, 2) were off by 0.10 and (2, 3, 5) by 0.33, no error, on both
+    backends: the slices of the captured lengths (5, 3, 2) were baked into the graph.
+    """
+    model = Tagger(0)
+    check_call(tolist_run, mean_over_lengths, model, x_of(1), lengths_of(5, 3, 2))
+    check_call(tolist_run, mean_over_lengths, model, x_of(2), lengths_of(4, 4, 2),
+               refused=r"left the path.*whether the " + TOLIST_READ +
+               r"\(mean_over_lengths\) equal those at capture was True at capture and is False")
+    check_call(tolist_run, mean_over_lengths, model, x_of(3), lengths_of(2, 3, 5),
+               refused=TOLIST_READ)
+    check_call(tolist_run, mean_over_lengths, model, x_of(4), lengths_of(5, 3, 2))
+
+
+def test_tolist_guard_holds_with_second_weights(tolist_run: Callable[..., Any]) -> None:
+    """Other weights leave the lengths' path as it was: same lengths run, others refused.
+
+    before: lengths (5, 5, 5) with the second weights were off by 0.40, no error (both
+    backends).
+    """
+    model = second_weights(Tagger(0), seed=1)
+    check_call(tolist_run, mean_over_lengths, model, x_of(5), lengths_of(5, 3, 2))
+    check_call(tolist_run, mean_over_lengths, model, x_of(6), lengths_of(5, 5, 5),
+               refused=TOLIST_READ)
+    check_call(tolist_run, mean_over_lengths, model, x_of(7), lengths_of(5, 3, 2))
+
+
+@pytest.mark.parametrize("fn", [mean_over_numpy_lengths, mean_over_asarray_lengths])
+def test_numpy_reads_are_guarded(fn: Callable[..., torch.Tensor]) -> None:
+    """Tensor.numpy() and numpy.asarray(tensor) read the data as .tolist() does.
+
+    before: lengths (4, 4, 2) were off by 0.10, and (5, 5, 5) with the second weights by
+    0.40, no error.
+    """
+    if np is None:
+        pytest.skip("numpy is not installed")
+    code, cache = precompile(fn, Tagger(0), x_of(0), lengths_of(5, 3, 2), backend="eager")
+    run = precompile.load(code, cache)
+    model = Tagger(0)
+    read = r"values of a tensor read with \.numpy\(\) at test_value_reads\.py:\d+ "
+    check_call(run, fn, model, x_of(1), lengths_of(5, 3, 2))
+    check_call(run, fn, model, x_of(2), lengths_of(4, 4, 2), refused=read)
+    check_call(run, fn, model, x_of(3), lengths_of(5, 3, 2))
+    second_weights(model, seed=1)
+    check_call(run, fn, model, x_of(4), lengths_of(5, 3, 2))
+    check_call(run, fn, model, x_of(5), lengths_of(5, 5, 5), refused=read)
+
+
+def test_one_value_read_with_tolist_names_both_values() -> None:
+    """A 0-dim tensor's .tolist() is one number; the refusal shows it then and now.
+
+    before: steps 4 returned the mean over the first 3 steps (off by 0.36), no error.
+    """
+    fn = mean_over_first_steps
+    code, cache = precompile(fn, Tagger(0), x_of(0), torch.tensor(3), backend="eager")
+    run = precompile.load(code, cache)
+    guards = precompile.inspect(code).value_guards
+    assert [g.expected for g in guards] == [("const", 3)]
+    model = Tagger(0)
+    check_call(run, fn, model, x_of(1), torch.tensor(3))
+    check_call(run, fn, model, x_of(2), torch.tensor(4),
+               refused=r"the value of a tensor read with \.tolist\(\) at test_value_reads\.py:"
+               r"\d+ \(mean_over_first_steps\) was 3 at capture and is 4 now")
+    check_call(run, fn, model, x_of(3), torch.tensor(3))
+    second_weights(model, seed=1)
+    check_call(run, fn, model, x_of(4), torch.tensor(3))
+    check_call(run, fn, model, x_of(5), torch.tensor(2), refused="was 3 at capture and is 2")
+
+
+def test_same_values_with_nan_pass_the_guard() -> None:
+    """NaN equals NaN for the guard: the same values pass, other ones are refused.
+
+    before: weights (0.5, 1.0, 2.0) used the captured factor 2.5 instead of 3.5, no error.
+    """
+
+    def scaled(model: Tagger, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        factor = sum(w for w in weights.tolist() if w == w)  # NaN skipped
+        return model(x) * factor
+
+    weights = torch.tensor([0.5, float("nan"), 2.0])
+    code, cache = precompile(scaled, Tagger(0), x_of(0), weights, backend="eager")
+    run = precompile.load(code, cache)
+    model = Tagger(0)
+    check_call(run, scaled, model, x_of(1), weights.clone())
+    check_call(run, scaled, model, x_of(2), torch.tensor([0.5, 1.0, 2.0]), refused=TOLIST_READ)
+    check_call(run, scaled, model, x_of(3), torch.tensor([0.5, float("nan"), 2.0]))
+    second_weights(model, seed=1)
+    check_call(run, scaled, model, x_of(4), weights.clone())
+
+
+@pytest.mark.parametrize("read", [lambda t: [int(v) for v in t], lambda t: list(map(int, t)),
+                                  lambda t: [float(v) for v in list(t)]])
+def test_iterating_then_converting_is_guarded_per_element(read: Callable[..., list[Any]]
+                                                          ) -> None:
+    """``for v in t`` and ``list(t)`` yield tensors (no read); int()/float() of each is an
+    .item() read, guarded element by element."""
+
+    def fn(model: Tagger, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        h = model(x)
+        return torch.stack([h[i, :int(n)].mean(0) for i, n in enumerate(read(lengths))])
+
+    code, cache = precompile(fn, Tagger(0), x_of(0), lengths_of(5, 3, 2), backend="eager")
+    run = precompile.load(code, cache)
+    assert len(precompile.inspect(code).value_guards) == 3
+    model = Tagger(0)
+    check_call(run, fn, model, x_of(1), lengths_of(5, 3, 2))
+    check_call(run, fn, model, x_of(2), lengths_of(5, 4, 2),
+               refused=r"a tensor value read into Python .* was 3 at capture and is 4 now")
+    check_call(run, fn, model, x_of(3), lengths_of(5, 3, 2))
+
+
+def test_reading_too_many_values_is_refused_at_capture() -> None:
+    """A guard compares against a literal written into the artifact: at most 65536 values."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * max(x.tolist())
+
+    with pytest.raises(PrecompileError, match=r"fn reads 70000 values of a tensor with "
+                       r"\.tolist\(\) at test_value_reads\.py:\d+ \(fn\).*Keep the computation "
+                       "on tensors"):
+        precompile(fn, torch.rand(70000), backend="eager")
+    assert "tolist" not in vars(torch.Tensor)
+
+
+def test_printing_a_tensor_is_no_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """Printing reads values with .tolist() with the trace's modes off: no guard."""
+
+    def fn(model: Tagger, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        print(lengths, x[0, 0])
+        return model(x) * lengths.reshape(-1, 1, 1)
+
+    code, cache = precompile(fn, Tagger(0), x_of(0), lengths_of(5, 3, 2), backend="eager")
+    assert precompile.inspect(code).value_guards == ()
+    run = precompile.load(code, cache)
+    model = Tagger(0)
+    check_call(run, fn, model, x_of(1), lengths_of(4, 4, 1))
+    check_call(run, fn, model, x_of(2), lengths_of(1, 2, 3))
+    second_weights(model, seed=1)
+    check_call(run, fn, model, x_of(3), lengths_of(2, 2, 2))
+    assert "tensor([5, 3, 2])" in capsys.readouterr().out
+
+
+def test_methods_are_restored_after_capture_and_after_a_failing_fn() -> None:
+    originals = (torch.Tensor.tolist, torch.Tensor.numpy)
+    owned = ("tolist" in vars(torch.Tensor), "numpy" in vars(torch.Tensor))
+    precompile(mean_over_lengths, Tagger(0), x_of(0), lengths_of(5, 3, 2), backend="eager")
+    assert (torch.Tensor.tolist, torch.Tensor.numpy) == originals
+
+    def failing(model: Tagger, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        lengths.tolist()
+        raise ValueError("fn's own error")
+
+    with pytest.raises(ValueError, match="fn's own error"):
+        precompile(failing, Tagger(0), x_of(0), lengths_of(5, 3, 2), backend="eager")
+    assert (torch.Tensor.tolist, torch.Tensor.numpy) == originals
+    assert ("tolist" in vars(torch.Tensor), "numpy" in vars(torch.Tensor)) == owned
+
+
+def read_in_another_thread() -> list[Any]:
+    """What ``.tolist()`` of a tensor returns in a thread started and joined here."""
+    seen: list[Any] = []
+    other = threading.Thread(target=lambda: seen.append(torch.arange(4).tolist()))
+    other.start()
+    other.join()
+    return seen
+
+
+def test_reads_of_another_thread_are_not_recorded() -> None:
+    """The patch is process-wide while a trace runs; only the tracing thread's reads count."""
+
+    def fn(model: Tagger, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        assert read_in_another_thread() == [[0, 1, 2, 3]]
+        return mean_over_lengths(model, x, lengths)
+
+    code, _ = precompile(fn, Tagger(0), x_of(0), lengths_of(5, 3, 2), backend="eager")
+    descriptions = [g.description for g in precompile.inspect(code).value_guards]
+    assert len(descriptions) == 1 and re.search(TOLIST_READ + r"\(mean_over_lengths\)",
+                                                descriptions[0])
+
+
+# -- pack_padded_sequence -------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def packed_run(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    code, cache = precompile(packed_sum, PackedLSTM(0), x_of(0), lengths_of(5, 3, 2),
+                             backend=request.param)
+    return precompile.load(code, cache)
+
+
+def test_packed_lengths_are_guarded(packed_run: Callable[..., Any]) -> None:
+    """The packing is traced for the captured lengths (in any order); others are refused.
+
+    before: eager: lengths (4, 4, 2) were off by 0.18 and (5, 4, 1) by 0.37 with no error;
+    (4, 4, 1) failed with a raw RuntimeError (output with shape [1, 16] doesn't match the
+    broadcast shape [0, 16]). inductor: the build was refused with Inductor's internal
+    message (failed while retracing ... at operator aten.add_.Tensor: Attempting to
+    broadcast a dimension of length 2).
+    """
+    model = PackedLSTM(0)
+    check_call(packed_run, packed_sum, model, x_of(1), lengths_of(2, 5, 3))
+    check_call(packed_run, packed_sum, model, x_of(2), lengths_of(4, 4, 2),
+               refused=r"left the path.*whether the " + PACKED_READ + " was True at capture "
+               "and is False now")
+    check_call(packed_run, packed_sum, model, x_of(3), lengths_of(5, 4, 1), refused=PACKED_READ)
+    check_call(packed_run, packed_sum, model, x_of(4), lengths_of(4, 4, 1), refused=PACKED_READ)
+    check_call(packed_run, packed_sum, model, x_of(5), lengths_of(3, 2, 5))
+
+
+def test_packing_has_one_guard_the_lengths() -> None:
+    """The RNN's reads of the batch sizes are fixed by the lengths' guard: no guard of their
+    own.
+
+    before: two guards, both on batch_sizes[0] (the longest length), none on the lengths.
+    """
+    code, _ = precompile(packed_sum, PackedLSTM(0), x_of(0), lengths_of(5, 3, 2),
+                         backend="eager")
+    guards = precompile.inspect(code).value_guards
+    assert [g.expected for g in guards] == [("const", True)]
+    assert re.search(PACKED_READ, guards[0].description)
+
+
+def test_packed_lengths_with_second_weights(packed_run: Callable[..., Any]) -> None:
+    """before: eager: lengths (5, 4, 1) with the second weights were off by 0.73, no error;
+    inductor: no artifact (see above)."""
+    model = second_weights(PackedLSTM(0), seed=1)
+    check_call(packed_run, packed_sum, model, x_of(6), lengths_of(5, 3, 2))
+    check_call(packed_run, packed_sum, model, x_of(7), lengths_of(5, 4, 1), refused=PACKED_READ)
+    check_call(packed_run, packed_sum, model, x_of(8), lengths_of(2, 3, 5))
+
+
+def test_packed_training_step_matches_eager() -> None:
+    """Gradients flow through the fixed-index packing as through the operator."""
+
+    def step(model: PackedLSTM, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        loss = packed_sum(model, x, lengths).pow(2).sum()
+        loss.backward()
+        return loss
+
+    code, cache = precompile(step, PackedLSTM(0), x_of(0), lengths_of(5, 3, 2),
+                             backend="eager")
+    run = precompile.load(code, cache)
+    for seed, lengths in [(1, lengths_of(3, 5, 2)), (2, lengths_of(5, 3, 2))]:
+        ours, theirs = PackedLSTM(seed), PackedLSTM(seed)
+        torch.testing.assert_close(run(ours, x_of(seed), lengths), step(theirs, x_of(seed),
+                                                                        lengths))
+        for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad)
+    check_call(run, step, PackedLSTM(3), x_of(3), lengths_of(4, 4, 2), refused=PACKED_READ)
+
+
+def test_packing_with_a_dynamic_dim_is_refused_by_inductor() -> None:
+    """Marked dims trace on fakes: the lengths cannot be fixed, so the operator stays.
+
+    before: the build succeeded and every call failed with a raw RuntimeError from the
+    operator's fake implementation (expected size 10==5, stride 3==3 at dim=0).
+    """
+
+    def pack_only(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False).data * 2
+
+    x = x_of(0)
+    mark_unbacked(x, 2)
+    with pytest.raises(PrecompileError, match=r"pack_padded_sequence \(aten\._pack_padded_"
+                       r"sequence\) at test_value_reads\.py:\d+.*Leave the dims static.*pad "
+                       "and mask"):
+        precompile(pack_only, x, lengths_of(5, 3, 2), backend="inductor")
+
+
+def unpack_lengths(x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    out, found = pad_packed_sequence(packed, batch_first=True)
+    return out * 2, found
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pad_packed_sequence_returns_the_lengths(backend: str) -> None:
+    """The lengths pad_packed_sequence returns are written by the operator in C++. Before:
+    the artifact returned uninitialized memory in their place (tensor([94330578363312, ...])
+    for [5, 3, 2])."""
+    x = torch.randn(3, 5, 2)
+    run = precompile.load(*precompile(unpack_lengths, x, torch.tensor([5, 3, 2]),
+                                      backend=backend))
+    for lengths in ([5, 3, 2], [2, 5, 3], [3, 2, 5]):
+        x = torch.randn(3, 5, 2)
+        torch.testing.assert_close(run(x, torch.tensor(lengths)),
+                                   unpack_lengths(x, torch.tensor(lengths)))
