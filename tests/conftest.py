@@ -27,6 +27,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "release_independent: exercises only the package's own file handling; "
         ".ci/matrix leaves it to the default release's run")
+    config.addinivalue_line(
+        "markers", "soak: a long run (many steps, loads or threads); .ci/matrix leaves it to "
+        "the default release's run")
 
 
 @pytest.fixture(params=BACKENDS)

@@ -30,7 +30,12 @@ SHIPPED = {
                "torch.optim.optimizer._global_optimizer_post_hooks",
                "._optimizer_step_pre_hooks", "._optimizer_step_post_hooks", "._opt_called",
                "._wrapped_by_lr_sched", "._get_fsdp_state", "._fsdp_param_groups",
-               "torch.distributed.tensor.placement_types._StridedShard"},
+               "torch.distributed.tensor.placement_types._StridedShard",
+               # The state a call must share with the capture (AmbientPlan).
+               "torch._C._is_any_autocast_enabled", "torch._C._get_deterministic_algorithms",
+               "torch._C._len_torch_function_stack", "torch._C._len_torch_dispatch_stack",
+               "torch.overrides._get_current_function_mode_stack",
+               "torch.utils._python_dispatch._get_current_dispatch_mode_stack"},
     "kernel_loader": {"torch._inductor.async_compile.AsyncCompile", "torch._inductor.config",
                       "torch._inductor.cpu_vec_isa.pick_vec_isa",
                       "torch._inductor.codecache.CppWrapperCodeCache"},

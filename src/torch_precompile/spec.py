@@ -72,6 +72,14 @@ SCHEMA_HISTORY = (
                  "a spec of its own less the fields all variants share: schema_version, "
                  "backend, torch, args and kernels, which the top level holds for all). The top "
                  "level is the first variant."),
+    SchemaChange(8, "2026-12-03", "Facts the trace relied on beyond tensors: Submodule.cls "
+                 "(each module's class), Submodule.hooks and ModelTensor.hooks (hooks by kind "
+                 "and name), "
+                 "global_hooks (process-wide module hooks), read_values (Python values the "
+                 "traced code read: module attributes and module globals), ambient (autocast, "
+                 "default dtype, deterministic algorithms and active modes at capture), "
+                 "mutated (the flat inputs the graph writes) and seed (a seed fn sets before "
+                 "its first random draw, set again before every call)."),
 )
 SCHEMA_VERSION = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""
@@ -89,6 +97,8 @@ _NOT_AN_ARTIFACT = "it is not a precompile artifact (python_code from precompile
 EncodedValue = tuple[str, Any]
 Shape = tuple[int | None, ...]
 Layout = tuple[int, ...] | str | None
+# Hooks of one kind, by name: ("forward", ("pkg.log_shapes",)).
+HookSet = tuple[str, tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -128,14 +138,18 @@ class ModelTensor:
     strides: tuple[int, ...] | None
     requires_grad: bool
     gets_grad: bool
+    hooks: tuple[HookSet, ...] = ()  # tensor hooks on a parameter of a training step
 
 
 @dataclass(frozen=True)
 class Submodule:
-    """A module reached from a model argument, and its ``training`` flag at capture."""
+    """A module reached from a model argument: its ``training`` flag, its class by qualified
+    name (None: not recorded, schema 7 and older) and the hooks on it at capture."""
 
     name: str
     training: bool
+    cls: str | None = None
+    hooks: tuple[HookSet, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -164,6 +178,38 @@ class ValueGuard:
 
     description: str
     expected: EncodedValue
+
+
+@dataclass(frozen=True)
+class ReadValue:
+    """A Python value the traced code read, baked into the graph: each call must find
+    ``expected`` there.
+
+    With ``submodule`` set it is the attribute ``path`` of ``submodules[submodule]``
+    (``("scaling",)``, ``("config", "eps")``); otherwise the global ``path[0]`` of the Python
+    module named ``module``, whose file at capture was ``file``. ``where`` is the line that
+    read it.
+    """
+
+    submodule: int | None
+    module: str | None
+    path: tuple[str, ...]
+    expected: EncodedValue
+    where: str
+    file: str | None = None
+
+
+@dataclass(frozen=True)
+class Ambient:
+    """Thread and process state that changes what the traced ops compute, as at capture:
+    autocast (device type and dtype, where enabled), the default dtype (None when fn built no
+    tensor from it), deterministic algorithms, and the active torch function and dispatch
+    modes by class name."""
+
+    autocast: tuple[tuple[str, str], ...] = ()
+    default_dtype: str | None = None
+    deterministic: bool = False
+    modes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -384,6 +430,11 @@ class ArtifactSpec:
     wrapped_inner: tuple[InnerTensor, ...] = ()
     data_parallel: tuple[DataParallel, ...] = ()
     fully_sharded: tuple[FullyShardedGroup, ...] = ()
+    global_hooks: tuple[HookSet, ...] = ()
+    read_values: tuple[ReadValue, ...] = ()
+    ambient: Ambient | None = None
+    mutated: tuple[int, ...] = ()
+    seed: int | None = None
     variants: tuple[ArtifactSpec, ...] = ()
 
     # What every variant has in common, held once at the top level (the first variant's).
@@ -395,8 +446,10 @@ class ArtifactSpec:
         "distributed": DistributedTensor, "kernels": KernelObject, "optimizers": Optimizer,
         "param_groups": ParamGroup, "optimizer_state": OptimizerState,
         "wrapped": WrappedTensor, "wrapped_inner": InnerTensor, "data_parallel": DataParallel,
-        "fully_sharded": FullyShardedGroup,
+        "fully_sharded": FullyShardedGroup, "read_values": ReadValue, "ambient": Ambient,
     }
+    # Fields that hold one record (or None), not a list of them.
+    SINGLE: ClassVar[tuple[str, ...]] = ("torch", "ambient")
 
     @property
     def interned(self) -> tuple[ModelTensor, ...]:
@@ -515,13 +568,15 @@ class ArtifactSpec:
             if name not in fields:  # an optional list an older schema lacks
                 continue
             value = fields[name]
-            if name != "torch" and not isinstance(value, list | tuple):
+            if name in cls.SINGLE:
+                fields[name] = None if value is None else _record(record, value)
+                continue
+            if not isinstance(value, list | tuple):
                 raise PrecompileError(
                     f"python_code's {SPEC_NAME} holds {type(value).__name__} for {name!r} where "
                     f"a list of {record.__name__} records belongs; {_NOT_AN_ARTIFACT}."
                 )
-            fields[name] = (_record(record, value) if name == "torch"
-                            else tuple(_record(record, item) for item in value))
+            fields[name] = tuple(_record(record, item) for item in value)
         variants = fields.get("variants", ())
         if not isinstance(variants, list | tuple):
             raise PrecompileError(

@@ -23,6 +23,7 @@ from torch_precompile.driver import (
     data_parallel,
     distributed,
     dynamic,
+    facts,
     memo,
     optimizers,
     planned,
@@ -58,7 +59,8 @@ _HEADER = '''\
 
 _CHECKS = (
     "Checked at every call: the number of arguments, the structure of the inputs, each input "
-    "tensor's shape, dtype and device{values}{models}.{optimizers}"
+    "tensor's shape, dtype and device{values}{models}.{reads} Autocast, the default dtype, "
+    "deterministic algorithms and active modes must be as at capture.{optimizers}"
     "{subclasses}{data_parallel}{layout} "
     "Yours to keep: control flow and data-dependent decisions follow the example the "
     "computation was captured with. Mutations of inputs{buffers} land on what you pass in{grads}."
@@ -66,7 +68,12 @@ _CHECKS = (
 _VALUES_NOTE = " (and Python values, which are baked)"
 _MODELS_NOTE = (
     ", and each model's parameter and buffer names, order, tying, shapes, dtypes and devices, "
-    "and every submodule's training mode"
+    "and every submodule's class, training mode and hooks (those present at capture are in "
+    "the graph)"
+)
+_READS_NOTE = (
+    " The Python values the trace read (module attributes, module globals; listed in "
+    "read_values) must be as they were."
 )
 _GRADS_NOTE = (
     "; gradients of the backward inside fn are added to the parameters' .grad, as eager "
@@ -119,6 +126,7 @@ class DriverPart:
 
 
 _VALUES = DriverPart(values, "values", "InputValues")
+_FACTS = DriverPart(facts, "facts", "PythonFacts")
 _MEMO = DriverPart(memo, "memo", "ModelMemo")
 _SIZES = DriverPart(dynamic, "sizes", "DynamicSizes")
 _DISTRIBUTED = DriverPart(distributed, "distributed", "DistributedCall")
@@ -127,7 +135,7 @@ _PLANNED = DriverPart(planned, None, None)
 _OPTIMIZERS = DriverPart(optimizers, "optimizers", "OptimizerSteps")
 _DATA_PARALLEL = DriverPart(data_parallel, "data_parallel", "DataParallelSteps")
 _VARIANTS = DriverPart(variants, None, None)
-_PART_ORDER = (_VALUES, _MEMO, _PLANNED, _SIZES, _DISTRIBUTED, _SUBCLASSES, _OPTIMIZERS,
+_PART_ORDER = (_VALUES, _FACTS, _MEMO, _PLANNED, _SIZES, _DISTRIBUTED, _SUBCLASSES, _OPTIMIZERS,
                _DATA_PARALLEL)
 
 
@@ -135,6 +143,7 @@ def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
     """The optional parts ``spec`` needs, in the order the artifact holds them."""
     # memo's tensor guard also serves the subclass part; planned serves it and optimizers.
     return [part for part, needed in ((_VALUES, _has_values(spec)),
+                                      (_FACTS, bool(spec.read_values)),
                                       (_MEMO, bool(spec.model_names or spec.wrapped)),
                                       (_PLANNED, bool(spec.optimizers or spec.wrapped)),
                                       (_SIZES, bool(spec.dynamic_dims)),
@@ -295,6 +304,7 @@ def _checks(specs: Sequence[ArtifactSpec]) -> str:
     text = _CHECKS.format(
         values=note(any(leaf.kind == "value" for s in specs for leaf in s.inputs), _VALUES_NOTE),
         models=note(bool(specs[0].model_names), _MODELS_NOTE),
+        reads=note(anywhere("read_values"), _READS_NOTE),
         buffers=note(bool(specs[0].model_names), " and buffers"),
         grads=note(any(t.gets_grad for s in specs for t in s.model), _GRADS_NOTE),
         optimizers=note(anywhere("optimizers"), _OPTIMIZER_NOTE),

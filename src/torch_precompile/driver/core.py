@@ -8,6 +8,8 @@ naming the argument, what was captured and what was given. Beyond tensors, torch
 (cheaper than the context manager).
 """
 
+import functools
+import math
 from collections import namedtuple
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -38,7 +40,8 @@ class Driver:
     def __init__(self, literal: Mapping[str, Any], call: Callable[[list[Any]], list[Any]], *,
                  values: Any = None, memo: Any = None, sizes: Any = None,
                  distributed: Any = None, subclasses: Any = None,
-                 optimizers: Any = None, data_parallel: Any = None) -> None:
+                 optimizers: Any = None, data_parallel: Any = None, facts: Any = None
+                 ) -> None:
         spec = self.spec = read_spec(literal)
         self.arity = len(spec.args)
         self.arg_names = [a.name for a in spec.args]
@@ -52,20 +55,39 @@ class Driver:
         self.out_spec = pytree.treespec_loads(spec.out_spec)
         # A common shape of a call takes a shortcut: one tensor result.
         self.single_result = self.out_spec == pytree.tree_flatten(0)[1]
-        training = any(t.gets_grad for t in spec.model)
+        # A backward ran inside fn: gradients come out, or an optimizer inside fn took them.
+        training = any(t.gets_grad for t in spec.model) or bool(spec.optimizers)
+        self.needs_grad = training
         # Flat inputs a driver part unwraps; every other one must be a plain tensor.
         carried = {d.index for d in (*spec.distributed, *spec.wrapped) if d.role == "input"}
         self.leaves = [LeafPlan(leaf, training) for leaf in spec.inputs]
         num_model = len([t for t in spec.model if t.tied_to is None])
+        # The eager graph runs on any layout but its views' own: an input it neither writes
+        # nor returns a view of is copied into the example's layout where a call differs.
+        viewed = {*spec.mutated, *(a.source for a in spec.output_aliases)}
         for index, plan in enumerate(p for p in self.leaves if p.is_tensor):
             plan.subclass = num_model + index in carried
+            plan.relayout = spec.backend == "eager" and num_model + index not in viewed
         self.model = ModelPlan(spec, [self.arg_names[i] for i in self.model_positions], training,
                                carried)
         self.grad_indices = [i for i, t in enumerate(self.model.interned) if t.gets_grad]
         self.value_guards = [(g.description, g.expected) for g in spec.value_guards]
         self.num_results = self.out_spec.num_leaves
         self.guards_start = self.num_results + len(self.grad_indices)
+        # The flat inputs the graph writes, and the buffers and inputs they must not share
+        # memory with (the graph takes them as separate tensors).
+        self.mutated = set(spec.mutated)
+        first_buffer = len([t for t in self.model.interned if t.kind == "parameter"])
+        end = len(self.model.interned) + sum(p.is_tensor for p in self.leaves)
+        self.separate = sorted(i for i in self.mutated | set(range(first_buffer, end))
+                               if i < end) if self.mutated & set(range(first_buffer, end)) else []
+        self.rollback = sorted(self.mutated) if self.value_guards else []
+        self.seed = spec.seed  # set inside fn before its first random draw
         self.values = values(self) if values is not None else None
+        self.ambient = AmbientPlan(spec.ambient)
+        self.facts = facts(self) if facts is not None else None
+        self.reads_globals = self.facts is not None and bool(self.facts.global_reads)
+        self.model.facts = self.facts
         self.memo = memo(self.model) if memo is not None else None
         # Positional tensors of static shapes: a layout check the memo can remember.
         self.plain_inputs = values is None and sizes is None and all(
@@ -87,6 +109,9 @@ class Driver:
         4 optimizers (``Variants`` names the variant that came nearest by it)."""
         stage = 0
         try:
+            self.ambient.check()
+            if self.needs_grad and not torch.is_grad_enabled():
+                raise grad_mode_error()
             if kwargs or len(args) != self.arity:
                 check_arguments(self, args, kwargs)
             stage = 1
@@ -100,6 +125,8 @@ class Driver:
             if self.data_parallel is not None:
                 self.data_parallel.check(args)
             state = model_tensors(self, [args[i] for i in self.model_positions])
+            if self.reads_globals:
+                self.facts.check_globals()
             stage = 4
             stepped = (() if self.optimizers is None
                        else self.optimizers.flat_inputs(args, state))
@@ -108,17 +135,32 @@ class Driver:
             raise
         return state, inputs, stepped
 
+    def flat_name(self, index: int) -> str:
+        """How flat input ``index`` (a model tensor or an input tensor) is named."""
+        interned = self.model.interned
+        if index < len(interned):
+            return f"model {interned[index].kind} {interned[index].name!r}"
+        tensors = [p for p in self.leaves if p.is_tensor]
+        return f"input {tensors[index - len(interned)].name}"
+
     def run(self, args: Sequence[Any], checked: CheckedCall) -> Any:
         """Run the graph on a checked call, then put its gradients and results in place."""
         state, inputs, stepped = checked
         if self.data_parallel is not None:
             self.data_parallel.average_left_gradients(args, state)
+        flat = [*state, *inputs, *stepped]
+        if self.separate:
+            check_separate_writes(self, flat)
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            outputs = self.call([*state, *inputs, *stepped])
+            # Value guards are read after the graph ran: keep what it writes, to undo it.
+            kept = [(flat[i], flat[i].clone()) for i in self.rollback] if self.rollback else ()
+            if self.seed is not None:
+                torch.manual_seed(self.seed)
+            outputs = self.call(flat)
             if self.value_guards:
-                self.values.check_guards(outputs[self.guards_start:])
+                self.values.check_guards(outputs[self.guards_start:], kept)
             if self.grad_indices:
                 accumulate_grads(state, self.grad_indices,
                                  outputs[self.num_results:self.guards_start])
@@ -131,6 +173,24 @@ class Driver:
         if self.single_result:
             return outputs[0]
         return pytree.tree_unflatten(outputs[:self.num_results], self.out_spec)
+
+
+def check_separate_writes(driver: Driver, flat: Sequence[torch.Tensor]) -> None:
+    """Refuse a call where a tensor the graph writes shares memory with another input."""
+    owner: dict[int, int] = {}
+    for index in driver.separate:
+        tensor = flat[index]
+        if not tensor.numel():
+            continue
+        other = owner.setdefault(tensor.untyped_storage().data_ptr(), index)
+        if other != index and (index in driver.mutated or other in driver.mutated):
+            written, alias = (index, other) if index in driver.mutated else (other, index)
+            raise PrecompileError(
+                f"{driver.flat_name(written)} shares memory with {driver.flat_name(alias)} at "
+                "this call, and the artifact writes the first in place: eager fn would see the "
+                "write through the other, the graph (which takes them as separate tensors) "
+                "would not. Pass separate tensors (x.clone())."
+            )
 
 
 def check_arguments(driver: Driver, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
@@ -197,6 +257,7 @@ class LeafPlan:
         self.strides = leaf.strides
         self.bounds = leaf.bounds or {}
         self.subclass = False  # whether a driver part unwraps it (DTensor, other subclasses)
+        self.relayout = False  # whether a call's other layout is copied into ``strides``
         # With a backward inside fn, requires_grad decides which gradients eager would produce.
         self.requires_grad = leaf.requires_grad if training else None
 
@@ -209,8 +270,7 @@ def checked_inputs(driver: Driver, leaves: Sequence[Any]) -> list[torch.Tensor]:
     tensors = []
     for leaf_plan, leaf in zip(driver.leaves, leaves, strict=True):
         if leaf_plan.is_tensor:
-            check_tensor_leaf(driver, leaf_plan, leaf)
-            tensors.append(leaf)
+            tensors.append(check_tensor_leaf(driver, leaf_plan, leaf))
         else:
             driver.values.check_value(leaf_plan, leaf)
     if driver.sizes is not None:
@@ -220,7 +280,8 @@ def checked_inputs(driver: Driver, leaves: Sequence[Any]) -> list[torch.Tensor]:
     return tensors
 
 
-def check_tensor_leaf(driver: Driver, plan: LeafPlan, leaf: Any) -> None:
+def check_tensor_leaf(driver: Driver, plan: LeafPlan, leaf: Any) -> torch.Tensor:
+    """The tensor the graph gets for one input leaf, after checking it."""
     name = plan.name
     if not isinstance(leaf, torch.Tensor):
         raise PrecompileError(
@@ -244,7 +305,11 @@ def check_tensor_leaf(driver: Driver, plan: LeafPlan, leaf: Any) -> None:
     if isinstance(plan.strides, str):  # an input with dynamic dims: its memory format
         driver.sizes.check_memory_format(leaf, plan.strides, f"input {name}")
     elif plan.strides is not None:
-        check_layout(leaf, plan.strides, f"input {name}")
+        if plan.relayout and layout_differs(leaf, plan.strides):
+            return torch.empty_strided(leaf.shape, plan.strides, dtype=leaf.dtype,
+                                       device=leaf.device).copy_(leaf)
+        check_layout(leaf, plan.strides, f"input {name}", driver.spec.backend)
+    return leaf
 
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -260,19 +325,31 @@ def subclass_error(what: str, tensor: torch.Tensor) -> PrecompileError:
     )
 
 
-def check_layout(tensor: torch.Tensor, strides: Sequence[int], name: str) -> None:
-    """The compiled kernels assume a layout; anything else is refused before they run."""
+def layout_differs(tensor: torch.Tensor, strides: Sequence[int]) -> bool:
     # Strides of dims of size 0 or 1 never matter, as in Inductor's own assert.
-    if tensor.numel() and any(
+    return bool(tensor.numel()) and any(
         size > 1 and got != want
-        for size, got, want in zip(tensor.shape, tensor.stride(), strides, strict=True)
-    ):
+        for size, got, want in zip(tensor.shape, tensor.stride(), strides, strict=True))
+
+
+def check_layout(tensor: torch.Tensor, strides: Sequence[int], name: str,
+                 backend: str = "inductor") -> None:
+    """The graph assumes a layout; anything else is refused before it runs."""
+    if not layout_differs(tensor, strides):
+        return
+    if backend == "eager":  # an input the graph writes, or returns a view of
         raise PrecompileError(
-            f"{name}: the compiled kernels assume strides {tuple(strides)} (the example's "
-            f"layout), got {tuple(tensor.stride())}. Pass it in the example's layout "
-            "(.contiguous() for a contiguous example), or precompile with backend='eager', "
-            "which takes any layout."
+            f"{name}: the graph writes this input or returns a view of it, and its views were "
+            f"traced on strides {tuple(strides)} (the example's layout); got "
+            f"{tuple(tensor.stride())}. Pass it in the example's layout (.contiguous() for a "
+            "contiguous example)."
         )
+    raise PrecompileError(
+        f"{name}: the compiled kernels assume strides {tuple(strides)} (the example's "
+        f"layout), got {tuple(tensor.stride())}. Pass it in the example's layout "
+        "(.contiguous() for a contiguous example), or precompile with backend='eager', "
+        "which takes any layout."
+    )
 
 
 class ModelPlan:
@@ -286,6 +363,13 @@ class ModelPlan:
         self.carried = {self.interned[i].name for i in carried if i < len(self.interned)}
         self.training = training
         self.submodules = [(s.name, s.training) for s in spec.submodules]
+        self.classes = [s.cls for s in spec.submodules]
+        self.hooks = [s.hooks for s in spec.submodules]
+        self.global_hooks = spec.global_hooks
+        # Tensor hooks on parameters run in a backward: they matter where fn has one.
+        self.parameter_hooks = ([(t.name, t.hooks) for t in self.interned]
+                                if training else [])
+        self.facts: Any = None  # the driver's PythonFacts, where the spec has read values
 
 
 def model_tensors(driver: Driver, models: Sequence[Any]) -> Sequence[torch.Tensor]:
@@ -325,7 +409,11 @@ def walk_models(model: ModelPlan, models: Sequence[Any]) -> WalkedModels:
             f"{' and more' if len(missing) > 5 else ''}, which the captured model had. Pass a "
             "model with the same parameters and buffers."
         )
-    return WalkedModels(_interned(model, members), _checked_modes(model, models))
+    walked = WalkedModels(_interned(model, members), _checked_modes(model, models))
+    check_hooks(model, walked)
+    if model.facts is not None:
+        model.facts.check_modules(walked.submodules)
+    return walked
 
 
 def _members(models: Sequence[torch.nn.Module]) -> Any:
@@ -418,9 +506,16 @@ def _checked_modes(model: ModelPlan, models: Sequence[torch.nn.Module]) -> list[
             + (f" (new: {', '.join(repr(n or '<root>') for n in added[:5])})" if added else "")
             + ". Pass a model with the same modules as the example."
         )
-    for (name, module), (_, training) in zip(found, model.submodules, strict=True):
+    for (name, module), (_, training), cls in zip(found, model.submodules, model.classes,
+                                                  strict=True):
+        if cls is not None and qualified_name(type(module)) != cls:
+            raise PrecompileError(
+                f"{_shown_module(name)} is a {qualified_name(type(module))}, but was a {cls} at "
+                "capture: the artifact runs the code the captured class ran. Pass a model "
+                "built like the example, or precompile again with this one."
+            )
         if module.training != training:
-            shown = f"module {name!r}" if name else "the model"
+            shown = _shown_module(name)
             mode, fix = ("training", ".train()") if training else ("eval", ".eval()")
             raise PrecompileError(
                 f"{shown} is in {'training' if module.training else 'eval'} mode, but "
@@ -429,6 +524,146 @@ def _checked_modes(model: ModelPlan, models: Sequence[torch.nn.Module]) -> list[
                 "mode."
             )
     return [module for _, module in found]
+
+
+def _shown_module(name: str) -> str:
+    return f"module {name!r}" if name else "the model"
+
+
+def qualified_name(obj: Any) -> str:
+    """``module.qualname`` of a class or function (a hook's name in the spec)."""
+    return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', '?')}"
+
+
+# Where nn.Module keeps hooks, by the kind the spec names them.
+MODULE_HOOKS = (("forward_pre", "_forward_pre_hooks"), ("forward", "_forward_hooks"),
+                ("backward_pre", "_backward_pre_hooks"), ("backward", "_backward_hooks"))
+GLOBAL_HOOKS = (("forward_pre", "_global_forward_pre_hooks"),
+                ("forward", "_global_forward_hooks"),
+                ("backward_pre", "_global_backward_pre_hooks"),
+                ("backward", "_global_backward_hooks"))
+TENSOR_HOOKS = (("grad", "_backward_hooks"), ("post_accumulate_grad",
+                                              "_post_accumulate_grad_hooks"))
+
+
+def hook_name(hook: Any) -> str:
+    """A hook by the name of the code it runs (a bound method by its function, a partial by
+    the function it wraps), the same in every process."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    hook = getattr(hook, "__func__", hook)
+    return qualified_name(hook if hasattr(hook, "__qualname__") else type(hook))
+
+
+def hook_sets(owner: Any, places: Sequence[tuple[str, str]]) -> tuple[Any, ...]:
+    """The hooks found on ``owner`` (a module, a tensor, or torch's module of global hooks)
+    as (kind, hook names) pairs, kinds without hooks left out."""
+    found = []
+    for kind, attribute in places:
+        hooks = getattr(owner, attribute, None)
+        if hooks:
+            found.append((kind, tuple(hook_name(h) for h in hooks.values())))
+    return tuple(found)
+
+
+def check_hooks(model: ModelPlan, walked: WalkedModels) -> None:
+    """Hooks run Python the artifact does not: they must be those the trace ran through."""
+    for (name, _), captured, module in zip(model.submodules, model.hooks, walked.submodules,
+                                           strict=True):
+        now = hook_sets(module, MODULE_HOOKS)
+        if now != captured:
+            raise hooks_error(_shown_module(name), captured, now)
+    now = hook_sets(torch.nn.modules.module, GLOBAL_HOOKS)
+    if now != model.global_hooks:
+        raise hooks_error("the process (global module hooks, as register_module_forward_hook "
+                          "adds)", model.global_hooks, now)
+    for (name, captured), tensor in zip(model.parameter_hooks, walked.tensors, strict=False):
+        now = hook_sets(tensor, TENSOR_HOOKS)
+        if now != captured:
+            raise hooks_error(f"model parameter {name!r}", captured, now)
+
+
+def hooks_error(what: str, captured: Any, now: Any) -> PrecompileError:
+    def shown(sets: Any) -> str:
+        return "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sets) or "none"
+
+    return PrecompileError(
+        f"{what} has hooks {shown(now)}, but had {shown(captured)} at capture. The artifact "
+        "holds what the hooks present at capture computed, so a hook added since would never "
+        "run and one removed would still act. Register the same hooks as at capture, or "
+        "precompile again with the hooks you want."
+    )
+
+
+class AmbientPlan:
+    """Thread and process state the graph was specialized to: autocast, the default dtype
+    (where fn built tensors from it), deterministic algorithms and active modes."""
+
+    def __init__(self, ambient: Any) -> None:
+        self.recorded = ambient is not None
+        self.autocast = tuple(ambient.autocast) if self.recorded else ()
+        self.default_dtype = (_dtype(ambient.default_dtype)
+                              if self.recorded and ambient.default_dtype else None)
+        self.deterministic = bool(self.recorded and ambient.deterministic)
+        self.modes = tuple(ambient.modes) if self.recorded else ()
+
+    def check(self) -> None:
+        """A few C calls when nothing differs; the full comparison names what does."""
+        if not self.recorded:
+            return
+        if ((_ANY_AUTOCAST() or self.autocast)
+                or _DETERMINISTIC() is not self.deterministic
+                or _FUNCTION_MODES() + _DISPATCH_MODES() != len(self.modes)
+                or (self.default_dtype is not None
+                    and torch.get_default_dtype() is not self.default_dtype)):
+            self._compare()
+
+    def _compare(self) -> None:
+        now = ambient_now()
+        for what, captured, current in (
+                ("autocast", self.autocast, now[0]),
+                ("the default dtype", self.default_dtype or now[1], now[1]),
+                ("deterministic algorithms", self.deterministic, now[2]),
+                ("active torch function and dispatch modes", self.modes, now[3])):
+            if captured != current:
+                raise PrecompileError(
+                    f"{what} at this call: {_shown_state(current)}; at capture: "
+                    f"{_shown_state(captured)}. The graph was traced under the capture's "
+                    "state (autocast's casts, the dtype of tensors fn builds, the modes' "
+                    "behaviour are in it), so this call would not compute what fn computes "
+                    "now. Call it as at capture, or precompile again in this state."
+                )
+
+
+def ambient_now() -> tuple[Any, ...]:
+    """(autocast per device type, default dtype, deterministic algorithms, modes) now."""
+    autocast = tuple((device, str(torch.get_autocast_dtype(device)).removeprefix("torch."))
+                     for device in ("cpu", "cuda") if torch.is_autocast_enabled(device))
+    modes = tuple(qualified_name(type(m)) for m in (
+        *torch.overrides._get_current_function_mode_stack(),
+        *torch.utils._python_dispatch._get_current_dispatch_mode_stack()))
+    return autocast, torch.get_default_dtype(), _DETERMINISTIC(), modes
+
+
+def _shown_state(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ", ".join(" ".join(map(str, v)) if isinstance(v, tuple) else str(v)
+                         for v in value) or "none"
+    return str(value)
+
+
+_ANY_AUTOCAST = torch._C._is_any_autocast_enabled
+_DETERMINISTIC = torch._C._get_deterministic_algorithms
+_FUNCTION_MODES = torch._C._len_torch_function_stack
+_DISPATCH_MODES = torch._C._len_torch_dispatch_stack
+
+
+def grad_mode_error() -> PrecompileError:
+    return PrecompileError(
+        "fn runs a backward, but this call is under torch.no_grad() (or inference_mode), "
+        "where eager fn would fail: no gradient can flow. Call the artifact with gradients "
+        "enabled."
+    )
 
 
 def accumulate_grads(state: Sequence[torch.Tensor], indices: Sequence[int],
@@ -457,6 +692,58 @@ def _requires_grad_message(what: str, captured: bool) -> str:
     )
 
 
+def value_matches(encoded: Any, value: Any) -> bool:
+    """Whether ``value`` is the Python value the spec encodes (the same type, and equal)."""
+    kind, expected = encoded
+    if kind == "float":
+        return type(value) is float and (
+            math.isnan(value) if expected == "nan" else value == float(expected)
+        )
+    if kind == "none":
+        return value is None
+    if kind == "dtype":
+        return isinstance(value, torch.dtype) and value == getattr(torch, expected)
+    if kind == "device":
+        return isinstance(value, torch.device) and value == torch.device(expected)
+    if kind == "enum":
+        return _qualified(value) == expected[0] and getattr(value, "name", None) == expected[1]
+    if kind == "callable":
+        return callable(value) and qualified_name(value) == expected
+    if kind == "tuple":
+        return type(value) is tuple and len(value) == len(expected) and all(
+            value_matches(item, v) for item, v in zip(expected, value, strict=True))
+    if kind == "frozen":
+        return _qualified(value) == expected[0] and all(
+            hasattr(value, field) and value_matches(item, getattr(value, field))
+            for field, item in expected[1])
+    return type(value) is type(expected) and value == expected
+
+
+def _qualified(value: Any) -> str:
+    return qualified_name(type(value))
+
+
+def shown_value(encoded: Any) -> str:
+    """An encoded value as Python would show it."""
+    kind, expected = encoded
+    if kind == "float":
+        return repr(float(expected))
+    if kind == "none":
+        return "None"
+    if kind == "dtype":
+        return f"torch.{expected}"
+    if kind == "device":
+        return f"device({expected!r})"
+    if kind in ("enum", "callable"):
+        return ".".join(expected) if kind == "enum" else expected
+    if kind == "tuple":
+        return "(" + ", ".join(map(shown_value, expected)) + (",)" if len(expected) == 1 else ")")
+    if kind == "frozen":
+        fields = ", ".join(f"{field}={shown_value(item)}" for field, item in expected[1])
+        return f"{expected[0]}({fields})"
+    return repr(expected)
+
+
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
@@ -469,15 +756,18 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
                      "inputs", "in_spec", "out_spec", "value_guards", "dynamic_dims",
                      "size_relations", "output_aliases", "meshes", "distributed", "kernels",
                      "optimizers", "param_groups", "optimizer_state", "wrapped",
-                     "wrapped_inner", "data_parallel", "fully_sharded", "variants"),
+                     "wrapped_inner", "data_parallel", "fully_sharded", "global_hooks",
+                     "read_values", "ambient", "mutated", "seed", "variants"),
     "TorchBuild": ("version", "git"),
     "Argument": ("name", "is_model", "is_optimizer"),
     "ModelTensor": ("name", "kind", "tied_to", "shape", "dtype", "device", "strides",
-                    "requires_grad", "gets_grad"),
-    "Submodule": ("name", "training"),
+                    "requires_grad", "gets_grad", "hooks"),
+    "Submodule": ("name", "training", "cls", "hooks"),
     "InputLeaf": ("path", "kind", "shape", "dtype", "device", "strides", "requires_grad",
                   "bounds", "value"),
     "ValueGuard": ("description", "expected"),
+    "ReadValue": ("submodule", "module", "path", "expected", "where", "file"),
+    "Ambient": ("autocast", "default_dtype", "deterministic", "modes"),
     "DynamicDim": ("shape_id", "places"),
     "SizeRelation": ("expr", "readable"),
     "OutputAlias": ("output", "source", "size", "stride", "offset"),
@@ -503,7 +793,7 @@ SPEC_LISTS: dict[str, str] = {
     "kernels": "KernelObject", "optimizers": "Optimizer", "param_groups": "ParamGroup",
     "optimizer_state": "OptimizerState", "wrapped": "WrappedTensor",
     "wrapped_inner": "InnerTensor", "data_parallel": "DataParallel",
-    "fully_sharded": "FullyShardedGroup",
+    "fully_sharded": "FullyShardedGroup", "read_values": "ReadValue", "ambient": "Ambient",
 }
 _RECORD_TYPES = {name: namedtuple(name, fields) for name, fields in SPEC_RECORDS.items()}
 
@@ -515,5 +805,8 @@ def read_spec(literal: Mapping[str, Any]) -> Any:
     for name, record in SPEC_LISTS.items():
         make = _RECORD_TYPES[record]
         value = fields[name]
-        fields[name] = make(**value) if name == "torch" else tuple(make(**v) for v in value)
+        if name in ("torch", "ambient"):  # one record, not a list
+            fields[name] = None if value is None else make(**value)
+        else:
+            fields[name] = tuple(make(**v) for v in value)
     return _RECORD_TYPES["ArtifactSpec"](**fields)

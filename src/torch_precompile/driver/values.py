@@ -2,7 +2,6 @@
 structure checked), Python values (baked, so each call must pass the captured one), and the
 value guards (decisions the trace took on tensor values, re-checked after the graph ran)."""
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +13,9 @@ from torch_precompile.driver.core import (
     LeafPlan,
     PrecompileError,
     Shown,
+    shown_value,
     structure_error,
+    value_matches,
 )
 
 
@@ -43,64 +44,30 @@ class InputValues:
         return leaves
 
     def check_value(self, plan: LeafPlan, value: Any) -> None:
-        if not _value_matches(plan.value, value):
+        if not value_matches(plan.value, value):
             raise PrecompileError(
-                f"input {plan.name}: expected the value {_shown(plan.value)}, got {value!r}. "
+                f"input {plan.name}: expected the value {shown_value(plan.value)}, got {value!r}. "
                 "Python values are baked into the graph at capture; precompile again for "
                 "another value, or pass it as a tensor."
             )
 
-    def check_guards(self, tensors: Sequence[torch.Tensor]) -> None:
+    def check_guards(self, tensors: Sequence[torch.Tensor],
+                     kept: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Compare the values the trace decided on; where one differs, put back what the
+        graph wrote (``kept``: each written tensor and its value before) and refuse."""
         for (description, expected), tensor in zip(self.guards, tensors, strict=True):
             value = tensor.item()
-            if not _value_matches(expected, value):
+            if not value_matches(expected, value):
+                for written, before in kept:
+                    written.copy_(before)
                 raise PrecompileError(
                     f"this call left the path the artifact was captured on: {description} was "
-                    f"{_shown(expected)} at capture and is {value!r} now, so the result would "
-                    "be wrong and is withheld (mutations of inputs and buffers may already "
-                    "have happened). Capture with an example that takes this path, or keep fn "
-                    "from deciding on tensor values."
+                    f"{shown_value(expected)} at capture and is {value!r} now, so the result "
+                    "would be wrong: it is withheld, and what the graph wrote to inputs and "
+                    "buffers is put back. Capture with an example that takes this path, or "
+                    "keep fn from deciding on tensor values."
                 )
 
 
-def _value_matches(encoded: Any, value: Any) -> bool:
-    kind, expected = encoded
-    if kind == "float":
-        return type(value) is float and (
-            math.isnan(value) if expected == "nan" else value == float(expected)
-        )
-    if kind == "dtype":
-        return isinstance(value, torch.dtype) and value == getattr(torch, expected)
-    if kind == "device":
-        return isinstance(value, torch.device) and value == torch.device(expected)
-    if kind == "enum":
-        return _qualified(value) == expected[0] and getattr(value, "name", None) == expected[1]
-    if kind == "frozen":
-        return _qualified(value) == expected[0] and all(
-            hasattr(value, field) and _value_matches(item, getattr(value, field))
-            for field, item in expected[1])
-    return type(value) is type(expected) and value == expected
-
-
-def _qualified(value: Any) -> str:
-    return f"{type(value).__module__}.{type(value).__qualname__}"
-
-
-def _shown(encoded: Any) -> str:
-    kind, expected = encoded
-    if kind == "float":
-        return repr(float(expected))
-    if kind == "dtype":
-        return f"torch.{expected}"
-    if kind == "device":
-        return f"device({expected!r})"
-    if kind == "enum":
-        return f"{expected[0]}.{expected[1]}"
-    if kind == "frozen":
-        fields = ", ".join(f"{field}={_shown(item)}" for field, item in expected[1])
-        return f"{expected[0]}({fields})"
-    return repr(expected)
-
-
 def _shown_leaf(plan: LeafPlan) -> Shown:
-    return Shown(f"Tensor{plan.shown}" if plan.is_tensor else _shown(plan.value))
+    return Shown(f"Tensor{plan.shown}" if plan.is_tensor else shown_value(plan.value))

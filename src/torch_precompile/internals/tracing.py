@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensor,
@@ -31,14 +32,37 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch_precompile.errors import PrecompileError
 
 __all__ = [
-    "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode",
-    "GuardOnDataDependentSymNode", "ShapeEnv", "TensorMarks", "TorchDispatchMode", "check",
+    "BatchNormBase",
+    "DynamicOutputShapeException",
+    "FakeTensor",
+    "FakeTensorMode",
+    "GuardOnDataDependentSymNode",
+    "ShapeEnv",
+    "TensorMarks",
+    "TorchDispatchMode",
+    "check",
     "compiling",
-    "deferred_asserts", "differentiable_rnns", "effect_of", "forget_pending_unbacked",
-    "fx_builtin_imports", "graph_function_source", "is_operator",
-    "is_traceable_wrapper_subclass", "make_fx", "operator_schema", "rename_node",
-    "reparametrize_module", "set_size_hint", "size_function_types", "symbol_pinning",
-    "tensor_marks", "trace_with_user_lines",
+    "deferred_asserts",
+    "differentiable_rnns",
+    "effect_of",
+    "forget_pending_unbacked",
+    "forward_pre_hooks",
+    "fx_builtin_imports",
+    "graph_function_source",
+    "is_operator",
+    "is_traceable_wrapper_subclass",
+    "is_view",
+    "make_fx",
+    "operator_schema",
+    "plain_checkpoints",
+    "rename_node",
+    "reparametrize_module",
+    "set_size_hint",
+    "size_function_types",
+    "symbol_pinning",
+    "tensor_marks",
+    "trace_with_user_lines",
+    "version_of",
 ]
 
 check = torch._check
@@ -244,3 +268,73 @@ def differentiable_rnns() -> Iterator[None]:
         yield
     finally:
         torch._C._set_mkldnn_enabled(enabled)
+
+
+class _PlainCheckpointFunction:
+    """Stands in for checkpoint's reentrant autograd function: runs the region as is."""
+
+    @staticmethod
+    def apply(function: Any, _preserve_rng_state: bool, *args: Any) -> Any:
+        return function(*args)
+
+
+def _plain_checkpoint_generator(*_args: Any, **_kwargs: Any) -> Iterator[None]:
+    yield  # no saved-tensor hooks: the region's activations are kept, not recomputed
+
+
+@contextlib.contextmanager
+def plain_checkpoints() -> Iterator[None]:
+    """Trace ``torch.utils.checkpoint`` regions as plain calls (both of its forms).
+
+    A checkpointed region is recomputed in the backward with the random state of its forward,
+    which a trace cannot replay: the recomputation's dropout would draw a new mask. Traced
+    once, the graph uses the forward's own activations, which is what the recomputation
+    reproduces in eager.
+    """
+    module = torch.utils.checkpoint
+    saved = (module.CheckpointFunction, module._checkpoint_without_reentrant_generator)
+    module.CheckpointFunction = _PlainCheckpointFunction  # type: ignore[misc,assignment]
+    module._checkpoint_without_reentrant_generator = _plain_checkpoint_generator  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module.CheckpointFunction, module._checkpoint_without_reentrant_generator = saved
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """The tensor's version counter: it moves with every in-place write."""
+    return tensor._version
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    return tensor._base is not None
+
+
+def forward_pre_hooks(module: torch.nn.Module) -> list[Any]:
+    return list(module._forward_pre_hooks.values())
+
+
+BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
+
+
+@contextlib.contextmanager
+def padded_lengths_in_python() -> Iterator[None]:
+    """``pad_packed_sequence`` with its lengths computed where the trace sees them.
+
+    The operator writes the lengths it returns in C++, so a trace records an empty tensor in
+    their place. Computed here from the batch sizes (read with ``.tolist()``, which capture
+    guards where they can vary), they become a literal of the graph.
+    """
+    original = torch._C._VariableFunctions._pad_packed_sequence
+
+    def pad(data: torch.Tensor, batch_sizes: torch.Tensor, *args: Any) -> Any:
+        padded, _ = original(data, batch_sizes, *args)
+        sizes = batch_sizes.tolist()
+        lengths = [sum(1 for size in sizes if size > b) for b in range(sizes[0] if sizes else 0)]
+        return padded, torch.tensor(lengths, dtype=torch.int64)
+
+    torch._VF._pad_packed_sequence = pad  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del torch._VF._pad_packed_sequence

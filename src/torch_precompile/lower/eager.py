@@ -13,11 +13,12 @@ from torch_precompile.trace.checks import literal_source
 def lower_eager(capture: Capture) -> LoweredGraph:
     gm = capture.graph
     graph_code = graph_function_source(gm, "captured_graph")
+    literals = _literal_lines(capture)
     lines = [
-        "# The names the graph code refers to.",
-        *_used_imports(graph_code),
+        "# The names the graph code and its literals refer to.",
+        *_used_imports("\n".join([graph_code, *literals])),
         "",
-        *_literal_lines(capture),
+        *literals,
         "\n".join(line.rstrip() for line in graph_code.strip("\n").splitlines()).rstrip(),
         "",
         "",
@@ -28,7 +29,18 @@ def lower_eager(capture: Capture) -> LoweredGraph:
         "    flat_inputs.clear()",
         "    return captured_graph(*args)",
     ]
-    return LoweredGraph(source="\n".join(lines) + "\n", acceleration=None)
+    return LoweredGraph(source="\n".join(lines) + "\n", acceleration=None,
+                        input_strides=_input_layouts(capture))
+
+
+def _input_layouts(capture: Capture) -> list[tuple[int, ...] | str | None]:
+    """The example's layout of each input tensor: the graph's views were traced on it, so a
+    call passing another layout gets a copy in this one (see the driver's LeafPlan)."""
+    spec = capture.spec
+    model = len(spec.interned)
+    inputs = [tuple(t.stride()) if model <= i < model + len(spec.tensor_inputs) else None
+              for i, t in enumerate(capture.example_inputs)]
+    return inputs if not spec.wrapped and not spec.distributed else None
 
 
 def _used_imports(graph_code: str) -> list[str]:

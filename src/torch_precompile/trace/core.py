@@ -20,12 +20,17 @@ from torch_precompile.internals.tracing import (
     FakeTensorMode,
     GuardOnDataDependentSymNode,
     differentiable_rnns,
+    is_view,
+    padded_lengths_in_python,
+    plain_checkpoints,
     rename_node,
     reparametrize_module,
     trace_with_user_lines,
+    version_of,
 )
 from torch_precompile.spec import (
     SCHEMA_VERSION,
+    Ambient,
     Argument,
     ArtifactSpec,
     DynamicDim,
@@ -35,6 +40,7 @@ from torch_precompile.spec import (
     ValueGuard,
 )
 from torch_precompile.trace import checks, data_parallel, dynamic, fully_shard
+from torch_precompile.trace.ambient import DefaultDtypeUse, ambient_at_capture
 from torch_precompile.trace.data_parallel import DataParallelArg
 from torch_precompile.trace.distributed import (
     Distribution,
@@ -44,6 +50,14 @@ from torch_precompile.trace.distributed import (
 )
 from torch_precompile.trace.fully_shard import FullySharded
 from torch_precompile.trace.guards import GuardRecorder
+from torch_precompile.trace.hooks import (
+    global_hooks,
+    hook_functions,
+    module_hooks,
+    named_function,
+    reachable_containers,
+    refuse_unreplayable_modules,
+)
 from torch_precompile.trace.inputs import (
     UserInputs,
     arg_names_of,
@@ -58,6 +72,8 @@ from torch_precompile.trace.optimizers import (
     stepping,
 )
 from torch_precompile.trace.python_state import put_back, refuse_changes, take_snapshot
+from torch_precompile.trace.random_state import SeedWatch
+from torch_precompile.trace.reads import ReadRecorder, refuse_changed_reads
 from torch_precompile.trace.state import (
     ModelState,
     intern_model_state,
@@ -100,16 +116,22 @@ def capture(
     """
     layout = _read_layout(fn, args, backend, on_fakes)
     recorder, outputs = GuardRecorder(), _Outputs()
-    flat_fn = _flat_function(fn, layout, recorder, outputs)
+    watch = _Watch(layout)
+    refuse_unreplayable_modules(watch.named_submodules())
+    flat_fn = _flat_function(fn, layout, recorder, outputs, watch)
     before = take_snapshot(
         [(layout.arg_names[i], args[i]) for i in layout.module_positions],
-        [(o.name, o.optimizer) for o in layout.optimizers])
+        [(o.name, o.optimizer) for o in layout.optimizers],
+        reachable_containers([named_function(fn), *hook_functions(
+            watch.submodules, layout.state.tensors[:layout.num_params])]))
     try:
         traced = _trace(flat_fn, layout, recorder, decompositions, on_fakes)
     except BaseException:
         put_back(before)  # fn's own error is the one to report
         raise
     refuse_changes(before)
+    refuse_changed_reads(watch.reads)
+    _refuse_aliased_writes(layout, traced.mutated)
     traced = _drop_unstepped_state(traced, layout)
     _drop_constant_guards(traced.graph, recorder, outputs)
     gm = traced.graph
@@ -124,7 +146,7 @@ def capture(
     literals = checks.lift_literals(gm, checks.origin_finder(
         fn, [(layout.arg_names[i], args[i]) for i in layout.module_positions]))
     _name_placeholders(gm, layout)
-    spec = _artifact_spec(backend, layout, recorder, outputs, traced)
+    spec = _artifact_spec(backend, layout, recorder, outputs, traced, watch)
     if traced.dynamic_inputs is None:
         return Capture(gm, literals, spec, traced.examples)
     return Capture(gm, literals, spec, traced.examples, traced.dynamic_inputs.fake_mode,
@@ -183,6 +205,33 @@ class _Traced:
     examples: list[torch.Tensor]
     dynamic_inputs: dynamic.DynamicInputs | None
     coordinate_dependent: bool
+    mutated: tuple[int, ...] = ()  # flat inputs the graph writes in place
+
+
+class _Watch:
+    """What capture notes about fn beyond tensors while it is traced: the Python values it
+    reads, whether it builds tensors of the default dtype; and the state before it runs."""
+
+    def __init__(self, layout: _Layout) -> None:
+        self.layout = layout
+        self.submodules = [m for root in layout.modules
+                           for _, m in root.named_modules(remove_duplicate=False)]
+        self.reads = ReadRecorder(self.submodules)
+        self.default_dtype = DefaultDtypeUse()
+        self.global_hooks = global_hooks()
+        self.hooks = [module_hooks(m) for m in self.submodules]
+        self.seeds = SeedWatch()
+
+    def named_submodules(self) -> list[tuple[str, torch.nn.Module]]:
+        """Each submodule as messages name it, in walk order."""
+        names = [arg for i, arg in enumerate(self.layout.arg_names)
+                 if i in self.layout.module_positions]
+        return [(f"module {name!r} of {arg}" if name else f"model {arg}", module)
+                for arg, root in zip(names, self.layout.modules, strict=True)
+                for name, module in root.named_modules(remove_duplicate=False)]
+
+    def ambient(self) -> Ambient:
+        return ambient_at_capture(self.default_dtype.used)
 
 
 def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on_fakes: bool
@@ -239,7 +288,7 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
 
 
 def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecorder,
-                   outputs: _Outputs) -> Callable[..., list[Any]]:
+                   outputs: _Outputs, watch: _Watch) -> Callable[..., list[Any]]:
     """``fn`` over flat tensors (model state, then input tensors), as make_fx traces it.
 
     It returns result leaves, then gradients, then value guards, and fills ``outputs``.
@@ -269,7 +318,8 @@ def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecor
             stack.enter_context(data_parallel.tracing(
                 layout.data_parallel, _trained(layout, flat)))
             stack.enter_context(fully_shard.tracing(layout.fully_sharded, state.tensors, flat))
-            with recording:
+            with (recording, watch.reads, watch.default_dtype, watch.seeds, plain_checkpoints(),
+                  padded_lengths_in_python()):
                 result = fn(*call_args)
         _reject_stray_gradients(state, flat, layout.num_params)
         result_leaves, outputs.spec = pytree.tree_flatten(result)
@@ -301,12 +351,14 @@ def _trace(flat_fn: Callable[..., list[Any]], layout: _Layout, recorder: GuardRe
     """Trace with every parameter's ``.grad`` cleared, and put the caller's back afterwards.
 
     Parameters are traced as themselves, so an optimizer step inside fn would update them for
-    real: with an optimizer among the arguments their values are put back too.
+    real: with an optimizer among the arguments their values are put back too. So are the
+    buffers traced as themselves (see ``_examples``).
     """
     params = layout.state.tensors[:layout.num_params]
     saved_grads = [p.grad for p in params]
-    saved_values = ([p.detach().clone() for p in params]
-                    if layout.optimizers and not on_fakes else [])
+    buffers = _buffers_as_themselves(layout)
+    written = [*(params if layout.optimizers else ()), *buffers]
+    saved_values = [t.detach().clone() for t in written] if not on_fakes else []
     try:
         for p in params:
             p.grad = None
@@ -317,31 +369,54 @@ def _trace(flat_fn: Callable[..., list[Any]], layout: _Layout, recorder: GuardRe
                 dynamic_inputs, fakes=layout.wrapping.expand(dynamic_inputs.fakes))
             gm = _trace_symbolic(flat_fn, dynamic_inputs.fakes, dynamic_inputs, decompositions)
             return _Traced(gm, dynamic_inputs.fakes, dynamic_inputs, False)
-        examples = _examples(layout)
+        examples = _examples(layout, buffers)
+        versions = [version_of(e) for e in examples]
         trace = _Trace(flat_fn, decompositions, examples, on_fakes)
         gm = trace.run()
+        # Which examples the trace wrote shows which inputs the graph writes: as laid out
+        # here, an example is a flat input (subclasses and DTensors are laid out otherwise).
+        plain = layout.sharding is None and not layout.wrapping.inputs
+        mutated = tuple(i for i, (e, v) in enumerate(zip(examples, versions, strict=True))
+                        if version_of(e) != v) if plain else ()
         sharding = layout.sharding
         dependent = sharding is not None and (
             not on_fakes or trace.depends_on_coordinate(sharding, gm.code, recorder))
-        return _Traced(gm, examples, None, dependent)
+        return _Traced(gm, examples, None, dependent, mutated)
     finally:
         for p, grad in zip(params, saved_grads, strict=True):
             p.grad = grad
         with torch.no_grad():
-            for p, value in zip(params, saved_values, strict=False):
-                p.copy_(value)
+            for t, value in zip(written, saved_values, strict=False):
+                t.copy_(value)
+        for t in buffers:
+            if t.grad_fn is not None:  # an in-place write of a value with history
+                t.detach_()
 
 
-def _examples(layout: _Layout) -> list[torch.Tensor]:
+def _buffers_as_themselves(layout: _Layout) -> list[torch.Tensor]:
+    """Plain buffers, which the trace takes as themselves: code that reaches one by another
+    path (a cache object holding the tensor a wrapper registered) then reads the graph input,
+    not a constant. ``_trace`` puts back what fn writes to them (BatchNorm statistics)."""
+    if layout.sharding is not None:
+        return []
+    return [t for i, t in enumerate(layout.state.tensors)
+            if layout.num_params <= i and i not in layout.wrapping.inputs
+            and not is_view(t) and not t.requires_grad]
+
+
+def _examples(layout: _Layout, themselves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     # Parameters are traced as themselves (a backward writes their .grad, which _trace
-    # restores); buffers and input tensors as copies, so that mutations fn makes while being
-    # traced (BatchNorm statistics, in-place input updates) never touch the caller's.
+    # restores), and so are plain buffers (see _buffers_as_themselves); input tensors as
+    # copies, so that mutations fn makes while being traced never touch the caller's.
     state, wrapped = layout.state, layout.wrapping.inputs
+    as_themselves = {id(t) for t in themselves}
     # Optimizer state is copied for the same reason; each param group's lr is a 0-dim input.
     # A subclass's inner tensors are copied instead of it (see Wrapping.expand).
     flat = [*state.tensors, *(layout.inputs.leaves[i] for i in layout.tensor_positions)]
     examples = [
-        *(t if i < layout.num_params or i in wrapped else _copy(t) for i, t in enumerate(flat)),
+        *(t if i < layout.num_params or i in wrapped
+          or (i < layout.num_state and id(t) in as_themselves) else _copy(t)
+          for i, t in enumerate(flat)),
         *(_copy(e.example) for o in layout.optimizers for e in o.entries),
         *(learning_rate(group) for o in layout.optimizers for group in o.optimizer.param_groups),
     ]
@@ -400,7 +475,7 @@ def _drop_unstepped_state(traced: _Traced, layout: _Layout) -> _Traced:
 
 
 def _artifact_spec(backend: str, layout: _Layout, recorder: GuardRecorder, outputs: _Outputs,
-                   traced: _Traced) -> ArtifactSpec:
+                   traced: _Traced, watch: _Watch) -> ArtifactSpec:
     assert outputs.spec is not None  # the trace called the flat function
     inputs = layout.inputs
     shapes = _input_shapes(layout, traced.dynamic_inputs)
@@ -411,8 +486,9 @@ def _artifact_spec(backend: str, layout: _Layout, recorder: GuardRecorder, outpu
         torch=torch_build(),
         args=tuple(Argument(name, i in layout.module_positions, i in layout.optimizer_positions)
                    for i, name in enumerate(layout.arg_names)),
-        model=model_records(layout.state, outputs.grad_indices),
-        submodules=submodule_records(layout.modules),
+        model=model_records(layout.state, outputs.grad_indices,
+                            training=bool(outputs.grad_indices or layout.optimizers)),
+        submodules=submodule_records(layout.modules, watch.hooks),
         inputs=tuple(
             _input_record(leaf, name, value, shape, bound)
             for leaf, name, value, shape, bound in zip(
@@ -435,6 +511,11 @@ def _artifact_spec(backend: str, layout: _Layout, recorder: GuardRecorder, outpu
         **layout.wrapping.spec_records(),
         data_parallel=tuple(arg.record() for arg in layout.data_parallel),
         fully_sharded=layout.fully_sharded.records(),
+        global_hooks=watch.global_hooks,
+        read_values=watch.reads.records(),
+        ambient=watch.ambient(),
+        mutated=traced.mutated,
+        seed=watch.seeds.replayed_seed(),
     )
 
 
@@ -540,6 +621,34 @@ def _distribution_records(sharding: Distribution | None, coordinate_dependent: b
         return {}
     return {"meshes": sharding.mesh_records(coordinate_dependent),
             "distributed": (*(s.record for s in sharding.inputs.values()), *sharding.results)}
+
+
+def _refuse_aliased_writes(layout: _Layout, mutated: Sequence[int]) -> None:
+    """The trace ran on separate copies of the caller's tensors: where fn writes one that
+    shares memory with another, eager would see the write through the other, the graph not."""
+    if not mutated:
+        return
+    flat = [*layout.state.tensors, *(layout.inputs.leaves[i] for i in layout.tensor_positions)]
+    names = [*(f"model parameter {n!r}" for n in layout.state.param_names),
+             *(f"model buffer {n!r}" for n in layout.state.buffer_names),
+             *(f"input {layout.inputs.names[i]}" for i in layout.tensor_positions)]
+    owners: dict[int, int] = {}
+    for index, tensor in enumerate(flat):
+        owners.setdefault(storage_id(tensor), index)
+    for index in mutated:
+        if index >= len(flat):
+            continue
+        first = owners[storage_id(flat[index])]
+        others = [i for i, t in enumerate(flat)
+                  if i != index and storage_id(t) == storage_id(flat[index])]
+        if others:
+            raise PrecompileError(
+                f"fn writes {names[index]} in place, and it shares memory with "
+                f"{names[others[0] if first == index else first]} in the example. A precompiled "
+                "graph takes its inputs as separate tensors, so the write would not show "
+                "through the other. Pass separate tensors (x.clone()), or write fn without "
+                "the in-place update."
+            )
 
 
 def _refuse_sharding_wrappers(modules: list[torch.nn.Module], names: list[str]) -> None:

@@ -56,8 +56,11 @@ class Snapshot:
 
 
 def take_snapshot(modules: Sequence[tuple[str, torch.nn.Module]],
-                  optimizers: Sequence[tuple[str, torch.optim.Optimizer]]) -> Snapshot:
-    slots = tuple(_slots(modules, optimizers))
+                  optimizers: Sequence[tuple[str, torch.optim.Optimizer]],
+                  extra: Sequence[Slot] = ()) -> Snapshot:
+    """The state reachable from the arguments, and the ``extra`` slots (containers a hook or
+    fn reaches)."""
+    slots = (*_slots(modules, optimizers), *extra)
     values = tuple(slot.owner.get(slot.name, _ABSENT) for slot in slots)
     contents = tuple(copy.copy(v) if isinstance(v, list | dict | set) else None for v in values)
     namespaces = tuple((vars(module), frozenset(vars(module)), shown)

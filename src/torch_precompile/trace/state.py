@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from torch_precompile.spec import ModelTensor, Submodule
+from torch_precompile.driver.core import qualified_name
+from torch_precompile.spec import HookSet, ModelTensor, Submodule
+from torch_precompile.trace.hooks import tensor_hooks
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,10 @@ def intern_model_state(modules: list[torch.nn.Module]) -> ModelState:
     return ModelState(tensors, names["parameter"], names["buffer"], tied, bindings, members)
 
 
-def model_records(state: ModelState, grad_indices: list[int]) -> tuple[ModelTensor, ...]:
-    """One spec record per member name, in walk order; strides are the lowering's to set."""
+def model_records(state: ModelState, grad_indices: list[int], training: bool
+                  ) -> tuple[ModelTensor, ...]:
+    """One spec record per member name, in walk order; strides are the lowering's to set.
+    A training step's parameters carry their tensor hooks, which its backward ran."""
     records = []
     for kind, name, index in state.members:
         tensor = state.tensors[index]
@@ -70,18 +75,21 @@ def model_records(state: ModelState, grad_indices: list[int]) -> tuple[ModelTens
             name=name, kind=kind, tied_to=state.tied_names.get(name), shape=tuple(tensor.shape),
             dtype=str(tensor.dtype), device=str(tensor.device), strides=None,
             requires_grad=tensor.requires_grad, gets_grad=index in grad_indices,
+            hooks=tensor_hooks(tensor) if training and kind == "parameter" else (),
         ))
     return tuple(records)
 
 
-def submodule_records(modules: list[torch.nn.Module]) -> tuple[Submodule, ...]:
-    """Every module reached from the model arguments, with its training flag."""
+def submodule_records(modules: list[torch.nn.Module], hooks: Sequence[tuple[HookSet, ...]]
+                      ) -> tuple[Submodule, ...]:
+    """Every module reached from the model arguments: its training flag, class and hooks
+    (``hooks`` as taken before the trace, in the same walk order)."""
     qualify = len(modules) > 1
-    return tuple(
-        Submodule(f"m{mi}.{name}" if qualify else name, module.training)
-        for mi, root in enumerate(modules)
-        for name, module in root.named_modules(remove_duplicate=False)
-    )
+    found = [(f"m{mi}.{name}" if qualify else name, module)
+             for mi, root in enumerate(modules)
+             for name, module in root.named_modules(remove_duplicate=False)]
+    return tuple(Submodule(name, module.training, qualified_name(type(module)), module_hooks)
+                 for (name, module), module_hooks in zip(found, hooks, strict=True))
 
 
 def _name_at(index: int, names: dict[str, list[str]]) -> str:

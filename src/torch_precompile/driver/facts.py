@@ -1,0 +1,132 @@
+"""The driver part for Python values the traced code read: module attributes and globals.
+
+The graph holds each such value as a constant (a LoRA ``scaling``, a dropout ``p``, a global
+``SCALE``), so every call must find the same value where the trace read it. A value that is
+still the very object the last passing call saw is taken as is (one identity test); anything
+else is compared by type and value, and a difference is refused, naming the value, where it
+was read and both values.
+"""
+
+import operator
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from torch_precompile.driver.core import (
+    Driver,
+    PrecompileError,
+    shown_value,
+    value_matches,
+)
+
+_MISSING = object()
+
+
+class PythonFacts:
+    """The values a driver's spec says the trace read."""
+
+    def __init__(self, driver: Driver) -> None:
+        spec = driver.spec
+        names = [s.name for s in spec.submodules]
+        self.module_reads = [(r, _module_read_name(names[r.submodule], r.path))
+                             for r in spec.read_values if r.submodule is not None]
+        self.global_reads = [GlobalRead(r) for r in spec.read_values if r.submodule is None]
+        self.global_dicts: list[Any] = []
+        self.global_names: list[str] = []
+        self.global_seen: list[Any] = []
+        self.globals_settled = not self.global_reads
+
+    def check_modules(self, submodules: Sequence[Any]) -> None:
+        """Every attribute read off a submodule, compared with the captured value."""
+        for read, shown in self.module_reads:
+            value = submodules[read.submodule]
+            for name in read.path:
+                value = getattr(value, name, _MISSING)
+            _compare(read, shown, value)
+
+    def remember_modules(self, submodules: Sequence[Any]) -> "RememberedValues | None":
+        """A cheap re-check of the module attributes, for the memo's fast path."""
+        if not self.module_reads:
+            return None
+        return RememberedValues([(submodules[read.submodule], read.path)
+                                 for read, _ in self.module_reads])
+
+    def check_globals(self) -> None:
+        """The globals read, where their module is loaded in this process."""
+        if self.globals_settled and all(map(operator.is_, map(
+                dict.get, self.global_dicts, self.global_names), self.global_seen)):
+            return
+        dicts, names, seen = [], [], []
+        settled = True
+        for read in self.global_reads:
+            namespace = read.namespace()
+            if namespace is None:
+                settled = settled and read.never_here
+                continue
+            value = namespace.get(read.record.path[0], _MISSING)
+            _compare(read.record, read.shown, value)
+            dicts.append(namespace)
+            names.append(read.record.path[0])
+            seen.append(value)
+        self.global_dicts, self.global_names, self.global_seen = dicts, names, seen
+        self.globals_settled = settled
+
+
+class RememberedValues:
+    """The objects one set of models held where the trace read values, last time they
+    passed."""
+
+    __slots__ = ("dicts", "names", "paths", "seen")
+
+    def __init__(self, places: Sequence[tuple[Any, tuple[str, ...]]]) -> None:
+        # An attribute of the module itself is read straight from its instance dict.
+        self.dicts = [vars(module) for module, path in places if len(path) == 1]
+        self.names = [path[0] for _, path in places if len(path) == 1]
+        self.paths = [(module, operator.attrgetter(".".join(path)))
+                      for module, path in places if len(path) > 1]
+        self.seen = self.now()
+
+    def now(self) -> list[Any]:
+        return [*map(dict.get, self.dicts, self.names),
+                *(get(module) for module, get in self.paths)]
+
+    def unchanged(self) -> bool:
+        return all(map(operator.is_, self.now(), self.seen))
+
+
+class GlobalRead:
+    """A global read by the traced code, and where to find its module at a call."""
+
+    def __init__(self, record: Any) -> None:
+        self.record = record
+        self.shown = f"global {record.path[0]!r} of module {record.module}"
+        self.never_here = False
+
+    def namespace(self) -> dict[str, Any] | None:
+        """The module's globals; None where it is not loaded (or ``__main__`` is another
+        script), so nothing in this process can have changed the value."""
+        module = sys.modules.get(self.record.module)
+        if module is None:
+            return None
+        if self.record.module == "__main__" and getattr(
+                module, "__file__", None) != self.record.file:
+            self.never_here = True
+            return None
+        return vars(module)
+
+
+def _compare(read: Any, shown: str, value: Any) -> None:
+    if value_matches(read.expected, value):
+        return
+    now = "missing" if value is _MISSING else repr(value)
+    raise PrecompileError(
+        f"{shown} is {now}, but was {shown_value(read.expected)} when the trace read it "
+        f"({read.where}); the graph holds that value. Set it back, or precompile again with "
+        "the new value (a value that changes between calls belongs in a tensor: a buffer or "
+        "an input)."
+    )
+
+
+def _module_read_name(module: str, path: Sequence[str]) -> str:
+    owner = f"module {module!r}" if module else "the model"
+    return f"attribute {'.'.join(path)!r} of {owner}"

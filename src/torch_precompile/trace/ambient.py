@@ -1,0 +1,48 @@
+"""The thread and process state a trace ran under, for the driver to insist on at each call.
+
+make_fx records ops after autocast has chosen their dtypes, tensors built without a dtype take
+the default one, and an active torch function or dispatch mode acts on every op: all of it is
+in the graph. The default dtype is recorded only where fn built a tensor from it, which
+``DefaultDtypeUse`` notices while the trace runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from torch_precompile.driver.core import ambient_now
+from torch_precompile.spec import Ambient
+
+# Functions that build a tensor of the default dtype when given no dtype (for float data).
+_FACTORIES = frozenset({
+    torch.tensor, torch.as_tensor, torch.ones, torch.zeros, torch.empty, torch.full,
+    torch.rand, torch.randn, torch.arange, torch.linspace, torch.logspace, torch.eye,
+    torch.scalar_tensor, torch.range,
+})
+
+
+class DefaultDtypeUse(TorchFunctionMode):
+    """Pushed around fn while it is traced: notes a tensor built with the default dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = False
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        if func in _FACTORIES and kwargs.get("dtype") is None:
+            self.used = True
+        return func(*args, **kwargs)
+
+
+def ambient_at_capture(default_dtype_used: bool) -> Ambient:
+    """The state now, before the trace pushes modes of its own."""
+    autocast, default_dtype, deterministic, modes = ambient_now()
+    return Ambient(autocast=autocast,
+                   default_dtype=(str(default_dtype).removeprefix("torch.")
+                                  if default_dtype_used else None),
+                   deterministic=deterministic, modes=modes)

@@ -1,0 +1,135 @@
+"""Hooks present at capture: recorded for the driver's checks, and refused where they act in
+Python rather than on tensors.
+
+A hook that only computes (scales an output, clips a gradient) runs inside the trace like
+``forward`` does, so the graph holds what it computed; the driver then insists on the same
+hooks at every call (see ``driver.core.check_hooks``). A hook that keeps something in Python
+(activations stored in a dict, a counter) would act once, at capture: capture watches the
+containers a hook (or ``fn`` itself) can reach, and refuses the capture when one changed.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from torch_precompile.driver.core import (
+    GLOBAL_HOOKS,
+    MODULE_HOOKS,
+    TENSOR_HOOKS,
+    hook_name,
+    hook_sets,
+)
+from torch_precompile.errors import PrecompileError
+from torch_precompile.internals.tracing import BatchNormBase, forward_pre_hooks
+from torch_precompile.spec import HookSet
+from torch_precompile.trace.python_state import Slot
+
+_SIDE_EFFECT_FIX = (
+    "A hook or fn that keeps tensors or counts in Python objects would do so once, at "
+    "capture, and never again. Return what you need from fn (results may be any nesting of "
+    "tuples, lists and dicts of tensors), or remove the hook before precompiling."
+)
+
+
+def module_hooks(module: torch.nn.Module) -> tuple[HookSet, ...]:
+    return hook_sets(module, MODULE_HOOKS)
+
+
+def global_hooks() -> tuple[HookSet, ...]:
+    return hook_sets(torch.nn.modules.module, GLOBAL_HOOKS)
+
+
+def tensor_hooks(tensor: torch.Tensor) -> tuple[HookSet, ...]:
+    return hook_sets(tensor, TENSOR_HOOKS)
+
+
+def hook_functions(modules: Sequence[torch.nn.Module], tensors: Sequence[torch.Tensor]
+                   ) -> Iterator[tuple[str, Any]]:
+    """Every hook the trace may run, with how to name it: module hooks, process-wide module
+    hooks and tensor hooks on the model's tensors."""
+    for module in modules:
+        for kind, attribute in MODULE_HOOKS:
+            for hook in getattr(module, attribute).values():
+                yield f"{kind} hook {hook_name(hook)}", hook
+    for kind, attribute in GLOBAL_HOOKS:
+        for hook in getattr(torch.nn.modules.module, attribute).values():
+            yield f"global {kind} hook {hook_name(hook)}", hook
+    for tensor in tensors:
+        for kind, attribute in TENSOR_HOOKS:
+            for hook in (getattr(tensor, attribute, None) or {}).values():
+                yield f"{kind} hook {hook_name(hook)}", hook
+
+
+def reachable_containers(functions: Sequence[tuple[str, Any]]) -> list[Slot]:
+    """Lists, dicts and sets that ``functions`` can reach without a call: globals they name,
+    values they close over, the attributes of the object a bound method belongs to."""
+    slots: list[Slot] = []
+    seen: set[int] = set()
+    for who, function in functions:
+        for container, where in _containers(function):
+            if id(container) not in seen:
+                seen.add(id(container))
+                slots.append(Slot({"value": container}, "value", f"{where}, which {who} "
+                                  "reaches,", _SIDE_EFFECT_FIX))
+    return slots
+
+
+def _containers(function: Any) -> Iterator[tuple[Any, str]]:
+    while hasattr(function, "func") and not isinstance(function, types.FunctionType):
+        function = function.func  # functools.partial
+    owner = getattr(function, "__self__", None)
+    if owner is not None and not isinstance(owner, torch.nn.Module | types.ModuleType):
+        for name, value in vars(owner).items() if hasattr(owner, "__dict__") else ():
+            if _is_container(value):
+                yield value, f"attribute {name!r} of its {type(owner).__name__}"
+    function = getattr(function, "__func__", function)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return
+    namespace = getattr(function, "__globals__", {})
+    for name in code.co_names:
+        value = namespace.get(name)
+        if _is_container(value):
+            yield value, f"global {name!r} of module {namespace.get('__name__')}"
+    for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=False):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if _is_container(value):
+            yield value, f"the {name!r} it closes over"
+
+
+def _is_container(value: Any) -> bool:
+    return type(value) in (list, dict, set)
+
+
+def named_function(fn: Callable[..., Any]) -> tuple[str, Any]:
+    return (f"fn ({getattr(fn, '__qualname__', type(fn).__name__)})", fn)
+
+
+def refuse_unreplayable_modules(modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
+    """Modules whose forward keeps Python state a graph cannot, named before anything runs."""
+    for shown, module in modules:
+        for hook in forward_pre_hooks(module):
+            if type(hook).__name__ == "WeightNorm":
+                raise PrecompileError(
+                    f"{shown} uses torch.nn.utils.weight_norm, whose forward pre-hook sets "
+                    "'weight' as a plain attribute at every call: an artifact computes the "
+                    "weight inside its graph but would leave that attribute as it was at "
+                    "capture. Use torch.nn.utils.parametrizations.weight_norm (its weight is "
+                    "computed where it is read, which the artifact carries)."
+                )
+        if (isinstance(module, BatchNormBase) and module.training
+                and module.track_running_stats and module.momentum is None):
+            raise PrecompileError(
+                f"{shown} is a {type(module).__name__} with momentum=None (a cumulative "
+                "average): in training it reads num_batches_tracked into Python at every call "
+                "(as the factor 1 / num_batches_tracked), so an artifact could only run the "
+                "step it was captured on. Give it a momentum (the default is 0.1), or capture "
+                "it in eval mode."
+            )

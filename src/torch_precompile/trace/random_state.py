@@ -1,0 +1,63 @@
+"""Seeds set inside ``fn``: replayed by the artifact, or refused.
+
+``torch.manual_seed(0)`` inside fn makes eager draw the same random numbers at every call; a
+trace records only the draws. A seed set before fn's first random draw is recorded, and the
+driver sets it before the graph runs, so every call draws as eager does. A seed set after a
+draw cannot be placed inside a compiled graph: capture refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torch_precompile.errors import PrecompileError
+from torch_precompile.internals.tracing import TorchDispatchMode
+from torch_precompile.trace.guards import _user_location as user_location
+
+
+class SeedWatch(TorchDispatchMode):
+    """While active, notes random draws and the seeds fn sets (``torch.manual_seed``)."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seed: int | None = None
+        self.draws = 0
+        self.late: str | None = None  # where fn set a seed after a draw
+        self.saved: tuple[Any, Any] = (torch.manual_seed, torch.random.manual_seed)
+
+    def __enter__(self) -> SeedWatch:
+        self.saved = (torch.manual_seed, torch.random.manual_seed)
+        torch.manual_seed = torch.random.manual_seed = self._manual_seed  # type: ignore[assignment]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.manual_seed, torch.random.manual_seed = self.saved
+        super().__exit__(*exc)
+
+    def _manual_seed(self, seed: int) -> Any:
+        if self.draws:
+            self.late = self.late or user_location()
+        else:
+            self.seed = int(seed)
+        return self.saved[1](seed)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            self.draws += 1
+        return func(*args, **(kwargs or {}))
+
+    def replayed_seed(self) -> int | None:
+        """The seed the driver sets before each call; refuses one it cannot replay."""
+        if self.late is not None:
+            raise PrecompileError(
+                f"fn sets the random seed at {self.late}, after it drew random numbers. An "
+                "artifact sets a seed fn sets before its first random draw, before the graph "
+                "runs; a seed set between draws cannot be replayed. Set it before fn's first "
+                "random operation, or outside fn."
+            )
+        return self.seed

@@ -1,0 +1,666 @@
+"""Facts a trace bakes in beyond the tensors: submodule classes, hooks, Python values read,
+requires_grad, grad mode, ambient state (autocast, default dtype, deterministic algorithms,
+dispatch modes) and aliasing. A call where one differs from capture is refused, naming it,
+and leaves every tensor as it was; a call where they hold computes what eager fn computes.
+
+Each docstring gives, as "before", what such a call did before these checks: ran, no error,
+and returned or wrote wrong numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torch_precompile import PrecompileError, precompile
+
+from conftest import assert_same, model_state
+
+SHIFT = 1.0  # a global the traced code reads
+
+
+def mlp(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def new_x() -> torch.Tensor:
+    return torch.randn(3, 4, dtype=torch.float32)
+
+
+def build(fn: Callable[..., Any], *args: Any, backend: str) -> Callable[..., Any]:
+    return precompile.load(*precompile(fn, *args, backend=backend))
+
+
+def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x)
+
+
+def train_step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = m(x).pow(2).mean()
+    loss.backward()
+    return loss.detach()
+
+
+def double_output(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    return output * 2
+
+
+def triple_grad(grad: torch.Tensor) -> torch.Tensor:
+    return grad * 3
+
+
+def snapshot(*things: Any) -> dict[str, Any]:
+    """Every tensor of ``things``: a module's parameters, .grad and buffers, an optimizer's
+    state, a tensor itself; cloned."""
+    state: dict[str, Any] = {}
+    for i, thing in enumerate(things):
+        if isinstance(thing, nn.Module):
+            state.update({f"{i}.{k}": v for k, v in model_state(thing).items()})
+        elif isinstance(thing, torch.optim.Optimizer):
+            for j, group in enumerate(thing.param_groups):
+                for k, p in enumerate(group["params"]):
+                    for key, value in thing.state.get(p, {}).items():
+                        state[f"{i}.{j}.{k}.{key}"] = (value.clone() if torch.is_tensor(value)
+                                                       else value)
+        else:
+            state[str(i)] = thing.detach().clone()
+    return state
+
+
+def assert_identical(before: dict[str, Any], after: dict[str, Any]) -> None:
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        if torch.is_tensor(value):
+            assert torch.equal(value, after[key]), f"{key} changed"
+        else:
+            assert value == after[key], f"{key} changed"
+
+
+@contextmanager
+def refused(match: str, *things: Any) -> Iterator[None]:
+    """The block raises PrecompileError matching ``match``; every tensor of ``things`` is
+    bitwise as before it."""
+    before = snapshot(*things)
+    with pytest.raises(PrecompileError, match=match):
+        yield
+    assert_identical(before, snapshot(*things))
+
+
+def agree(run: Callable[..., Any], fn: Callable[..., Any], args: tuple[Any, ...],
+          eager_args: tuple[Any, ...]) -> None:
+    """The artifact on ``args`` and eager fn on ``eager_args`` (twins of them) give the same
+    result and leave the same tensors behind."""
+    assert_same(run(*args), fn(*eager_args))
+    assert_same(snapshot(*args), snapshot(*eager_args))
+
+
+def test_submodule_class_swap_is_refused(backend: str) -> None:
+    """A submodule of another class with the same parameters (Tanh for ReLU) is refused,
+    naming the module and both classes. Before: off by 0.65, no error."""
+    model, other = mlp(0), mlp(1)
+    run = build(forward, model, new_x(), backend=backend)
+    for m in (model, other, model):
+        x = new_x()
+        agree(run, forward, (m, x), (m, x))
+    model[1] = nn.Tanh()
+    x = new_x()
+    with refused(r"module '1' is a torch\.nn\.modules\.activation\.Tanh, but was a "
+                 r"torch\.nn\.modules\.activation\.ReLU at capture", model, x):
+        run(model, x)
+    model[1] = nn.ReLU()
+    x = new_x()
+    agree(run, forward, (model, x), (model, x))
+
+
+def test_module_hooks_added_after_capture_are_refused(backend: str) -> None:
+    """A forward hook added after capture (on a module, or process-wide) is refused.
+    Before: off by 0.26, no error (the hook never ran)."""
+    model, other = mlp(0), mlp(1)
+    run = build(forward, model, new_x(), backend=backend)
+    for m in (model, other, model):
+        x = new_x()
+        agree(run, forward, (m, x), (m, x))
+    handle = model[0].register_forward_hook(double_output)
+    try:
+        x = new_x()
+        with refused(r"module '0' has hooks forward: \S*double_output, but had none at "
+                     "capture", model, x):
+            run(model, x)
+    finally:
+        handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(double_output)
+    try:
+        x = new_x()
+        with refused(r"the process \(global module hooks.*\) has hooks forward: \S*double_output, "
+                     "but had none at capture", other, x):
+            run(other, x)
+    finally:
+        handle.remove()
+    x = new_x()
+    agree(run, forward, (other, x), (other, x))
+
+
+def test_module_hooks_present_at_capture(backend: str) -> None:
+    """A forward hook that keeps activations in a dict is refused at capture, the dict left
+    empty (before: the dict was never filled). A hook present at capture that only computes
+    runs in the artifact; removing it after capture is refused (before: off by 0.21)."""
+    model, other = mlp(0), mlp(1)
+    feats: dict[str, torch.Tensor] = {}
+
+    def store(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        feats["act"] = output
+
+    handle = model[0].register_forward_hook(store)
+    try:
+        with refused(r"fn changed the 'feats' it closes over, which forward hook \S*store "
+                     "reaches, while it was traced", model):
+            precompile(forward, model, new_x(), backend=backend)
+    finally:
+        handle.remove()
+    assert feats == {}
+    handles = [m[0].register_forward_hook(double_output) for m in (model, other)]
+    try:
+        run = build(forward, model, new_x(), backend=backend)
+        for m in (model, other, model):
+            x = new_x()
+            agree(run, forward, (m, x), (m, x))
+    finally:
+        handles[0].remove()
+    x = new_x()
+    with refused(r"module '0' has hooks none, but had forward: \S*double_output at capture",
+                 model, x):
+        run(model, x)
+    handles[1].remove()
+    x = new_x()
+    with refused(r"module '0' has hooks none", other, x):
+        run(other, x)
+
+
+def test_tensor_hooks_on_parameters(backend: str) -> None:
+    """In a training step, Tensor.register_hook on a parameter after capture is refused
+    (before: gradients off by 7.7e-2); the same hook present at capture acts as in eager, and
+    removing it is refused."""
+    model, other = mlp(0), mlp(1)
+    twin, other_twin = copy.deepcopy(model), copy.deepcopy(other)
+    run = build(train_step, model, new_x(), backend=backend)
+    for m, t in ((model, twin), (other, other_twin), (model, twin)):
+        x = new_x()
+        agree(run, train_step, (m, x), (t, x))
+    handle = model[0].weight.register_hook(triple_grad)
+    try:
+        x = new_x()
+        with refused(r"model parameter '0\.weight' has hooks grad: \S*triple_grad, but had "
+                     "none at capture", model, x):
+            run(model, x)
+    finally:
+        handle.remove()
+
+    handles = [m[0].weight.register_hook(triple_grad) for m in (model, twin, other, other_twin)]
+    try:
+        hooked = build(train_step, model, new_x(), backend=backend)
+        for m, t in ((model, twin), (other, other_twin), (model, twin)):
+            x = new_x()
+            agree(hooked, train_step, (m, x), (t, x))
+    finally:
+        handles[0].remove()
+    x = new_x()
+    with refused(r"model parameter '0\.weight' has hooks none, but had grad: \S*triple_grad "
+                 "at capture", model, x):
+        hooked(model, x)
+    x = new_x()
+    agree(hooked, train_step, (other, x), (other_twin, x))
+    for h in handles[1:]:
+        h.remove()
+
+
+class Config:
+    """A plain config object a module reads from."""
+
+    def __init__(self) -> None:
+        self.eps = 1e-5
+
+
+class Adapter(nn.Module):
+    """Reads Python values in forward: a LoRA-style scaling, a dropout p (in training), a
+    nested config value and a module global."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(4, 8)
+        self.drop = nn.Dropout(0.0)
+        self.scaling = 0.5
+        self.config = Config()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.lin(x)) * self.scaling
+        return h / (h.pow(2).mean(-1, keepdim=True) + self.config.eps).sqrt() + SHIFT
+
+
+def test_python_values_read_by_the_trace(backend: str) -> None:
+    """Each Python value the trace read must be the captured one: a module attribute
+    (LoRA-style scaling; before: off by 1.6e-2 to 0.9, no error), a nested config attribute
+    and a module global. Set back, the artifact runs again."""
+    global SHIFT
+    model, other = Adapter(0), Adapter(1)
+    run = build(forward, model, new_x(), backend=backend)
+    for m in (model, other, model):
+        x = new_x()
+        agree(run, forward, (m, x), (m, x))
+
+    model.scaling = 2.0
+    x = new_x()
+    with refused(r"attribute 'scaling' of the model is 2\.0, but was 0\.5 when the trace "
+                 "read it", model, x):
+        run(model, x)
+    model.scaling = 0.5
+    x = new_x()
+    agree(run, forward, (model, x), (model, x))
+
+    other.config.eps = 1.0
+    x = new_x()
+    with refused(r"attribute 'config\.eps' of the model is 1\.0, but was 1e-05", other, x):
+        run(other, x)
+    other.config.eps = 1e-5
+
+    SHIFT = 3.0
+    try:
+        x = new_x()
+        with refused(rf"global 'SHIFT' of module {__name__} is 3\.0, but was 1\.0", model, x):
+            run(model, x)
+    finally:
+        SHIFT = 1.0
+    this = sys.modules[__name__]
+    this.SHIFT = -1.0  # the same, written as a module attribute
+    try:
+        x = new_x()
+        with refused(r"global 'SHIFT' .* is -1\.0, but was 1\.0", other, x):
+            run(other, x)
+    finally:
+        this.SHIFT = 1.0
+    for m in (model, other):
+        x = new_x()
+        agree(run, forward, (m, x), (m, x))
+
+
+def test_dropout_p_read_in_training(backend: str) -> None:
+    """Dropout.p, read by torch's own Dropout.forward, is a Python value like any other: in
+    training, p changed from the captured 0.0 to 0.5 is refused. Before: off by 1.7."""
+    model, other = Adapter(0), Adapter(1)
+    run = build(forward, model, new_x(), backend=backend)
+    for m in (model, other, model):
+        x = new_x()
+        agree(run, forward, (m, x), (m, x))
+    model.drop.p = 0.5
+    x = new_x()
+    with refused(r"attribute 'p' of module 'drop' is 0\.5, but was 0\.0", model, x):
+        run(model, x)
+    model.drop.p = 0.0
+    x = new_x()
+    agree(run, forward, (model, x), (model, x))
+
+
+def opt_step(m: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    opt.zero_grad()
+    loss = m(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_requires_grad_with_optimizer_inside_fn(backend: str) -> None:
+    """With an optimizer step inside fn, freezing a layer after capture is refused (before:
+    the frozen layer kept moving, by 1e-2 per step); otherwise each step matches eager on a
+    twin with its own optimizer."""
+    model, other = mlp(0), mlp(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    run = build(opt_step, model, opt, new_x(), backend=backend)
+    twin, twin_opt = copy.deepcopy((model, opt))
+    other_twin, other_twin_opt = copy.deepcopy((other, other_opt))
+    for _ in range(3):
+        x = new_x()
+        agree(run, opt_step, (model, opt, x), (twin, twin_opt, x))
+    x = new_x()
+    agree(run, opt_step, (other, other_opt, x), (other_twin, other_twin_opt, x))
+    model[0].requires_grad_(False)
+    x = new_x()
+    with refused(r"model parameter '0\.weight' has requires_grad=False, but was captured "
+                 "with requires_grad=True", model, opt, x):
+        run(model, opt, x)
+    model[0].requires_grad_(True)
+    x = new_x()
+    agree(run, opt_step, (model, opt, x), (twin, twin_opt, x))
+
+
+def test_training_step_under_no_grad_is_refused(backend: str) -> None:
+    """A training step called under torch.no_grad() (or inference_mode) is refused. Before: it
+    ran and returned a loss where eager raises."""
+    model, other = mlp(0), mlp(1)
+    twin, other_twin = copy.deepcopy(model), copy.deepcopy(other)
+    run = build(train_step, model, new_x(), backend=backend)
+    for m, t in ((model, twin), (other, other_twin), (model, twin)):
+        x = new_x()
+        agree(run, train_step, (m, x), (t, x))
+    x = new_x()
+    with pytest.raises(RuntimeError, match="does not require grad"), torch.no_grad():
+        train_step(copy.deepcopy(model), x)
+    with refused(r"fn runs a backward, but this call is under torch\.no_grad\(\)", model, x), \
+            torch.no_grad():
+        run(model, x)
+    with refused(r"fn runs a backward, but this call is under torch\.no_grad\(\)", other, x), \
+            torch.inference_mode():
+        run(other, x)
+    x = new_x()
+    agree(run, train_step, (model, x), (twin, x))
+
+
+def plus_ones(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x) + torch.ones(2)
+
+
+class PassThrough(TorchDispatchMode):
+    """A dispatch mode that only calls the operator."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextmanager
+def deterministic() -> Iterator[None]:
+    previous = (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def test_ambient_state_must_be_as_at_capture(backend: str) -> None:
+    """Autocast (before: float32 where eager gives bfloat16), the default dtype where fn
+    builds a tensor from it, deterministic algorithms and an active dispatch mode must be as
+    at capture."""
+    model, other = mlp(0), mlp(1)
+    run = build(plus_ones, model, new_x(), backend=backend)
+    for m in (model, other, model):
+        x = new_x()
+        agree(run, plus_ones, (m, x), (m, x))
+    x = new_x()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16
+        with refused(r"autocast at this call: cpu bfloat16; at capture: none", model, x):
+            run(model, x)
+    x = new_x()
+    with default_dtype(torch.float64):
+        assert plus_ones(model, x).dtype == torch.float64
+        with refused(r"the default dtype at this call: torch\.float64; at capture: "
+                     r"torch\.float32", model, x):
+            run(model, x)
+    x = new_x()
+    with deterministic(), refused(r"deterministic algorithms at this call: True; at capture: "
+                                  "False", other, x):
+        run(other, x)
+    x = new_x()
+    with PassThrough(), refused(r"active torch function and dispatch modes at this call: "
+                                r"\S*PassThrough; at capture: none", other, x):
+        run(other, x)
+    for m in (model, other):
+        x = new_x()
+        agree(run, plus_ones, (m, x), (m, x))
+
+
+def test_default_dtype_unused_by_fn_does_not_matter(backend: str) -> None:
+    """Where fn builds no tensor from the default dtype, another default dtype changes
+    nothing eager computes on float32 inputs: the artifact runs and matches."""
+    model, other = mlp(0), mlp(1)
+    run = build(forward, model, new_x(), backend=backend)
+    with default_dtype(torch.float64):
+        for m in (model, other, model):
+            x = new_x()
+            agree(run, forward, (m, x), (m, x))
+    x = new_x()
+    agree(run, forward, (other, x), (other, x))
+
+
+def scale_x_read_y(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    x.mul_(2)
+    return m(y)
+
+
+def test_written_input_aliasing_another_is_refused(backend: str) -> None:
+    """fn writes x in place and reads y: one tensor as both is refused at a call, x left
+    unchanged (before: off by 0.46-0.58 on inductor), and at capture."""
+    model, other = mlp(0), mlp(1)
+    run = build(scale_x_read_y, model, new_x(), new_x(), backend=backend)
+    for m in (model, other, model):
+        x, y = new_x(), new_x()
+        agree(run, scale_x_read_y, (m, x, y), (m, x.clone(), y.clone()))
+    t = new_x()
+    with refused(r"input x shares memory with input y at this call, and the artifact writes "
+                 "the first in place", model, t):
+        run(model, t, t)
+    with refused(r"fn writes input x in place, and it shares memory with input y in the "
+                 "example", model, t):
+        precompile(scale_x_read_y, model, t, t, backend=backend)
+    x, y = new_x(), new_x()
+    agree(run, scale_x_read_y, (other, x, y), (other, x.clone(), y.clone()))
+
+
+def add_both(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return m(x) + m(y)
+
+
+def test_same_tensor_twice_without_writes(backend: str) -> None:
+    """Without an in-place write, one tensor passed as two inputs computes what eager does."""
+    model, other = mlp(0), mlp(1)
+    run = build(add_both, model, new_x(), new_x(), backend=backend)
+    for m in (model, other, model):
+        t = new_x()
+        agree(run, add_both, (m, t, t), (m, t, t))
+    x, y = new_x(), new_x()
+    agree(run, add_both, (other, x, y), (other, x, y))
+
+
+class CumulativeMean(nn.Module):
+    """Keeps a cumulative mean of its outputs in a buffer, as BatchNorm with momentum=None
+    does: the factor 1 / steps is read into Python at every call."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.steps.add_(1)
+        factor = 1.0 / float(self.steps)
+        self.mean.mul_(1 - factor).add_(h.detach().mean(0), alpha=factor)
+        return h
+
+
+def test_refused_call_leaves_every_tensor_as_it_was(backend: str) -> None:
+    """BatchNorm1d(momentum=None) in training is refused at capture. The same pattern in a
+    module of one's own (a cumulative mean over a step count read into Python): the first
+    call matches eager, the second is refused with the buffers, parameters, .grad and input
+    exactly as before it."""
+    bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))
+    with refused(r"module '1' of m is a BatchNorm1d with momentum=None", bn):
+        precompile(train_step, bn, new_x(), backend=backend)
+    model, other = CumulativeMean(0), CumulativeMean(1)
+    twin, other_twin = copy.deepcopy(model), copy.deepcopy(other)
+    run = build(train_step, model, new_x(), backend=backend)
+    x = new_x()
+    agree(run, train_step, (model, x), (twin, x))
+    for _ in range(2):
+        x = new_x()
+        with refused(r"this call left the path the artifact was captured on: a tensor value "
+                     r"read into Python .* was 1 at capture and is 2 now", model, x):
+            run(model, x)
+    assert int(model.steps) == 1
+    x = new_x()
+    agree(run, train_step, (other, x), (other_twin, x))
+    for m in (model, twin):
+        m.steps.zero_()
+    x = new_x()
+    agree(run, train_step, (model, x), (twin, x))
+
+
+class ScaledMLP(nn.Sequential):
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        super().__init__(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        self.scaling = 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scaling
+
+
+def test_changes_after_a_passing_call_are_seen(backend: str) -> None:
+    """The driver remembers a model that passed; a hook, an attribute, a submodule's class,
+    requires_grad, a tensor hook, a process-wide hook or the training mode changed between two
+    calls with the same model object is refused at the next call."""
+    model, other = ScaledMLP(0), ScaledMLP(1)
+    twin, other_twin = copy.deepcopy(model), copy.deepcopy(other)
+    run = build(train_step, model, new_x(), backend=backend)
+
+    def passes(m: nn.Module = model, t: nn.Module = twin) -> None:
+        for _ in range(2):  # the second call takes the remembered path
+            x = new_x()
+            agree(run, train_step, (m, x), (t, x))
+
+    def refuses(match: str, m: nn.Module = model) -> None:
+        x = new_x()
+        with refused(match, m, x):
+            run(m, x)
+
+    passes()
+    passes(other, other_twin)
+    handle = model[0].register_forward_hook(double_output)
+    refuses(r"module '0' has hooks forward: \S*double_output, but had none")
+    handle.remove()
+    passes()
+    model.scaling = 2.0
+    refuses(r"attribute 'scaling' of the model is 2\.0, but was 0\.5")
+    model.scaling = 0.5
+    passes()
+    model[1] = nn.Tanh()
+    refuses(r"module '1' is a torch\.nn\.modules\.activation\.Tanh, but was a "
+            r"torch\.nn\.modules\.activation\.ReLU")
+    model[1] = nn.ReLU()
+    passes()
+    model[2].bias.requires_grad_(False)
+    refuses(r"model parameter '2\.bias' has requires_grad=False")
+    model[2].bias.requires_grad_(True)
+    passes()
+    handle = model[2].weight.register_hook(triple_grad)
+    refuses(r"model parameter '2\.weight' has hooks grad: \S*triple_grad")
+    handle.remove()
+    passes()
+    handle = nn.modules.module.register_module_forward_hook(double_output)
+    try:
+        refuses(r"the process \(global module hooks")
+    finally:
+        handle.remove()
+    passes()
+    model.eval()
+    refuses(r"the model is in eval mode, but was captured in training mode")
+    model.train()
+    passes()
+    passes(other, other_twin)
+    other.scaling = 1.0
+    refuses(r"attribute 'scaling' of the model is 1\.0", other)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a limit docs/CONTRACT.md names: the remembered path compares no classes (a type() per "
+    "module would cost as much again as its mode check), and __class__ assigned in place "
+    "registers nothing, so a model that passed once runs Tanh as the captured ReLU (off by "
+    "0.47, no error); a model not yet remembered is refused"))
+def test_class_reassigned_in_place_after_a_passing_call(backend: str) -> None:
+    """A submodule whose __class__ is reassigned (no registration, no hook) after a passing
+    call is refused like a swapped submodule."""
+    model, other = mlp(0), mlp(1)
+    run = build(forward, model, new_x(), backend=backend)
+    for m in (model, other, model):
+        x = new_x()
+        agree(run, forward, (m, x), (m, x))
+    model[1].__class__ = nn.Tanh
+    x = new_x()
+    with refused(r"module '1' is a torch\.nn\.modules\.activation\.Tanh, but was a "
+                 r"torch\.nn\.modules\.activation\.ReLU at capture", model, x):
+        run(model, x)
+
+
+def test_legacy_weight_norm_is_refused_naming_its_replacement(backend: str) -> None:
+    """Before: refused as "fn changed attribute 'weight'", which named neither the hook nor
+    what to use instead."""
+    model = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 4)))
+    with pytest.raises(PrecompileError, match=r"weight_norm.*parametrizations\.weight_norm"):
+        precompile(lambda m, x: m(x), model, new_x(), backend=backend)
+    fixed = nn.Sequential(torch.nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)))
+    run = build(lambda m, x: m(x), fixed, new_x(), backend=backend)
+    for _ in range(3):
+        x = new_x()
+        torch.testing.assert_close(run(fixed, x), fixed(x).detach())
+
+
+@pytest.mark.timeout(900)
+def test_transformers_static_cache_wrapper_decodes_as_eager(backend: str) -> None:
+    """transformers' TorchExportableModuleWithStaticCache registers its cache tensors as
+    buffers, and the model reads them through the cache object. Before: refused as "a tensor
+    closed over", which they are not."""
+    pytest.importorskip("transformers")
+    import logging
+
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=16)
+
+    def wrapper(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+        model.generation_config = GenerationConfig(
+            use_cache=True, cache_implementation="static", max_length=8,
+            cache_config={"batch_size": 1, "max_cache_len": 8, "device": "cpu"})
+        return TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=8)
+
+    def decode(m: nn.Module, ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return m(input_ids=ids, cache_position=position)
+
+    captured = wrapper(0)
+    run = build(decode, captured, torch.tensor([[3]]), torch.tensor([0]), backend=backend)
+    for seed in (0, 1):
+        eager, artifact = wrapper(seed), wrapper(seed)
+        for step in range(3):
+            ids, position = torch.tensor([[5 + step]]), torch.tensor([step])
+            torch.testing.assert_close(run(artifact, ids, position),
+                                       decode(eager, ids, position), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(dict(artifact.named_buffers()),
+                                   dict(eager.named_buffers()), rtol=1e-4, atol=1e-5)
