@@ -369,7 +369,9 @@ def verify(path: Path, key: bytes | None) -> tuple[list[str], list[str]]:
     else:
         notes.append("the cache belongs to this source")
     state = _compiled_module_state(code, outer.get("compiled"))
-    (problems if state.startswith("refused") else notes).append(f"compiled module: {state}")
+    # A damaged module still loads (from the source), but the cache is corrupt: say so.
+    (problems if state.startswith(("refused", "damaged")) else notes).append(
+        f"compiled module: {state}")
     artifact = outer.get("artifact")
     if spec.backend == "inductor":
         from torch_precompile.artifact.kernel_payload import fingerprint_mismatch, read_payload

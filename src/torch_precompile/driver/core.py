@@ -557,13 +557,19 @@ def hook_name(hook: Any) -> str:
 
 def hook_sets(owner: Any, places: Sequence[tuple[str, str]]) -> tuple[Any, ...]:
     """The hooks found on ``owner`` (a module, a tensor, or torch's module of global hooks)
-    as (kind, hook names) pairs, kinds without hooks left out."""
+    as (kind, hook names) pairs, kinds without hooks left out. torch.distributed's own hooks
+    (FSDP2, distribute_module) are left to the parts that check sharding."""
     found = []
     for kind, attribute in places:
         hooks = getattr(owner, attribute, None)
-        if hooks:
-            found.append((kind, tuple(hook_name(h) for h in hooks.values())))
+        names = tuple(n for n in map(hook_name, (hooks or {}).values())
+                      if not n.startswith(DISTRIBUTED_HOOKS))
+        if names:
+            found.append((kind, names))
     return tuple(found)
+
+
+DISTRIBUTED_HOOKS = "torch.distributed."
 
 
 def check_hooks(model: ModelPlan, walked: WalkedModels) -> None:

@@ -326,6 +326,7 @@ def padded_lengths_in_python() -> Iterator[None]:
     guards where they can vary), they become a literal of the graph.
     """
     original = torch._C._VariableFunctions._pad_packed_sequence
+    saved = vars(torch._VF).get("_pad_packed_sequence")  # a capture inside a capture
 
     def pad(data: torch.Tensor, batch_sizes: torch.Tensor, *args: Any) -> Any:
         padded, _ = original(data, batch_sizes, *args)
@@ -337,4 +338,7 @@ def padded_lengths_in_python() -> Iterator[None]:
     try:
         yield
     finally:
-        del torch._VF._pad_packed_sequence
+        if saved is None:
+            del torch._VF._pad_packed_sequence
+        else:
+            torch._VF._pad_packed_sequence = saved  # type: ignore[attr-defined]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 
+import torch
+import torch.fx
+
 from torch_precompile.internals.tracing import fx_builtin_imports, graph_function_source
 from torch_precompile.lower import LoweredGraph
 from torch_precompile.trace import Capture
@@ -33,14 +36,29 @@ def lower_eager(capture: Capture) -> LoweredGraph:
                         input_strides=_input_layouts(capture))
 
 
-def _input_layouts(capture: Capture) -> list[tuple[int, ...] | str | None]:
-    """The example's layout of each input tensor: the graph's views were traced on it, so a
-    call passing another layout gets a copy in this one (see the driver's LeafPlan)."""
+def _input_layouts(capture: Capture) -> list[tuple[int, ...] | str | None] | None:
+    """The example's layout of each input tensor that reaches a ``view`` in the graph: that
+    view was traced on this layout and may fail on another, so a call passing another gets a
+    copy in this one (see the driver's LeafPlan). Other inputs take any layout."""
     spec = capture.spec
+    if spec.wrapped or spec.distributed:
+        return None
     model = len(spec.interned)
-    inputs = [tuple(t.stride()) if model <= i < model + len(spec.tensor_inputs) else None
-              for i, t in enumerate(capture.example_inputs)]
-    return inputs if not spec.wrapped and not spec.distributed else None
+    placeholders = list(capture.graph.graph.find_nodes(op="placeholder"))
+    viewed = _reaching_views(capture.graph.graph)
+    return [tuple(t.stride()) if model <= i < model + len(spec.tensor_inputs)
+            and placeholders[i] in viewed else None
+            for i, t in enumerate(capture.example_inputs)]
+
+
+def _reaching_views(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes from which some ``aten.view`` is reachable."""
+    reaching: set[torch.fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.target is torch.ops.aten.view.default or any(
+                user in reaching for user in node.users):
+            reaching.add(node)
+    return reaching
 
 
 def _used_imports(graph_code: str) -> list[str]:

@@ -103,7 +103,7 @@ class GuardRecorder(TorchDispatchMode):
     def record_read(self, tensor: torch.Tensor, method: str) -> None:
         """Guard the values ``tensor.<method>()`` just read, unless torch itself read them
         (inside an operator, or with the modes switched off, as printing a tensor does)."""
-        if self._depth or tensor.numel() == 0 or _is_fake(tensor):
+        if self._depth or tensor.numel() == 0 or _is_fake(tensor) or self._is_fixed(tensor):
             return
         seen = self._ops_seen
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dis
 import enum
+import gc
 import sys
 import sysconfig
 import types
@@ -50,11 +51,12 @@ _NOT_READS = frozenset({"training", "_parameters", "_buffers", "_modules"})
 
 @dataclass(frozen=True)
 class _CodeReads:
-    """What one code object reads: attribute paths off its first argument, global names."""
+    """What one code object reads: attribute paths off its first argument, global names; each
+    with the line of its first read."""
 
     self_name: str | None
-    paths: tuple[tuple[str, ...], ...]
-    globals: tuple[str, ...]
+    paths: tuple[tuple[tuple[str, ...], int], ...]
+    globals: tuple[tuple[str, int], ...]
 
 
 class ReadRecorder:
@@ -73,6 +75,9 @@ class ReadRecorder:
         self.previous: Any = None
 
     def __enter__(self) -> ReadRecorder:
+        # Garbage-collection callbacks run inside any allocation; what they read is theirs.
+        for callback in gc.callbacks:
+            self.code_reads[getattr(callback, "__code__", None)] = None  # type: ignore[index]
         self.previous = sys.gettrace()
         sys.settrace(self._on_event)
         return self
@@ -93,15 +98,15 @@ class ReadRecorder:
             reads = self.code_reads[code] = _code_reads(code)
         if reads is None:
             return
-        where = f"{Path(code.co_filename).name}:{frame.f_lineno} ({code.co_name})"
+        where = f"{Path(code.co_filename).name}:{{}} ({code.co_name})"
         if reads.paths:
             owner = frame.f_locals.get(reads.self_name) if reads.self_name else None
             index = self.index.get(id(owner))
             if index is not None:
-                for path in reads.paths:
-                    self._module_read(index, path, where)
-        for name in reads.globals:
-            self._global_read(frame.f_globals, name, where)
+                for path, line in reads.paths:
+                    self._module_read(index, path, where.format(line))
+        for name, line in reads.globals:
+            self._global_read(frame.f_globals, name, where.format(line))
 
     def _module_read(self, index: int, path: tuple[str, ...], where: str) -> None:
         key = ("module", index, path)
@@ -151,20 +156,22 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
     if in_torch and not filename.startswith(_TORCH_MODULES):
         return None
     self_name = code.co_varnames[0] if code.co_argcount else None
-    paths: list[tuple[str, ...]] = []
-    names: list[str] = []
+    paths: dict[tuple[str, ...], int] = {}
+    names: dict[str, int] = {}
+    line = code.co_firstlineno
     instructions = list(dis.get_instructions(code))
     for i, instruction in enumerate(instructions):
+        line = (instruction.positions and instruction.positions.lineno) or line
         if instruction.opname in _GLOBAL_LOADS and not in_torch:
             name = instruction.argval
-            names.append(name[1] if isinstance(name, tuple) else name)
+            names.setdefault(name[1] if isinstance(name, tuple) else name, line)
         elif instruction.opname in _SELF_LOADS and instruction.argval == self_name:
             path = tuple(_attribute_chain(instructions, i + 1))
             if path and path[0] not in _NOT_READS:
-                paths.append(path)
+                paths.setdefault(path, line)
     if not paths and not names:
         return None
-    return _CodeReads(self_name, tuple(dict.fromkeys(paths)), tuple(dict.fromkeys(names)))
+    return _CodeReads(self_name, tuple(paths.items()), tuple(names.items()))
 
 
 def _attribute_chain(instructions: Sequence[dis.Instruction], start: int) -> Iterator[str]:
