@@ -43,6 +43,7 @@ _PACKAGE_ROOT = str(Path(__file__).parents[1])
 # torch's own module classes read their options (Dropout.p, LayerNorm.eps) in forward.
 _TORCH_MODULES = str(Path(torch.__file__).parent / "nn" / "modules")
 _SELF_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW", "LOAD_DEREF"})
+_PAIR_LOADS = frozenset({"LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"})
 _ATTR_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 # Attributes capture checks by other means (training flags) or that are no Python values.
@@ -165,13 +166,22 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
         if instruction.opname in _GLOBAL_LOADS and not in_torch:
             name = instruction.argval
             names.setdefault(name[1] if isinstance(name, tuple) else name, line)
-        elif instruction.opname in _SELF_LOADS and instruction.argval == self_name:
+        elif _loads_last(instruction) == self_name:
             path = tuple(_attribute_chain(instructions, i + 1))
             if path and path[0] not in _NOT_READS:
                 paths.setdefault(path, line)
     if not paths and not names:
         return None
     return _CodeReads(self_name, tuple(paths.items()), tuple(names.items()))
+
+
+def _loads_last(instruction: dis.Instruction) -> str | None:
+    """The local an instruction leaves on top of the stack (Python 3.13 loads two at once)."""
+    if instruction.opname in _SELF_LOADS:
+        return instruction.argval
+    if instruction.opname in _PAIR_LOADS:
+        return instruction.argval[1]
+    return None
 
 
 def _attribute_chain(instructions: Sequence[dis.Instruction], start: int) -> Iterator[str]:
