@@ -73,7 +73,7 @@ from torch_precompile.trace.optimizers import (
 )
 from torch_precompile.trace.python_state import put_back, refuse_changes, take_snapshot
 from torch_precompile.trace.random_state import SeedWatch
-from torch_precompile.trace.reads import ReadRecorder, refuse_changed_reads
+from torch_precompile.trace.reads import ReadRecorder, drop_changed_reads
 from torch_precompile.trace.state import (
     ModelState,
     intern_model_state,
@@ -130,7 +130,7 @@ def capture(
         put_back(before)  # fn's own error is the one to report
         raise
     refuse_changes(before)
-    refuse_changed_reads(watch.reads)
+    drop_changed_reads(watch.reads)
     _refuse_aliased_writes(layout, traced.mutated)
     traced = _drop_unstepped_state(traced, layout)
     _drop_constant_guards(traced.graph, recorder, outputs)

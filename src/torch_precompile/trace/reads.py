@@ -218,9 +218,12 @@ def encode_read(value: Any) -> EncodedValue | None:
     return None
 
 
-def refuse_changed_reads(recorder: ReadRecorder) -> None:
-    """A value the trace read and fn then changed would be baked at its first value."""
-    for read in recorder.records():
+def drop_changed_reads(recorder: ReadRecorder) -> None:
+    """Forget the values fn itself set while it was traced (a config field filled in on the
+    first call, as transformers' classifiers set ``problem_type``): before the call they hold
+    one value and after it another, so no single value is the one to insist on. Attributes of
+    the model's modules that fn changes are refused by ``python_state``."""
+    for key, read in list(recorder.reads.items()):
         if read.submodule is None:
             value = recorder.namespaces[read.module or ""].get(read.path[0])
         else:
@@ -228,9 +231,4 @@ def refuse_changed_reads(recorder: ReadRecorder) -> None:
             for name in read.path:
                 value = getattr(value, name, None)
         if encode_read(value) != read.expected:
-            raise PrecompileError(
-                f"fn changed the Python value {'.'.join(read.path)} it read at {read.where} "
-                "while it was traced. An artifact replays tensor operations only: the value "
-                "would change once, at capture. Keep such state in a tensor (register_buffer) "
-                "and update it in place, or change it outside fn."
-            )
+            del recorder.reads[key]
