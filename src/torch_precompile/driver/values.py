@@ -60,12 +60,13 @@ class InputValues:
             if not value_matches(expected, value):
                 for written, before in kept:
                     written.copy_(before)
+                undone = ", and what the graph wrote to inputs and buffers is put back" if (
+                    kept) else ""
                 raise PrecompileError(
                     f"this call left the path the artifact was captured on: {description} was "
                     f"{shown_value(expected)} at capture and is {value!r} now, so the result "
-                    "would be wrong: it is withheld, and what the graph wrote to inputs and "
-                    "buffers is put back. Capture with an example that takes this path, or "
-                    "keep fn from deciding on tensor values."
+                    f"would be wrong: it is withheld{undone}. Capture with an example that "
+                    "takes this path, or keep fn from deciding on tensor values."
                 )
 
 
