@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -193,3 +194,20 @@ def with_kernel_payload(code: str, payload: dict[str, Any]) -> bytes:
     torch.save({**payload, "version": 1}, buffer)
     return envelope.pack("inductor", code, buffer.getvalue())
 
+
+def in_threads(work: Callable[[int], Any], count: int) -> list[BaseException]:
+    """Run ``work(i)`` in ``count`` threads at once; the exceptions they raised."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as e:  # reported by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    return errors

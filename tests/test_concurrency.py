@@ -5,30 +5,12 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 
-from conftest import TESTS_DIR
+from conftest import TESTS_DIR, in_threads
 from workloads import WORKLOADS
-
-
-def _in_threads(work, count: int) -> list[BaseException]:
-    errors: list[BaseException] = []
-
-    def guarded(i: int) -> None:
-        try:
-            work(i)
-        except BaseException as e:  # reported by the caller
-            errors.append(e)
-
-    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=600)
-    return errors
 
 
 def test_threads_share_one_inference_artifact(backend: str, artifacts) -> None:
@@ -41,7 +23,7 @@ def test_threads_share_one_inference_artifact(backend: str, artifacts) -> None:
             x = torch.randn(5, 4, generator=generator)
             torch.testing.assert_close(run(model, x), model(x).detach())
 
-    assert _in_threads(work, 8) == []
+    assert in_threads(work, 8) == []
 
 
 def test_more_model_sets_in_flight_than_the_driver_remembers(backend: str, artifacts) -> None:
@@ -57,7 +39,7 @@ def test_more_model_sets_in_flight_than_the_driver_remembers(backend: str, artif
             x = torch.randn(5, 4, generator=generator)
             torch.testing.assert_close(run(model, x), model(x).detach())
 
-    assert _in_threads(work, 16) == []
+    assert in_threads(work, 16) == []
 
 
 def test_threads_train_their_own_models_with_one_artifact(backend: str, artifacts) -> None:
@@ -77,7 +59,7 @@ def test_threads_train_their_own_models_with_one_artifact(backend: str, artifact
     eager = [steps(i, workload.fn) for i in range(6)]
     sequential = [steps(i, run) for i in range(6)]
     got: dict[int, tuple[list[torch.Tensor], dict[str, torch.Tensor]]] = {}
-    assert _in_threads(lambda i: got.__setitem__(i, steps(i, run)), 6) == []
+    assert in_threads(lambda i: got.__setitem__(i, steps(i, run)), 6) == []
     for i in range(6):
         losses, state = got[i]
         torch.testing.assert_close(losses, eager[i][0], rtol=1e-4, atol=1e-5)

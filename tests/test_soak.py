@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
 from torch import nn
 
 from torch_precompile import precompile
+
+from conftest import in_threads
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, t: torch.Tensor
@@ -73,21 +74,10 @@ def test_eight_threads_call_one_artifact_with_their_own_models(backend: str) -> 
         for p in model.parameters():
             torch.nn.init.normal_(p)
         models.append(model)
-    errors: list[BaseException] = []
-
     def work(i: int) -> None:
         generator = torch.Generator().manual_seed(i)
-        try:
-            for _ in range(25):
-                x = torch.randn(5, 4, generator=generator)
-                torch.testing.assert_close(run(models[i], x), models[i](x).detach())
-        except BaseException as e:  # reported below
-            errors.append(e)
+        for _ in range(25):
+            x = torch.randn(5, 4, generator=generator)
+            torch.testing.assert_close(run(models[i], x), models[i](x).detach())
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-    assert errors == []
-    assert not any(thread.is_alive() for thread in threads)
+    assert in_threads(work, 8) == []

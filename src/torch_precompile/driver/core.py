@@ -146,11 +146,11 @@ class Driver:
     def run(self, args: Sequence[Any], checked: CheckedCall) -> Any:
         """Run the graph on a checked call, then put its gradients and results in place."""
         state, inputs, stepped = checked
+        flat = [*state, *inputs, *stepped]
+        if self.separate:  # before anything is written, the averaged gradients included
+            check_separate_writes(self, flat)
         if self.data_parallel is not None:
             self.data_parallel.average_left_gradients(args, state)
-        flat = [*state, *inputs, *stepped]
-        if self.separate:
-            check_separate_writes(self, flat)
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:

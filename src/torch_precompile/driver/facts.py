@@ -88,10 +88,19 @@ class RememberedValues:
 
     def now(self) -> list[Any]:
         return [*map(dict.get, self.dicts, self.names),
-                *(get(module) for module, get in self.paths)]
+                *(getattr_path(module, get) for module, get in self.paths)]
 
     def unchanged(self) -> bool:
         return all(map(operator.is_, self.now(), self.seen))
+
+
+def getattr_path(module: Any, get: Any) -> Any:
+    """``get(module)``, or a marker where an attribute on the way is gone (the full check
+    then names it)."""
+    try:
+        return get(module)
+    except AttributeError:
+        return _MISSING
 
 
 class GlobalRead:
