@@ -292,13 +292,18 @@ def plain_checkpoints() -> Iterator[None]:
     reproduces in eager.
     """
     module = torch.utils.checkpoint
-    saved = (module.CheckpointFunction, module._checkpoint_without_reentrant_generator)
-    module.CheckpointFunction = _PlainCheckpointFunction  # type: ignore[misc,assignment]
-    module._checkpoint_without_reentrant_generator = _plain_checkpoint_generator  # type: ignore[assignment]
+    stand_ins = {"CheckpointFunction": _PlainCheckpointFunction,
+                 "_checkpoint_without_reentrant_generator": _plain_checkpoint_generator,
+                 # torch 2.14 moved the body here and calls it directly
+                 "_checkpoint_without_reentrant_generator_impl": _plain_checkpoint_generator}
+    saved = {name: vars(module)[name] for name in stand_ins if name in vars(module)}
+    for name in saved:
+        setattr(module, name, stand_ins[name])
     try:
         yield
     finally:
-        module.CheckpointFunction, module._checkpoint_without_reentrant_generator = saved
+        for name, original in saved.items():
+            setattr(module, name, original)
 
 
 def version_of(tensor: torch.Tensor) -> int:
