@@ -164,3 +164,46 @@ def test_a_signed_capture_loads_only_with_its_key(tmp_path) -> None:
         precompile.load(tmp_path / "a.py", cache_path, verify_key=key)
         with pytest.raises(PrecompileError, match="signature"):
             precompile.load(tmp_path / "a.py", cache_path, verify_key=b"x" * 32)
+
+
+def test_save_each_leaves_the_variants_of_a_job_killed_midway(tmp_path) -> None:
+    """A job collecting three batch sizes is killed during its third call: the pair on disk
+    holds the first two variants, loads in a fresh process and runs both."""
+    path, cache = tmp_path / "v.py", tmp_path / "v.cache"
+    proc = run_python(f"""
+        import os, signal, torch
+        from torch_precompile import capture
+
+        def step(m, x):
+            return m(x).relu().sum()
+
+        model = torch.nn.Linear(4, 3)
+        with capture(step, artifact_path={str(path)!r}, cache_path={str(cache)!r},
+                     backend="eager", save="each") as cap:
+            for batch in (1, 2, 3):
+                if batch == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)  # dies as the third call begins
+                cap(model, torch.randn(batch, 4))
+    """)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    proc = run_python(f"""
+        import torch
+        from torch_precompile import PrecompileError, load
+
+        run = load({str(path)!r}, {str(cache)!r})
+        assert len(run.spec.all_variants) == 2, run.spec.all_variants
+        model = torch.nn.Linear(4, 3)
+        for batch in (1, 2):
+            x = torch.randn(batch, 4)
+            torch.testing.assert_close(run(model, x), model(x).relu().sum())
+        try:
+            run(model, torch.randn(3, 4))
+        except PrecompileError:
+            print("KILLED-OK")
+    """)
+    assert proc.returncode == 0 and "KILLED-OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_save_takes_end_or_each(tmp_path) -> None:
+    with pytest.raises(PrecompileError, match="save must be 'end'.*or 'each'.*got 'always'"):
+        capture(WORKLOADS[NAME].fn, artifact_path=tmp_path / "a.py", save="always")

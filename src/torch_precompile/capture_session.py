@@ -43,11 +43,12 @@ class CaptureSession:
     """The object ``capture()`` returns: enter it, call it like ``fn``, leave it."""
 
     def __init__(self, fn: Callable[..., Any], artifact_path: Path, cache_path: Path | None,
-                 options: BuildOptions) -> None:
+                 options: BuildOptions, save_each: bool = False) -> None:
         self._fn = fn
         self.artifact_path = artifact_path
         self.cache_path = cache_path
         self._options = options
+        self._save_each = save_each
         self._state = _State.NEW
         self._pair: ArtifactPair | None = None
         self._variants: list[CompiledVariant] = []
@@ -78,6 +79,9 @@ class CaptureSession:
             else:
                 return self._forward.run(args, checked)
         self._add_variant(args)
+        if self._save_each:
+            # Before the call runs: a process killed inside it keeps every variant so far.
+            self.save()
         return self._forward(*args)
 
     def _add_variant(self, args: tuple[Any, ...]) -> None:
@@ -131,6 +135,7 @@ def capture(
     *,
     artifact_path: str | os.PathLike[str],
     cache_path: str | os.PathLike[str] | None = None,
+    save: str = "end",
     **options: Any,
 ) -> CaptureSession:
     """Capture ``fn`` from the call your code makes inside a ``with`` block.
@@ -142,7 +147,9 @@ def capture(
     variant runs it. When the block ends the pair is written atomically to ``artifact_path``
     and ``cache_path`` (by default a cache file beside the source, named after its hash, as
     ``precompile.save`` does); ``save()`` writes it earlier (a variant added after it is
-    written at the end). A block that raises writes nothing new; a block without a call raises
+    written at the end). With ``save="each"`` the pair is written again, atomically, each time
+    a call adds a variant, so a job killed midway leaves every variant collected so far,
+    loadable. A block that raises writes nothing new; a block without a call raises
     ``PrecompileError``. One use: to capture again, call ``capture()`` again. ``options`` are
     ``precompile()``'s keywords (``backend``, ``sign_key``, ``compile_on_one_rank``, ...; with
     ``compile_on_one_rank`` a capture takes one kind of call).
@@ -152,13 +159,17 @@ def capture(
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(BuildOptions)})
     if unknown:
         raise PrecompileError(
-            f"capture() got unknown keywords {unknown}; it takes artifact_path, cache_path "
-            "and precompile()'s keywords: "
+            f"capture() got unknown keywords {unknown}; it takes artifact_path, cache_path, "
+            "save and precompile()'s keywords: "
             f"{', '.join(f.name for f in dataclasses.fields(BuildOptions))}."
         )
+    if save not in ("end", "each"):
+        raise PrecompileError(f"save must be 'end' (write the pair when the block ends) or "
+                              f"'each' (also after every call that adds a variant), got "
+                              f"{save!r}.")
     return CaptureSession(fn, _path(artifact_path, "artifact_path"),
                           None if cache_path is None else _path(cache_path, "cache_path"),
-                          BuildOptions(**options))
+                          BuildOptions(**options), save_each=save == "each")
 
 
 def _path(value: Any, name: str) -> Path:
