@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from torch_precompile import runtime, storage
+from torch_precompile import progress, runtime, storage
 from torch_precompile.artifact import bytecode, envelope, signature
 from torch_precompile.errors import PrecompileError
 from torch_precompile.spec import ArtifactSpec, parse_spec
@@ -93,25 +93,36 @@ class Precompile:
         cache: bytes | str | os.PathLike[str] | None = None,
         *,
         verify_key: bytes | None = None,
+        require_prebuilt: bool = False,
     ) -> runtime.LoadedArtifact:
         """Load an artifact pair: check it, then execute ``python_code``.
 
         Takes the pair itself, ``(python_code, cache)`` as ``precompile()`` returned it, or
         the files holding it, ``(artifact_path, cache_path)`` as ``capture()`` or ``save``
         wrote them (a one-line string or a path is a file's name; a cache path left out means
-        the cache beside the source). ``cache`` may be None (or unusable, with a warning):
-        the artifact then builds its kernels on first use. A cache from another
-        ``precompile()`` call is refused. With ``verify_key``, a pair whose signature is
-        missing or wrong is refused before anything is unpickled or executed.
+        the cache beside the source that belongs to it, as ``load_file`` finds it). ``cache``
+        may be None (or unusable, with a warning): the artifact then builds its kernels on
+        first use. A cache from another ``precompile()`` call is refused. With
+        ``verify_key``, a pair whose signature is missing or wrong is refused before anything
+        is unpickled or executed. With ``require_prebuilt`` (or the environment variable
+        ``TORCH_PRECOMPILE_REQUIRE_PREBUILT=1``, for every load in the process), a load or
+        call that would build a kernel (no usable cache, a cache lacking an object the source
+        names) raises ``PrecompileError`` naming what is missing; an eager artifact builds
+        nothing and loads as before.
         """
+        absence = None
         if _names_a_file(python_code):
-            if cache is None or _names_a_file(cache):
+            if cache is None:
+                saved = storage.read_saved(python_code)
+                python_code, cache, absence = saved.code, saved.cache, saved.absence
+            elif _names_a_file(cache):
                 python_code, cache = storage.read_pair(python_code, cache)
             else:
                 python_code = storage.read_source(Path(python_code))
         elif _names_a_file(cache):
             cache = storage.read_cache(Path(cache))
-        return runtime.load(python_code, cache, verify_key=verify_key)
+        return runtime.load(python_code, cache, verify_key=verify_key,
+                            require_prebuilt=require_prebuilt, cache_absence=absence)
 
     def save(
         self,
@@ -136,10 +147,20 @@ class Precompile:
         return parse_spec(python_code)
 
     def load_file(
-        self, path: str | os.PathLike[str], *, verify_key: bytes | None = None
+        self, path: str | os.PathLike[str], *, verify_key: bytes | None = None,
+        require_prebuilt: bool = False,
     ) -> runtime.LoadedArtifact:
-        """Load a pair written by ``save``; ``verify_key`` as in ``load``."""
-        return runtime.load(*storage.load_file(path), verify_key=verify_key)
+        """Load a pair written by ``save`` (or ``capture``); ``verify_key`` and
+        ``require_prebuilt`` as in ``load``.
+
+        The cache is the one beside ``path`` that belongs to its source: the one named after
+        the source's hash, else any ``*.cache`` there made for this source (a source renamed
+        or copied, a cache path of your choosing). Without one, a warning names what lies
+        there instead and the artifact runs from the source alone.
+        """
+        saved = storage.read_saved(path)
+        return runtime.load(saved.code, saved.cache, verify_key=verify_key,
+                            require_prebuilt=require_prebuilt, cache_absence=saved.absence)
 
     def __repr__(self) -> str:
         return "torch_precompile.precompile"
@@ -243,10 +264,12 @@ def compile_variant(fn: Callable[..., Any], example_inputs: tuple[Any, ...],
 
     with _lock:
         report("capture")
-        captured = capture(fn, example_inputs, options.backend, options.decompositions,
-                           on_fakes=on_fakes)
+        with progress.step("tracing fn (one traced run)"):
+            captured = capture(fn, example_inputs, options.backend, options.decompositions,
+                               on_fakes=on_fakes)
         report("lower")
-        lowered = _lower(captured, options.backend, options.wrapper)
+        with progress.step(f"lowering with the {options.backend} backend"):
+            lowered = _lower(captured, options.backend, options.wrapper)
     spec = captured.spec.with_strides(lowered.input_strides).with_kernels(lowered.kernels)
     return CompiledVariant(spec, lowered)
 
@@ -259,7 +282,8 @@ def package(variants: Sequence[CompiledVariant], options: BuildOptions) -> Artif
 
     (options.progress or (lambda stage: None))("render")
     spec = variants[0].spec.with_variants([v.spec for v in variants[1:]])
-    python_code, compiled = bytecode.seal(render(spec, [v.graph for v in variants]))
+    with progress.step("writing the artifact source"):
+        python_code, compiled = bytecode.seal(render(spec, [v.graph for v in variants]))
     payloads = [v.graph.acceleration for v in variants if v.graph.acceleration is not None]
     acceleration = (payloads[0] if len(payloads) <= 1 else merged_payloads(payloads)
                     ) if payloads else None

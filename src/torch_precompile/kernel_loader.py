@@ -10,6 +10,10 @@ with every kernel prebuilt therefore never imports Inductor and never runs a com
 A kernel's source is written for one vector width (its loops step by that many lanes), so a
 kernel built here is built for the width it was generated for, or refused where this CPU has
 no such vector unit: built for another width, it would read and write past its buffers.
+
+A load with ``require_prebuilt`` sets ``PRECOMPILED_KERNELS_ONLY`` in the same namespace; a
+loader then refuses any build (``KernelBuildRefused``, which ``load`` raises as
+``PrecompileError``) instead of running a compiler.
 """
 
 import hashlib
@@ -25,7 +29,8 @@ def kernel_key(argtypes: Any, source_code: str, options: Mapping[str, Any]) -> s
 
 
 class KernelBuildRefused(RuntimeError):
-    """A kernel that this process would have to build cannot be built correctly here."""
+    """A kernel that this process would have to build cannot be built correctly here, or may
+    not be built at all (``require_prebuilt``)."""
 
 
 class KernelLoader:
@@ -34,21 +39,27 @@ class KernelLoader:
     ``vector_bits`` is the vector width the kernels' source was generated for (0: scalar).
     ``resolve_now`` makes a kernel Inductor builds in the background ready before it is
     handed out: a graph defined inside a function (one variant of several) cannot have its
-    names rebound by ``wait(globals())``.
+    names rebound by ``wait(globals())``. ``prebuilt_only`` refuses every build; None reads it
+    from ``PRECOMPILED_KERNELS_ONLY`` in the namespace ``load`` filled.
     """
 
     def __init__(self, prebuilt: Mapping[str, Callable[..., Any]], vector_bits: int,
-                 resolve_now: bool = False) -> None:
+                 resolve_now: bool = False, prebuilt_only: bool | None = None) -> None:
         self.prebuilt = prebuilt
         self.vector_bits = vector_bits
         self.resolve_now = resolve_now
+        if prebuilt_only is None:
+            # The line that makes the loader is part of the artifact's source, so the flag
+            # comes the way the prebuilt kernels do: through the artifact's namespace.
+            prebuilt_only = globals().get("PRECOMPILED_KERNELS_ONLY", False)
+        self.prebuilt_only = bool(prebuilt_only)
         self.built_here: list[str] = []
         self._inductor: Any = None
 
     def cpp_pybinding(self, argtypes: list[str], source_code: str, **options: Any) -> Any:
         return self._prebuilt_or_built(
             kernel_key(argtypes, source_code, options),
-            lambda: self._jit().cpp_pybinding(argtypes, source_code, **options))
+            lambda: self._jit().cpp_pybinding(argtypes, source_code, **options), "C++ kernel")
 
     def load_pybinding(self, argtypes: list[str], main_code: str, **options: Any) -> Any:
         """Replaces ``CppWrapperCodeCache.load_pybinding``: the C++ wrapper's entry point."""
@@ -59,12 +70,21 @@ class KernelLoader:
             return CppWrapperCodeCache.load_pybinding(argtypes=argtypes, main_code=main_code,
                                                       **options)
 
-        return self._prebuilt_or_built(kernel_key(argtypes, main_code, options), build)
+        return self._prebuilt_or_built(kernel_key(argtypes, main_code, options), build,
+                                       "C++ wrapper library")
 
-    def _prebuilt_or_built(self, key: str, build: Callable[[], Any]) -> Any:
+    def _prebuilt_or_built(self, key: str, build: Callable[[], Any], kind: str) -> Any:
         prebuilt = self.prebuilt.get(key)
         if prebuilt is not None:
             return prebuilt
+        if self.prebuilt_only:
+            raise KernelBuildRefused(
+                f"require_prebuilt: this artifact's {kind} {key[:12]}… (kernel key {key}) is "
+                f"not among the {len(self.prebuilt)} object(s) its cache provided, so it would "
+                "be built here. Pass the cache precompile() made with this source, built on a "
+                "machine like this one, or load without require_prebuilt (and without "
+                "TORCH_PRECOMPILE_REQUIRE_PREBUILT=1) to let it build."
+            )
         self.built_here.append(key)
         return self._build(build)
 
@@ -90,6 +110,13 @@ class KernelLoader:
 
     def __getattr__(self, name: str) -> Any:
         # Triton and other kernel kinds are built (or fetched from their caches) by Inductor.
+        if self.__dict__.get("prebuilt_only") and not name.startswith("__"):
+            raise KernelBuildRefused(
+                f"require_prebuilt: this artifact asks Inductor for {name!r} kernels, which no "
+                "cache carries: they would be built (or read from Inductor's own cache) here. "
+                "Load it without require_prebuilt (and without "
+                "TORCH_PRECOMPILE_REQUIRE_PREBUILT=1)."
+            )
         return getattr(self._jit(), name)
 
     def _jit(self) -> Any:

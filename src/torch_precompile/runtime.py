@@ -6,15 +6,19 @@ import contextlib
 import gc
 import linecache
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
+from torch_precompile import prebuilt
 from torch_precompile.artifact import bytecode, envelope, signature
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import torch_build
 from torch_precompile.spec import ArtifactSpec, parse_spec
 
 log = logging.getLogger("torch_precompile")
+_announced: set[str] = set()  # code hashes of the sources load has said it executes
+_announced_lock = threading.Lock()
 
 
 class LoadedArtifact:
@@ -28,7 +32,12 @@ class LoadedArtifact:
         self.spec = spec
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._forward(*args, **kwargs)
+        try:
+            return self._forward(*args, **kwargs)
+        except Exception as e:
+            if type(e).__name__ == "KernelBuildRefused":  # kernel_loader's, inside the artifact
+                raise PrecompileError(str(e)) from e
+            raise
 
     def __repr__(self) -> str:
         args = ", ".join(a.name for a in self.spec.args)
@@ -49,11 +58,18 @@ class LoadedArtifact:
 
 
 def load(
-    python_code: str, cache: bytes | None, verify_key: bytes | None = None
+    python_code: str, cache: bytes | None, verify_key: bytes | None = None,
+    require_prebuilt: bool = False, *, cache_absence: str | None = None,
 ) -> LoadedArtifact:
-    """Check the pair, make the cache's kernels available, execute ``python_code``."""
+    """Check the pair, make the cache's kernels available, execute ``python_code``.
+
+    With ``require_prebuilt`` (or ``TORCH_PRECOMPILE_REQUIRE_PREBUILT=1``) a kernel the load
+    or a call would build is a ``PrecompileError`` instead. ``cache_absence`` says why
+    ``cache`` is None, for a pair read from files.
+    """
+    strict = prebuilt.required(require_prebuilt)
     with _collector_paused():
-        return _load(python_code, cache, verify_key)
+        return _load(python_code, cache, verify_key, strict, cache_absence)
 
 
 @contextlib.contextmanager
@@ -69,22 +85,28 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _load(python_code: str, cache: bytes | None, verify_key: bytes | None) -> LoadedArtifact:
+def _load(python_code: str, cache: bytes | None, verify_key: bytes | None, strict: bool,
+          cache_absence: str | None) -> LoadedArtifact:
     if verify_key is not None:
         if not isinstance(python_code, str):
             raise PrecompileError("python_code must be a str.")
         signature.verify(verify_key, python_code, cache)
-    contents = envelope.read(cache) if isinstance(python_code, str) else None
+    # Under require_prebuilt why a cache is unusable may become the refusal: kept, not logged.
+    problems: list[str] | None = [] if strict else None
+    contents = envelope.read(cache, problems) if isinstance(python_code, str) else None
     compiled = (bytecode.unseal(python_code, contents.compiled)
                 if contents is not None and contents.belongs_to(python_code) else None)
     spec = (ArtifactSpec.from_literal(compiled.spec_literal) if compiled is not None
             else parse_spec(python_code))
     check_torch_build(spec)
     envelope.check_pairing(contents, spec.backend, python_code)
-    log.warning(
-        "precompile.load is executing python_code: it is a program, so only load artifacts you "
-        "made or trust."
-    )
+    if problems is not None:
+        prebuilt.refuse_builds(python_code, spec, cache, contents, cache_absence, problems)
+        for why in problems:
+            log.warning("%s", why)
+    if cache is None and cache_absence is not None:
+        log.warning("%s; running from the source alone.", cache_absence)
+    _announce_execution(python_code)
     namespace: dict[str, Any] = {"__name__": "torch_precompile_artifact"}
     if contents is not None and contents.acceleration is not None and spec.backend == "inductor":
         from torch_precompile.artifact.kernel_payload import load_built_kernels
@@ -92,6 +114,8 @@ def _load(python_code: str, cache: bytes | None, verify_key: bytes | None) -> Lo
         pinned = ({k.key: k.sha256 for k in spec.kernels} if spec.schema_version >= 3
                   else None)  # older schemas name no kernel objects
         namespace["PRECOMPILED_KERNELS"] = load_built_kernels(contents.acceleration, pinned)
+    if strict and spec.backend == "inductor":
+        prebuilt.guard_namespace(python_code, namespace)
     width = _unrecorded_kernel_width(python_code, spec, contents, namespace)
     _execute(python_code, compiled, namespace, width)
     forward = namespace.get("forward")
@@ -106,6 +130,23 @@ def _load(python_code: str, cache: bytes | None, verify_key: bytes | None) -> Lo
     # the package's class so callers can catch one type.
     namespace["PrecompileError"] = PrecompileError
     return LoadedArtifact(forward, spec)
+
+
+def _announce_execution(python_code: str) -> None:
+    """Say that load executes the source: once per source per process, since a server or a
+    capture loads the same source many times. Unsaid while the logger would drop it."""
+    if not log.isEnabledFor(logging.WARNING):
+        return
+    digest = envelope.code_hash(python_code)
+    with _announced_lock:
+        if digest in _announced:
+            return
+        _announced.add(digest)
+    log.warning(
+        "precompile.load is executing python_code (sha256 %s…): it is a program, so only load "
+        "artifacts you made or trust. Said once per source per process; "
+        "logging.getLogger('torch_precompile').setLevel(logging.ERROR) silences it.", digest[:12]
+    )
 
 
 # How an inductor artifact made before 0.8 creates its kernel loader: with no vector width.

@@ -4,7 +4,9 @@ The cache file is named after the code it belongs to (``model.<hash>.cache`` for
 ``model.py``), and the source is written last, by an atomic rename: that rename is the one
 moment the new pair appears. A crash or kill at any point before it leaves the old pair (and
 at most an unused file); after it, the new one. A reader never sees a new source with an old
-cache, because it looks the cache up by the hash of the source it read.
+cache, because it looks the cache up by the hash of the source it read: by that name first,
+else (a source renamed or copied, a cache path of the caller's choosing) among the ``*.cache``
+files beside it, taking one whose envelope names that hash.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch_precompile.artifact import envelope, signature
@@ -24,6 +27,8 @@ log = logging.getLogger("torch_precompile")
 _HASH_CHARS = 16
 _STALE_TEMP_SECONDS = 3600
 _RACE_RETRIES = 10
+_ZIP_MAGIC = b"PK\x03\x04"  # how a version-1 envelope (a torch.save archive) starts
+_NAMED_OTHERS = 3  # caches of other sources a message names before "and N more"
 
 
 def cache_path(path: str | os.PathLike[str], python_code: str) -> Path:
@@ -103,16 +108,138 @@ def read_pair(path: str | os.PathLike[str], cache_file: str | os.PathLike[str] |
 
 
 def load_file(path: str | os.PathLike[str]) -> tuple[str, bytes | None]:
-    """Read a saved pair: the source, and the cache that belongs to it (None when absent)."""
+    """Read a saved pair: the source, and the cache that belongs to it (None, with a warning,
+    when none does)."""
+    saved = read_saved(path)
+    if saved.absence is not None:
+        log.warning("%s; running from the source alone.", saved.absence)
+    return saved.code, saved.cache
+
+
+@dataclass(frozen=True)
+class SavedPair:
+    """A source read from a file, the cache found for it, and why there is none (if so)."""
+
+    code: str
+    cache: bytes | None
+    absence: str | None  # None when a cache was found
+
+
+def read_saved(path: str | os.PathLike[str]) -> SavedPair:
+    """The source at ``path`` and the cache beside it that belongs to it (``find_cache``);
+    without one, ``absence`` says what lies there instead, and nothing is logged."""
     path = Path(path)
     python_code = read_source(path)
+    for _ in range(_RACE_RETRIES):
+        search = find_cache(path, python_code)
+        cache = _read_if_there(search.found)
+        if cache is not None:
+            return SavedPair(python_code, cache, None)
+        # A save may have replaced the pair since the source was read: read it again, and
+        # look again for the new source's cache.
+        latest = read_source(path)
+        if latest == python_code and search.found is None:
+            break
+        python_code = latest
+    return SavedPair(python_code, None, search.absence())
+
+
+def _read_if_there(found: Path | None) -> bytes | None:
+    if found is None:
+        return None
     try:
-        cache: bytes | None = cache_path(path, python_code).read_bytes()
+        return found.read_bytes()
     except FileNotFoundError:
-        log.warning("no cache beside %s (expected %s); running from the source alone.", path,
-                    cache_path(path, python_code).name)
-        cache = None
-    return python_code, cache
+        return None
+    except OSError as e:
+        raise PrecompileError(f"cannot read the cache at {found}: {e}") from e
+
+
+@dataclass(frozen=True)
+class CacheSearch:
+    """Where ``find_cache`` found the cache of a source, or what it found instead."""
+
+    source: Path
+    code_hash: str  # the source's
+    found: Path | None
+    others: tuple[tuple[Path, str | None], ...]  # caches of other sources, and their hashes
+
+    def absence(self) -> str:
+        """Why there is no cache, in words (for a warning or an error)."""
+        expected = f"{self.source.stem}.{self.code_hash[:_HASH_CHARS]}.cache"
+        if not self.others:
+            return f"no cache beside {self.source} (expected {expected})"
+        mine = f"{self.code_hash[:12]}…"
+        if len(self.others) == 1:
+            other, digest = self.others[0]
+            made_for = f"sha256 {digest[:12]}…" if digest else "another sha256"
+            return (f"no cache for {self.source.name}: {other.name} beside it belongs to "
+                    f"another source (made for {made_for}; this source's is {mine})")
+        names = [other.name for other, _ in self.others[:_NAMED_OTHERS]]
+        more = len(self.others) - len(names)
+        listed = ", ".join(names) + (f" and {more} more" if more else "")
+        return (f"no cache for {self.source.name}: the caches beside it ({listed}) belong to "
+                f"other sources (none was made for this source, sha256 {mine})")
+
+
+def find_cache(path: str | os.PathLike[str], python_code: str) -> CacheSearch:
+    """The cache beside ``path`` that belongs to ``python_code``: the one ``save`` names after
+    its hash, else any ``*.cache`` there whose envelope was made for this source."""
+    path = Path(path)
+    expected = cache_path(path, python_code)
+    digest = envelope.code_hash(python_code)
+    if expected.is_file():
+        return CacheSearch(path, digest, expected, ())
+    others = []
+    for candidate in _caches_beside(path, expected, digest[:_HASH_CHARS]):
+        contents = _envelope_of(candidate, digest)
+        if contents is None:
+            continue  # not a cache of ours
+        if contents.belongs_to(python_code):
+            return CacheSearch(path, digest, candidate, ())
+        made_for = contents.code_hash if isinstance(contents.code_hash, str) else None
+        others.append((candidate, made_for))
+    return CacheSearch(path, digest, None, tuple(others))
+
+
+def _caches_beside(path: Path, expected: Path, short_hash: str) -> list[Path]:
+    """The ``*.cache`` files in ``path``'s directory: first those ``save`` named after this
+    hash (the source was renamed or copied), then those named after its stem."""
+    try:
+        found = sorted(entry for entry in path.parent.iterdir()
+                       if entry.name.endswith(".cache") and entry != expected)
+    except OSError:
+        return []
+    return sorted(found, key=lambda entry: (not entry.name.endswith(f".{short_hash}.cache"),
+                                            not entry.name.startswith(f"{path.stem}.")))
+
+
+def _envelope_of(candidate: Path, digest: str) -> envelope.CacheContents | None:
+    """The envelope of the cache at ``candidate``, blobs unread (None: not a readable cache).
+    Of a version-2 envelope only the header is read."""
+    try:
+        with open(candidate, "rb") as file:
+            head = file.read(envelope.HEADER_PROBE)
+            end = envelope.header_end(head)
+            if end is None:
+                if not signature.split(head)[1].startswith(_ZIP_MAGIC):
+                    return None  # neither envelope version: left unread
+                return _version_1_envelope(head + file.read(), digest)
+            head += file.read(max(0, end - len(head)))
+    except OSError:
+        return None
+    return envelope.read_header(head)
+
+
+def _version_1_envelope(body: bytes, digest: str) -> envelope.CacheContents | None:
+    """A version-1 envelope (``torch.save`` of a dict), decoded only where the source's hash
+    occurs in it: for any other, an envelope that names no hash."""
+    if envelope.FORMAT.encode() not in body:
+        return None  # an archive, but not one of ours
+    if digest.encode() not in body:
+        return envelope.CacheContents(backend=None, code_hash=None, acceleration=None,
+                                      compiled=None)
+    return envelope.read(body, problems=[])
 
 
 def read_cache(path: Path) -> bytes:

@@ -27,6 +27,8 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 _MAGIC = b"torch-precompile cache, envelope version 2\n"
 _LENGTH_BYTES = 8
+HEADER_PROBE = 4096  # bytes that hold a signature and a header (a few hundred bytes) at once
+_HEADER_LIMIT = 1 << 20  # a longer declared header means bytes that are not an envelope
 log = logging.getLogger("torch_precompile")
 
 
@@ -112,33 +114,70 @@ def unpack(cache: bytes | None, backend: str, python_code: str) -> bytes | None:
     return None if contents is None else contents.acceleration
 
 
-def read(cache: bytes | None) -> CacheContents | None:
-    """The envelope in ``cache``, or None (with a warning) when there is no usable one."""
+def read(cache: bytes | None, problems: list[str] | None = None) -> CacheContents | None:
+    """The envelope in ``cache``, or None when there is no usable one; why not is told to
+    ``problems`` when given, else logged as a warning."""
     if cache is None:
         return None
     try:
-        envelope = decode(signature.split(bytes(cache))[1])
+        fields = decode(signature.split(bytes(cache))[1])
     except Exception as e:
-        log.warning(
-            "precompile cache unreadable (%s: %s); running from python_code alone, which "
-            "builds its kernels on first use.", type(e).__name__, e
-        )
-        return None
-    if envelope.get("format") != FORMAT:
-        log.warning("precompile cache is not a torch-precompile envelope; running from "
-                    "python_code alone.")
-        return None
-    if envelope.get("version") not in READABLE_VERSIONS:
-        log.warning(
-            "precompile cache has version %r, this torch-precompile reads %s; running from "
-            "python_code alone.", envelope.get("version"),
-            " and ".join(map(str, READABLE_VERSIONS))
-        )
-        return None
-    artifact = envelope.get("artifact")
-    return CacheContents(backend=envelope.get("backend"), code_hash=envelope.get("code_hash"),
+        return _unusable(f"precompile cache unreadable ({type(e).__name__}: {e}); running from "
+                         "python_code alone, which builds its kernels on first use.", problems)
+    why = _unreadable_version(fields)
+    if why is not None:
+        return _unusable(why, problems)
+    artifact = fields.get("artifact")
+    return CacheContents(backend=fields.get("backend"), code_hash=fields.get("code_hash"),
                          acceleration=artifact if isinstance(artifact, bytes) else None,
-                         compiled=envelope.get("compiled"))
+                         compiled=fields.get("compiled"))
+
+
+def _unusable(why: str, problems: list[str] | None) -> None:
+    if problems is None:
+        log.warning("%s", why)
+    else:
+        problems.append(why)
+
+
+def _unreadable_version(fields: dict[str, Any]) -> str | None:
+    if fields.get("format") != FORMAT:
+        return ("precompile cache is not a torch-precompile envelope; running from python_code "
+                "alone.")
+    if fields.get("version") not in READABLE_VERSIONS:
+        return (f"precompile cache has version {fields.get('version')!r}, this "
+                f"torch-precompile reads {' and '.join(map(str, READABLE_VERSIONS))}; running "
+                "from python_code alone.")
+    return None
+
+
+def header_end(head: bytes) -> int | None:
+    """How many leading bytes of a cache (its signature included) hold a version-2 envelope's
+    header, read off its first ``HEADER_PROBE`` bytes; None when it starts no such envelope."""
+    body = signature.split(head)[1]
+    start = len(head) - len(body) + len(_MAGIC) + _LENGTH_BYTES
+    if not body.startswith(_MAGIC) or len(head) < start:
+        return None
+    length = int.from_bytes(head[start - _LENGTH_BYTES:start], "little")
+    return start + length if length <= _HEADER_LIMIT else None
+
+
+def read_header(head: bytes) -> CacheContents | None:
+    """The envelope a cache's first ``header_end(head)`` bytes (or more) hold, its blobs left
+    unread (``acceleration`` and ``compiled`` None); None for a cache that is not a readable
+    version-2 envelope. Quiet: it tells caches apart, it does not load one."""
+    end = header_end(head)
+    if end is None or end > len(head):
+        return None
+    start = len(head) - len(signature.split(head)[1]) + len(_MAGIC) + _LENGTH_BYTES
+    try:
+        fields = json.loads(head[start:end])
+    except ValueError:
+        return None
+    if not isinstance(fields, dict) or _unreadable_version(fields) is not None:
+        return None
+    return CacheContents(backend=fields.get("backend"), code_hash=fields.get("code_hash"),
+                         acceleration=None, compiled=None)
 
 
 def check_pairing(contents: CacheContents | None, backend: str, python_code: str) -> None:

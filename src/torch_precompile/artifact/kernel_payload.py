@@ -21,7 +21,9 @@ import os
 import platform
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -37,6 +39,7 @@ PAYLOAD_VERSION = 2
 _MAGIC = b"torch-precompile kernel payload 2\n"
 _LENGTH_BYTES = 8
 _open_objects: list[int] = []
+_loaded_kinds: dict[str, str] = {}  # what loaded_objects() reports
 
 
 @cache
@@ -76,6 +79,48 @@ def fingerprint_mismatch(built_for: dict[str, Any]) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class PayloadExamination:
+    """What a load does with a kernel payload, decided before any object is mapped."""
+
+    entries: dict[str, dict[str, Any]]  # every well-formed entry, by kernel key
+    mapped: dict[str, dict[str, Any]]  # the entries a load here maps into the process
+    skipped: dict[str, str]  # kernel key -> why a load skips its object
+    missing: list[str]  # keys the source names that the payload lacks
+    mismatch: str | None  # why its objects cannot run here (None: built for this machine)
+    refusal: str | None  # the error a load raises for an object the source does not name
+    unreadable: str | None  # why the payload could not be read (None: it was)
+
+
+def examine_payload(acceleration: bytes, pinned: Mapping[str, str] | None
+                    ) -> PayloadExamination:
+    """Judge each object of the payload as ``load_built_kernels`` does, mapping none."""
+    try:
+        payload = read_payload(acceleration)
+        kernels = payload["kernels"]
+        built_for = payload["fingerprint"]
+        if not isinstance(kernels, dict):
+            raise ValueError("its kernel table is not a mapping")
+    except Exception as e:
+        return PayloadExamination({}, {}, {}, [], None, None, str(e))
+    entries, usable, skipped, refusal = {}, {}, {}, None
+    for key, entry in kernels.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("object"), bytes)):
+            skipped[str(key)] = "a malformed entry"
+            continue
+        entries[key] = entry
+        verdict = _object_verdict(key, entry, pinned)
+        if verdict is None:
+            usable[key] = entry
+        elif verdict[0]:
+            refusal = refusal or verdict[1]
+        else:
+            skipped[key] = verdict[1]
+    mismatch = fingerprint_mismatch(built_for)
+    return PayloadExamination(entries, {} if mismatch else usable, skipped,
+                              sorted(set(pinned or ()) - set(kernels)), mismatch, refusal, None)
+
+
 def load_built_kernels(acceleration: bytes, pinned: Mapping[str, str] | None
                        ) -> dict[str, Callable[..., Any]]:
     """Load the cache's kernel objects into this process; skip (with a warning) what cannot be.
@@ -84,30 +129,27 @@ def load_built_kernels(acceleration: bytes, pinned: Mapping[str, str] | None
     an artifact that names none). Every object is checked against it before any is mapped: an
     object the source does not name is refused.
     """
-    try:
-        payload = read_payload(acceleration)
-        kernels = payload["kernels"]
-        built_for = payload["fingerprint"]
-        if not isinstance(kernels, dict):
-            raise ValueError("its kernel table is not a mapping")
-    except Exception as e:
+    found = examine_payload(acceleration, pinned)
+    if found.unreadable is not None:
         log.warning("precompile cache: kernel payload unreadable (%s); kernels will be built "
-                    "from python_code on first use.", e)
+                    "from python_code on first use.", found.unreadable)
         return {}
-    usable = _checked_objects(kernels, pinned)
-    missing = sorted(set(pinned or ()) - set(kernels))
-    if missing:
+    for key, why in found.skipped.items():
+        log.warning("precompile cache: kernel %s… is unusable (%s); it will be built from "
+                    "python_code on first use.", key[:12], why)
+    if found.refusal is not None:
+        raise PrecompileError(found.refusal)
+    if found.missing:
         log.warning("precompile cache: it lacks %d kernel object(s) python_code names (%s); "
-                    "they will be built from python_code on first use.", len(missing),
-                    ", ".join(f"{key[:12]}…" for key in missing[:4]))
-    reason = fingerprint_mismatch(built_for)
-    if reason is not None:
+                    "they will be built from python_code on first use.", len(found.missing),
+                    ", ".join(f"{key[:12]}…" for key in found.missing[:4]))
+    if found.mismatch is not None:
         log.warning("precompile cache: its kernels were built for another machine or torch "
-                    "(%s); they will be built from python_code on first use.", reason)
+                    "(%s); they will be built from python_code on first use.", found.mismatch)
         return {}
     enable_prebuilt_kernel_imports()
     loaded: dict[str, Callable[..., Any]] = {}
-    for key, entry in usable.items():
+    for key, entry in found.mapped.items():
         try:
             loaded[key] = _load_object(key, entry)
         except Exception as e:
@@ -170,34 +212,48 @@ def read_payload(data: bytes) -> dict[str, Any]:
     return {"version": PAYLOAD_VERSION, "fingerprint": header["fingerprint"], "kernels": kernels}
 
 
-def _checked_objects(kernels: Mapping[str, Any], pinned: Mapping[str, str] | None
-                     ) -> dict[str, Any]:
-    """The entries whose bytes are intact; raises for one that is intact but not pinned."""
-    usable = {}
-    for key, entry in kernels.items():
-        if not (isinstance(entry, dict) and isinstance(entry.get("object"), bytes)):
-            log.warning("precompile cache: kernel %s… is unusable (a malformed entry); it will "
-                        "be built from python_code on first use.", str(key)[:12])
-            continue
-        digest = hashlib.sha256(entry["object"]).hexdigest()
-        intact = digest == entry.get("sha256")
-        if (pinned is None and intact) or (pinned is not None and pinned.get(key) == digest):
-            usable[key] = entry
-            continue
-        if pinned is None or (key in pinned and not intact):
-            log.warning("precompile cache: kernel %s… is unusable (its bytes are damaged: "
-                        "they do not match their checksum); it will be built from python_code "
-                        "on first use.", key[:12])
-            continue
-        named = (f"python_code names sha256 {pinned[key][:16]}…" if key in pinned
-                 else "python_code names no such kernel")
-        raise PrecompileError(
-            f"the cache holds a kernel object that is not one python_code was built with "
+def _object_verdict(key: str, entry: Mapping[str, Any], pinned: Mapping[str, str] | None
+                    ) -> tuple[bool, str] | None:
+    """None for an object a load may map; else (refused, why): skipped for damaged bytes, or
+    refused, with the error a load raises, for an intact object the source does not name."""
+    digest = hashlib.sha256(entry["object"]).hexdigest()
+    intact = digest == entry.get("sha256")
+    if (pinned is None and intact) or (pinned is not None and pinned.get(key) == digest):
+        return None
+    if pinned is None or (key in pinned and not intact):
+        return False, "its bytes are damaged: they do not match their checksum"
+    named = (f"python_code names sha256 {pinned[key][:16]}…" if key in pinned
+             else "python_code names no such kernel")
+    return True, (f"the cache holds a kernel object that is not one python_code was built with "
             f"(kernel {key[:12]}…: sha256 {digest[:16]}…, {named}). The cache was altered or "
             "belongs to another build of this source: pass the cache precompile() returned "
-            "with it, or None to build the kernels from python_code."
-        )
-    return usable
+            "with it, or None to build the kernels from python_code.")
+
+
+# The entry point Inductor's C++ wrapper names its shared object after (its
+# ``CppWrapperCodeCache.entry_function``); each kernel's is ``kernel``.
+WRAPPER_ENTRY = "inductor_entry_cpp"
+WRAPPER_LIBRARY = "C++ wrapper library"
+KERNEL = "C++ kernel"
+
+
+def object_kind(entry: Mapping[str, Any]) -> str:
+    """What a payload entry holds: a C++ wrapper's compiled library or one C++ kernel."""
+    return WRAPPER_LIBRARY if entry.get("module") == WRAPPER_ENTRY else KERNEL
+
+
+def count_objects(kinds: Iterable[str]) -> str:
+    """``["C++ kernel", "C++ kernel"]`` as "2 C++ kernels": how reports count objects."""
+    counts = Counter(kinds)
+    plurals = {KERNEL: "C++ kernels", WRAPPER_LIBRARY: "C++ wrapper libraries"}
+    shown = [f"{n} {kind if n == 1 else plurals.get(kind, kind)}"
+             for kind, n in sorted(counts.items(), key=lambda item: item[0] != KERNEL)]
+    return " and ".join(shown) or "no prebuilt object"
+
+
+def loaded_objects() -> dict[str, str]:
+    """Each object this process mapped from a cache: kernel key -> ``object_kind``."""
+    return dict(_loaded_kinds)
 
 
 def _load_object(key: str, entry: dict[str, Any]) -> Callable[..., Any]:
@@ -207,6 +263,7 @@ def _load_object(key: str, entry: dict[str, Any]) -> Callable[..., Any]:
     module = sys.modules.get(name)
     if module is None:
         module = sys.modules[name] = _import_extension(name, data)
+    _loaded_kinds[key] = object_kind(entry)
     return getattr(module, entry["module"])  # the entry point is named like the module
 
 

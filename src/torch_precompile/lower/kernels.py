@@ -6,6 +6,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from torch_precompile import progress
 from torch_precompile.artifact.kernel_payload import machine_fingerprint, write_payload
 from torch_precompile.internals.inductor import (
     built_kernel_object,
@@ -33,8 +34,9 @@ def collect_built_kernels(wrapper_source: str) -> BuiltKernels:
     if wrapper is not None:
         built.append((built_wrapper_object, wrapper))
     kernels: dict[str, dict[str, Any]] = {}
-    for find_object, (argtypes, source, options) in built:
+    for done, (find_object, (argtypes, source, options)) in enumerate(built, 1):
         module, path = find_object(argtypes, source, options)
+        progress.count("kernels built and packed", done, len(built))
         data = path.read_bytes()
         kernels[kernel_key(argtypes, source, options)] = {
             "module": module,
