@@ -51,7 +51,7 @@ def compiled(tmp_path_factory) -> Path:
     proc = _cli("compile", "factory:make", "-o", "model.py", "--sign-key-file", "key",
                 cwd=folder, console_script=True)
     assert proc.returncode == 0, proc.stderr
-    assert "capturing fn" in proc.stderr and "lowering (inductor" in proc.stderr
+    assert "tracing fn" in proc.stderr and "kernels built and packed: " in proc.stderr
     assert "model.py (" in proc.stdout
     return folder
 
@@ -69,7 +69,8 @@ def test_inspect(compiled: Path) -> None:
     assert report["cache"]["signed"] is True and report["cache"]["matches_source"] is True
     assert report["cache"]["runs_here"] == "yes" and len(report["cache"]["kernels"]) >= 1
     text = _cli("inspect", "model.py", cwd=compiled)
-    assert text.returncode == 0 and "kernels   :" in text.stdout and "runs here: yes" in text.stdout
+    assert text.returncode == 0 and "prebuilt  :" in text.stdout and "runs here: yes" in text.stdout
+    assert "load      : runs from the cache" in text.stdout
 
 
 def test_inspect_executes_nothing(compiled: Path, tmp_path: Path) -> None:
@@ -89,7 +90,7 @@ def test_verify(compiled: Path) -> None:
     bad = _cli("verify", "model.py", "--key-file", "wrong", cwd=compiled)
     assert bad.returncode == 1 and "FAILED: the artifact's signature does not match" in bad.stdout
     unkeyed = _cli("verify", "model.py", cwd=compiled)
-    assert unkeyed.returncode == 0 and "signed (not checked" in unkeyed.stdout
+    assert unkeyed.returncode == 3 and "signed, signature unchecked" in unkeyed.stdout
 
 
 def test_verify_spots_a_corrupt_cache(compiled: Path, tmp_path: Path) -> None:
@@ -103,22 +104,59 @@ def test_verify_spots_a_corrupt_cache(compiled: Path, tmp_path: Path) -> None:
     assert proc.returncode == 1 and "FAILED" in proc.stdout
 
 
-def test_errors_are_one_line_and_exit_1(compiled: Path) -> None:
-    missing = _cli("inspect", "absent.py", cwd=compiled)
-    assert missing.returncode == 1
-    assert missing.stderr.startswith("torch-precompile: error: cannot read absent.py")
-    assert "Traceback" not in missing.stderr
-    not_pair = _cli("compile", "factory:not_a_pair", "-o", "x.py", cwd=compiled)
-    assert not_pair.returncode == 1 and "must return (fn, example_inputs)" in not_pair.stderr
-    bad_target = _cli("compile", "factory", "-o", "x.py", cwd=compiled)
-    assert bad_target.returncode == 1 and "expected MODULE:FACTORY" in bad_target.stderr
+def test_errors_of_the_work_are_one_line_and_exit_1(compiled: Path) -> None:
+    (compiled / "not_an_artifact.py").write_text("x = 1\n")
+    (compiled / "broken.py").write_text("raise RuntimeError('broken at import')\n")
+    (compiled / "needs.py").write_text("import no_such_dependency\n\ndef make(): ...\n")
+    for args, said in [
+        (("inspect", "not_an_artifact.py"), "not_an_artifact.py"),
+        (("verify", "not_an_artifact.py"), "not_an_artifact.py"),
+        (("compile", "factory:not_a_pair", "-o", "x.py"), "must return (fn, example_inputs)"),
+        (("compile", "broken:make", "-o", "x.py"), "broken at import"),
+        (("compile", "needs:make", "-o", "x.py"), "no_such_dependency"),
+    ]:
+        proc = _cli(*args, cwd=compiled)
+        assert proc.returncode == 1, (args, proc.stderr)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("torch-precompile: error: ") and said in last, (args, last)
+        assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
 
 
-def test_usage_errors_exit_2(compiled: Path) -> None:
-    assert _cli("frobnicate", cwd=compiled).returncode == 2
-    assert _cli("compile", "factory:make", cwd=compiled).returncode == 2  # no -o
+@pytest.mark.parametrize(("args", "said"), [
+    (("frobnicate",), "invalid choice: 'frobnicate'"),
+    (("compile", "factory:make"), "the following arguments are required: -o/--output"),
+    (("compile", "factory", "-o", "x.py"), "expected MODULE:FACTORY"),
+    (("compile", "no_such_module:make", "-o", "x.py"), "no module named 'no_such_module'"),
+    (("compile", "factory:no_such_factory", "-o", "x.py"), "has no 'no_such_factory'"),
+    (("compile", "factory:make", "-o", "no_such_dir/x.py"), "no_such_dir is not a directory"),
+    (("compile", "factory:make", "-o", "x.py", "--sign-key-file", "absent.key"),
+     "cannot read the key file absent.key"),
+    (("compile", "factory:make", "-o", "x.py", "--sign-key-file", "empty.key"),
+     "the key file empty.key is empty"),
+    (("compile", "factory:make", "-o", "x.py", "--backend", "tvm"), "invalid choice: 'tvm'"),
+    (("inspect", "absent.py"), "absent.py does not exist"),
+    (("inspect", "."), ". is a directory"),
+    (("verify", "absent.py"), "absent.py does not exist"),
+    (("verify", "model.py", "--key-file", "absent.key"), "cannot read the key file absent.key"),
+    (("demo", "--out", "factory.py"), "factory.py exists and is not a folder"),
+])
+def test_usage_errors_exit_2(args: tuple[str, ...], said: str, compiled: Path) -> None:
+    (compiled / "empty.key").write_bytes(b"\n")
+    proc = _cli(*args, cwd=compiled)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    # argparse's form: the command's usage, then one line naming the error.
+    command = "" if args[0] == "frobnicate" else f" {args[0]}"
+    error = proc.stderr.strip().splitlines()[-1]
+    assert f"usage: torch-precompile{command} " in proc.stderr, proc.stderr
+    assert error.startswith(f"torch-precompile{command}: error: ") and said in error, error
+    assert "Traceback" not in proc.stderr and not (compiled / "x.py").exists()
+
+
+def test_help_exits_0(compiled: Path) -> None:
     help_text = _cli("--help", cwd=compiled)
     assert help_text.returncode == 0 and "compile" in help_text.stdout
+    shown = " ".join(help_text.stdout.split())
+    assert "2 usage error" in shown and "3 a signed pair verified without its key" in shown
 
 
 def test_loaded_from_the_cli_output(compiled: Path) -> None:
@@ -165,4 +203,4 @@ def test_progress_is_live_on_a_terminal(compiled: Path) -> None:
         os.close(leader)
     shown = b"".join(chunks).decode()
     assert proc.returncode == 0
-    assert "\r\x1b[K" in shown and "capturing fn (one traced run): done in" in shown
+    assert "\r\x1b[K" in shown and "tracing fn (one traced run): done in" in shown

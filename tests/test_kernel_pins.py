@@ -93,9 +93,14 @@ def test_verify_and_inspect_name_the_swapped_object(artifacts, tmp_path) -> None
 
     code, cache = artifacts.pair(NAME, "inductor")
     path = precompile.save(code, _swapped(code, cache), tmp_path / "a.py")
-    problems, _ = verify(path, None)
-    assert any("is not an object the source names" in p for p in problems), problems
-    assert "1 NOT named by the source (load refuses the cache)" in render(describe(path))
+    with pytest.raises(PrecompileError) as refused:
+        precompile.load_file(path)
+    problems = verify(path, None).problems
+    assert str(refused.value) in problems, problems
+    report = describe(path)
+    assert report["load"]["refused"] and [k["load"] for k in report["cache"]["kernels"]].count(
+        "refused: the source does not name it") == 1
+    assert f"load      : refuses the pair, running nothing: {refused.value}" in render(report)
 
 
 def test_a_malformed_entry_is_skipped_with_a_warning(artifacts, caplog) -> None:

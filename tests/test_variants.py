@@ -136,10 +136,11 @@ def test_a_call_that_fits_no_variant_names_them_all_and_the_nearest(variants_pai
     message = str(refused.value)
     assert message.startswith("this call fits none of the artifact's 2 variants (1: x (5, 4), "
                               "t (5, 3), training; 2: x (8, 4), t (8, 3), eval)")
-    assert "Nearest is variant 1: input x: expected shape (5, 4), got (6, 4)" in message
+    assert ("Nearest is variant 1 (closest input shapes): input x: expected shape (5, 4), got "
+            "(6, 4)") in message
     model, x, t = _call(8, True, 0)  # the shape of variant 2, the mode of variant 1
-    with pytest.raises(PrecompileError,
-                       match="Nearest is variant 2: the model is in training mode"):
+    with pytest.raises(PrecompileError, match=r"Nearest is variant 2 \(closest input shapes\): "
+                                              "the model is in training mode"):
         run(model, x, t)
     assert refused.value.__cause__ is None and refused.value.__suppress_context__
 

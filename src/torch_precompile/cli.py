@@ -5,8 +5,10 @@
     torch-precompile verify PATH [--key-file KEY]      # pairing, kernels, signature
     torch-precompile demo                              # the built-in end-to-end example
 
-Exit status: 0 on success, 1 when the work failed (or verification found a problem),
-2 for a usage error.
+Exit status: 0 on success; 1 when the work failed (or verification found a problem); 2 for a
+usage error (a malformed command line, or one naming a file, module or factory that is not
+there); 3 from ``verify`` for a signed pair checked without its key (nothing else found wrong,
+but the signature is unverified).
 """
 
 from __future__ import annotations
@@ -16,32 +18,43 @@ import importlib
 import json
 import logging
 import sys
-import threading
-import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 PROG = "torch-precompile"
+EXIT_FAILED, EXIT_USAGE, EXIT_UNVERIFIED_SIGNATURE = 1, 2, 3
+EXIT_STATUS = ("Exit status: 0 success, 1 failure (or a pair that does not verify), 2 usage "
+               "error, 3 a signed pair verified without its key (signature unchecked).")
+
+
+class UsageError(Exception):
+    """The command line names something that cannot be used: exit 2, as argparse does."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.ERROR, format=f"{PROG}: %(message)s")
+    # Progress keeps its own handler (in place on a terminal), not the one-line error format.
+    logging.getLogger("torch_precompile.progress").propagate = False
     try:
         return args.run(args)
     except KeyboardInterrupt:
         return 130
+    except UsageError as e:  # worded like argparse's own usage errors
+        args.command_parser.print_usage(sys.stderr)
+        print(f"{args.command_parser.prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as e:  # one line for the user; the traceback only on request
         if getattr(args, "debug", False):
             raise
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Precompile PyTorch computations ahead of time.",
-        epilog="Exit status: 0 success, 1 failure, 2 usage error.",
+        epilog=EXIT_STATUS,
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -51,66 +64,80 @@ def _parser() -> argparse.ArgumentParser:
         description="Import MODULE, call FACTORY() -> (fn, example_inputs), precompile it and "
                     "save the pair at PATH (the source) with its cache beside it.",
     )
-    compile_cmd.add_argument("target", metavar="MODULE:FACTORY")
-    compile_cmd.add_argument("-o", "--output", required=True, type=Path, metavar="PATH")
+    compile_cmd.add_argument("target", type=_target, metavar="MODULE:FACTORY")
+    compile_cmd.add_argument("-o", "--output", required=True, type=_output_path, metavar="PATH")
     compile_cmd.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
-    compile_cmd.add_argument("--sign-key-file", type=Path, metavar="FILE",
+    compile_cmd.add_argument("--sign-key-file", type=_key_file, dest="sign_key", metavar="FILE",
                              help="sign the pair with the key in FILE")
-    compile_cmd.set_defaults(run=_compile)
+    compile_cmd.set_defaults(run=_compile, command_parser=compile_cmd)
 
     inspect_cmd = commands.add_parser(
         "inspect", help="describe a saved pair without executing it",
         description="Print the calling convention, parameters, inputs (with dynamic dims), "
                     "kernels, sizes, fingerprint and signature state of a saved pair.",
     )
-    inspect_cmd.add_argument("path", type=Path, metavar="PATH")
+    inspect_cmd.add_argument("path", type=_existing_file, metavar="PATH")
     inspect_cmd.add_argument("--json", action="store_true", help="print JSON")
-    inspect_cmd.set_defaults(run=_inspect)
+    inspect_cmd.set_defaults(run=_inspect, command_parser=inspect_cmd)
 
     verify_cmd = commands.add_parser(
         "verify", help="check a saved pair: pairing, kernels, signature",
         description="Check that the cache belongs to the source, that its kernels are intact "
-                    "and built for this machine, and (with --key-file) the signature.",
+                    "and built for this machine, and (with --key-file) the signature. A signed "
+                    "pair checked without its key exits 3: its signature is unverified.",
+        epilog=EXIT_STATUS,
     )
-    verify_cmd.add_argument("path", type=Path, metavar="PATH")
-    verify_cmd.add_argument("--key-file", type=Path, metavar="FILE")
-    verify_cmd.set_defaults(run=_verify)
+    verify_cmd.add_argument("path", type=_existing_file, metavar="PATH")
+    verify_cmd.add_argument("--key-file", type=_key_file, dest="key", metavar="FILE",
+                            help="the key the pair was signed with")
+    verify_cmd.set_defaults(run=_verify, command_parser=verify_cmd)
 
     demo = commands.add_parser("demo", help="precompile a built-in MLP and check it end to end")
-    demo.add_argument("--out", type=Path, default=Path("demo-out"),
+    demo.add_argument("--out", type=_out_dir, default=Path("demo-out"),
                       help="folder for the artifact pairs (default: ./demo-out)")
     demo.add_argument("--backend", default="inductor", choices=["inductor", "eager"],
                       help="how the captured graph runs (default: inductor)")
-    demo.set_defaults(run=_demo)
+    demo.set_defaults(run=_demo, command_parser=demo)
     return parser
 
 
 def _compile(args: argparse.Namespace) -> int:
-    from torch_precompile import precompile, storage
+    from torch_precompile import precompile, progress, storage
 
     module_name, _, factory_name = args.target.partition(":")
-    if not module_name or not factory_name:
-        raise ValueError(f"expected MODULE:FACTORY, got {args.target!r}")
-    sign_key = _read_key(args.sign_key_file) if args.sign_key_file else None
-    with _Progress(sys.stderr) as progress:
-        progress.stage(f"importing {module_name}")
+    # The build's own steps (trace, lower, kernels, source) are logged by the package.
+    with progress.step(f"importing {module_name}"):
         sys.path.insert(0, str(Path.cwd()))
-        factory = getattr(importlib.import_module(module_name), factory_name)
-        progress.stage(f"calling {factory_name}()")
+        factory = _factory(module_name, factory_name)
+    with progress.step(f"calling {factory_name}()"):
         made = factory()
-        if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
-            raise ValueError(f"{args.target}() must return (fn, example_inputs)")
-        fn, inputs = made
-        stages = {"capture": "capturing fn (one traced run)",
-                  "lower": f"lowering ({args.backend}; builds kernels)",
-                  "render": "writing the artifact source"}
-        code, cache = precompile(fn, *inputs, backend=args.backend,
-                                 progress=lambda s: progress.stage(stages[s]))
-        progress.stage(f"saving {args.output}")
-        storage.save(code, cache, args.output, sign_key=sign_key)
+    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
+        raise ValueError(f"{args.target}() must return (fn, example_inputs)")
+    fn, inputs = made
+    code, cache = precompile(fn, *inputs, backend=args.backend)
+    with progress.step(f"saving {args.output}"):
+        storage.save(code, cache, args.output, sign_key=args.sign_key)
     print(f"{args.output} ({len(code) / 1024:.1f} KiB) and "
           f"{storage.cache_path(args.output, code).name} ({len(cache) / 1024:.1f} KiB)")
     return 0
+
+
+def _factory(module_name: str, factory_name: str) -> Any:
+    """MODULE's FACTORY; a UsageError when the command line names what is not there (an
+    error raised inside MODULE itself is the work's)."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not f"{module_name}.".startswith(f"{e.name}."):
+            raise  # a module that MODULE imports is missing: MODULE's own failure
+        raise UsageError(f"no module named {module_name!r}: run from the folder that holds "
+                         "it, or add that folder to PYTHONPATH") from None
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        found = "has no" if factory is None else "has a non-callable"
+        raise UsageError(f"module {module_name!r} {found} {factory_name!r}: FACTORY names a "
+                         "function of MODULE that returns (fn, example_inputs)")
+    return factory
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -124,14 +151,24 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from torch_precompile import inspection
 
-    key = _read_key(args.key_file) if args.key_file else None
-    problems, notes = inspection.verify(args.path, key)
-    for note in notes:
-        print(f"ok: {note}")
-    for problem in problems:
-        print(f"FAILED: {problem}")
-    print(f"{args.path}: {'verified' if not problems else 'NOT verified'}")
-    return 1 if problems else 0
+    result = inspection.verify(args.path, args.key)
+    for line in result.checked:
+        print(f"ok: {line}")
+    for line in result.notes:
+        print(f"note: {line}")
+    for line in result.problems:
+        print(f"FAILED: {line}")
+    if result.problems:
+        print(f"{args.path}: NOT verified")
+        return EXIT_FAILED
+    if result.unchecked is not None:
+        print(f"UNCHECKED: {result.unchecked}")
+        print(f"{args.path}: NOT verified: signed, signature unchecked (exit status "
+              f"{EXIT_UNVERIFIED_SIGNATURE})")
+        return EXIT_UNVERIFIED_SIGNATURE
+    done = "signature valid" if args.key is not None else "unsigned: no signature to check"
+    print(f"{args.path}: verified ({done})")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -140,58 +177,49 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.out, args.backend)
 
 
-def _read_key(path: Path) -> bytes:
-    key = path.read_bytes().strip()
+def _target(text: str) -> str:
+    module_name, _, factory_name = text.partition(":")
+    if not module_name or not factory_name:
+        raise argparse.ArgumentTypeError(
+            f"expected MODULE:FACTORY (say mymodels:make_step), got {text!r}")
+    return text
+
+
+def _key_file(text: str) -> bytes:
+    try:
+        key = Path(text).read_bytes().strip()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"cannot read the key file {text}: {e.strerror or e}") from None
     if not key:
-        raise ValueError(f"the key file {path} is empty")
+        raise argparse.ArgumentTypeError(f"the key file {text} is empty: put the key in it")
     return key
 
 
-class _Progress:
-    """Stage lines: redrawn in place with a running clock on a terminal, plain otherwise."""
+def _existing_file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        found = "is a directory" if path.is_dir() else "does not exist"
+        raise argparse.ArgumentTypeError(
+            f"{text} {found}: give the path of an artifact's source file (the .py that "
+            "precompile.save or compile wrote)")
+    return path
 
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.live = stream.isatty()
-        self.current: str | None = None
-        self.started = time.perf_counter()
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._ticker: threading.Thread | None = None
 
-    def __enter__(self) -> _Progress:
-        if self.live:
-            self._ticker = threading.Thread(target=self._tick, daemon=True)
-            self._ticker.start()
-        return self
+def _output_path(text: str) -> Path:
+    path = Path(text)
+    if path.is_dir() or not path.parent.is_dir():
+        found = "is a directory" if path.is_dir() else f"{path.parent} is not a directory"
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text}: {found}; give a file path in an existing folder")
+    return path
 
-    def __exit__(self, kind: Any, *_: Any) -> None:
-        self._finish("done" if kind is None else "failed")
-        self._stop.set()
 
-    def stage(self, text: str) -> None:
-        self._finish("done")
-        with self._lock:
-            self.current, self.started = text, time.perf_counter()
-            if not self.live:
-                print(f"{PROG}: {text}...", file=self.stream, flush=True)
-
-    def _finish(self, outcome: str) -> None:
-        with self._lock:
-            if self.current is not None:
-                elapsed = time.perf_counter() - self.started
-                prefix = "\r\033[K" if self.live else ""
-                print(f"{prefix}{PROG}: {self.current}: {outcome} in {elapsed:.1f} s",
-                      file=self.stream, flush=True)
-            self.current = None
-
-    def _tick(self) -> None:
-        while not self._stop.wait(0.2):
-            with self._lock:
-                if self.current is not None:
-                    elapsed = time.perf_counter() - self.started
-                    self.stream.write(f"\r\033[K{PROG}: {self.current}... {elapsed:.1f} s")
-                    self.stream.flush()
+def _out_dir(text: str) -> Path:
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder: give a folder")
+    return path
 
 
 if __name__ == "__main__":

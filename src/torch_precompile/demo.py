@@ -75,6 +75,8 @@ t2 = time.perf_counter()
 report = {"import_torch_s": imported - start, "load_s": t1 - t0, "first_call_s": t2 - t1}
 # Read now: torch.optim, used below for the comparison, imports Inductor itself.
 report["inductor_imported"] = "torch._inductor" in sys.modules
+from torch_precompile.artifact.kernel_payload import loaded_objects
+report["loaded"] = sorted(loaded_objects().values())  # what load mapped from the cache
 fn = WORKLOADS[kind]
 diffs = [(out - fn(*eager_args)).abs().max().item()]
 if kind == "train":
@@ -90,13 +92,22 @@ print(json.dumps(report))
 """
 
 
-def _kernel_note(code: str, report: dict[str, Any]) -> str:
-    from torch_precompile.internals.inductor import cpp_kernel_calls
+def _prebuilt_note(code: str, cache: bytes, report: dict[str, Any]) -> tuple[str, bool]:
+    """What the fresh process loaded from the cache, and whether that is what ``inspect``
+    says a load of the pair does (the same judgement)."""
+    from torch_precompile.artifact.judgement import judge
+    from torch_precompile.artifact.kernel_payload import count_objects
 
-    count = len(cpp_kernel_calls(code))
-    cached = "loaded from the cache, no compiler run"
-    built = "built here" if report["inductor_imported"] else cached
-    return f"\n                 {count} C++ kernel{'' if count == 1 else 's'} {built}"
+    judged = judge(code, cache)
+    loaded = count_objects(report["loaded"])
+    built = ("built here (a compiler ran)" if report["inductor_imported"]
+             else "nothing built, no compiler run")
+    note = f"\n                 {loaded} loaded from the cache, {built}"
+    agrees = sorted(judged.prebuilt) == report["loaded"] and (
+        report["inductor_imported"] == bool(judged.to_build))
+    if not agrees:
+        note += f"\n                 MISMATCH: inspect says a load {judged.outcome}"
+    return note, agrees
 
 
 def run_demo(out_dir: Path, backend: str) -> int:
@@ -122,7 +133,8 @@ def run_demo(out_dir: Path, backend: str) -> int:
             continue
         report = json.loads(proc.stdout.strip().splitlines()[-1])
         ok = report["max_abs_diff"] < 1e-4
-        failures += not ok
+        note, agrees = _prebuilt_note(code, cache, report) if backend == "inductor" else ("", True)
+        failures += (not ok) + (not agrees)
         grads = sum(t.gets_grad for t in spec.model)
         print(f"[{kind}] {'inference (eval mode)' if kind == 'infer' else 'training step'}")
         print(f"  captured : {len(spec.parameters)} parameters, {len(spec.buffers)} buffers, "
@@ -133,7 +145,7 @@ def run_demo(out_dir: Path, backend: str) -> int:
               f"built in {build_s:.2f} s")
         print(f"  fresh process: import torch {report['import_torch_s']:.2f} s, "
               f"load {report['load_s']:.3f} s, first call {report['first_call_s']:.3f} s"
-              f"{_kernel_note(code, report) if backend == 'inductor' else ''}")
+              f"{note}")
         checked = "output" if kind == "infer" else "loss, gradients, buffers over 4 SGD steps"
         print(f"  vs eager ({checked}): max abs diff {report['max_abs_diff']:.2e} "
               f"-> {'OK' if ok else 'MISMATCH'}\n")

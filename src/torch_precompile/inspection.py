@@ -1,38 +1,75 @@
 """What ``inspect`` and ``verify`` report about a saved pair, read without executing it.
 
 The source is parsed (never run); the cache's envelope is read as data (``envelope.decode``:
-JSON and raw bytes, or ``torch.load(weights_only=True)`` for a version-1 one).
+JSON and raw bytes, or ``torch.load(weights_only=True)`` for a version-1 one). The cache is the
+one ``load_file`` would find, and what the reports say a load does is ``artifact.judgement``'s
+decision, made with load's own checks.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch_precompile.artifact import bytecode, envelope, signature
+from torch_precompile.artifact import envelope, signature
+from torch_precompile.artifact.judgement import (
+    DEFECT,
+    NOTE,
+    OK,
+    REFUSAL,
+    Judgement,
+    judge,
+    pins,
+)
+from torch_precompile.artifact.kernel_payload import (
+    PayloadExamination,
+    count_objects,
+    object_kind,
+    read_payload,
+)
 from torch_precompile.driver.variants import variant_label
 from torch_precompile.errors import PrecompileError
 from torch_precompile.lower import WRAPPER_LINE
 from torch_precompile.spec import ArtifactSpec, InputLeaf, parse_spec
-from torch_precompile.storage import cache_path
+from torch_precompile.storage import cache_path, find_cache
 
 
-def _read_pair(path: Path) -> tuple[str, ArtifactSpec, Path, bytes | None]:
+@dataclass(frozen=True)
+class _Pair:
+    """A saved source and the cache a load of it would take (``storage.find_cache``)."""
+
+    code: str
+    spec: ArtifactSpec
+    cache_file: Path  # where the cache was found, else where ``save`` would put it
+    cache: bytes | None
+    absence: str | None  # why there is no cache, in load's words (None: there is one)
+
+
+def _read_pair(path: Path) -> _Pair:
     try:
         code = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise PrecompileError(f"cannot read {path}: {e}") from e
-    spec = parse_spec(code)
-    cache_file = cache_path(path, code)
-    cache = cache_file.read_bytes() if cache_file.exists() else None
-    return code, spec, cache_file, cache
+    try:
+        spec = parse_spec(code)
+    except PrecompileError as e:
+        raise PrecompileError(f"{path}: {e}") from e
+    # The lookup load_file makes: a renamed or copied source keeps its cache.
+    search = find_cache(path, code)
+    if search.found is None:
+        return _Pair(code, spec, cache_path(path, code), None, search.absence())
+    return _Pair(code, spec, search.found, search.found.read_bytes(), None)
 
 
 def describe(path: Path) -> dict[str, Any]:
-    """Everything a reader wants to know about the pair at ``path``, as plain data."""
-    code, spec, cache_file, cache = _read_pair(path)
+    """Everything a reader wants to know about the pair at ``path``, as plain data; what it
+    says a load does is ``judgement.judge``'s decision, made by load's own checks."""
+    pair = _read_pair(path)
+    code, spec, cache = pair.code, pair.spec, pair.cache
+    judged = judge(code, cache, spec=spec)
     report: dict[str, Any] = {
         "source": {"path": str(path), "bytes": len(code.encode()), "backend": spec.backend,
                    "schema_version": spec.schema_version,
@@ -75,7 +112,10 @@ def describe(path: Path) -> dict[str, Any]:
         "data_parallel": _describe_data_parallel(spec),
         "wrapper": _describe_wrapper(code, spec),
         "variants": [variant_label(v) for v in spec.all_variants] if spec.variants else [],
-        "cache": _describe_cache(code, spec, cache_file, cache),
+        "cache": _describe_cache(pair, judged),
+        "load": {"outcome": judged.outcome, "refused": judged.refusal is not None,
+                 "prebuilt": count_objects(judged.prebuilt), "to_build": judged.to_build,
+                 "problems": [f.text for f in judged.findings if f.effect in (DEFECT, REFUSAL)]},
     }
     return report
 
@@ -169,15 +209,6 @@ def _shown_context(encoded: Any) -> str:
     return repr(value) if kind != "float" else value
 
 
-def _pins(spec: ArtifactSpec) -> dict[str, str] | None:
-    """The kernel digests the source names; None before schema 3, which named none."""
-    return {k.key: k.sha256 for k in spec.kernels} if spec.schema_version >= 3 else None
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def _describe_modes(spec: ArtifactSpec) -> str:
     training = sum(s.training for s in spec.submodules)
     return f"{training} of {len(spec.submodules)} modules in training mode"
@@ -196,41 +227,56 @@ def _describe_input(leaf: InputLeaf) -> dict[str, Any]:
     return described
 
 
-def _describe_cache(code: str, spec: ArtifactSpec, cache_file: Path, cache: bytes | None
-                    ) -> dict[str, Any]:
+def _describe_cache(pair: _Pair, judged: Judgement) -> dict[str, Any]:
+    code, spec, cache = pair.code, pair.spec, pair.cache
     if cache is None:
-        return {"path": str(cache_file), "present": False}
-    signed, body = signature.split(cache)
-    info: dict[str, Any] = {"path": str(cache_file), "present": True, "bytes": len(cache),
-                            "signed": signed is not None}
+        return {"path": str(pair.cache_file), "present": False, "absence": pair.absence}
+    info: dict[str, Any] = {"path": str(pair.cache_file), "present": True, "bytes": len(cache),
+                            "signed": judged.signed}
     try:
-        outer = envelope.decode(body)
+        outer = envelope.decode(signature.split(cache)[1])
     except Exception as e:
         info["readable"] = f"no ({type(e).__name__})"
         return info
     info.update(readable="yes", format=outer.get("format"), version=outer.get("version"),
                 matches_source=outer.get("code_hash") == envelope.code_hash(code)
-                and outer.get("backend") == spec.backend,
-                compiled_module=_compiled_module_state(code, outer.get("compiled")))
-    artifact = outer.get("artifact")
-    if spec.backend == "inductor" and isinstance(artifact, bytes):
-        from torch_precompile.artifact.kernel_payload import fingerprint_mismatch, read_payload
-
-        try:
-            payload = read_payload(artifact)
-        except Exception as e:
-            info["kernels"] = f"unreadable ({type(e).__name__})"
-            return info
-        pins = _pins(spec)
-        info["kernels"] = [
-            {"key": key[:16], "bytes": len(entry["object"]),
-             "named_by_source": pins is None or pins.get(key) == _digest(entry["object"])}
-            for key, entry in payload["kernels"].items()
-        ]
-        fingerprint = payload["fingerprint"]
-        info["built_for"] = {k: v for k, v in fingerprint.items() if k != "cpu_flags"}
-        info["runs_here"] = fingerprint_mismatch(fingerprint) or "yes"
+                and outer.get("backend") == spec.backend)
+    if judged.module is not None:
+        info["compiled_module"] = judged.module
+    payload = judged.payload
+    if payload is not None and payload.unreadable is not None:
+        info["kernels"] = f"unreadable ({payload.unreadable})"
+    elif payload is not None:
+        info["kernels"] = _describe_objects(payload, pins(spec))
+        built_for = read_payload(outer["artifact"])["fingerprint"]  # readable: judged so
+        info["built_for"] = {k: v for k, v in built_for.items() if k != "cpu_flags"}
+        info["runs_here"] = payload.mismatch or "yes"
     return info
+
+
+def _describe_objects(payload: PayloadExamination, pinned: dict[str, str] | None
+                      ) -> list[dict[str, Any]]:
+    """Each prebuilt object of the cache: what it is, and what a load here does with it."""
+    described = []
+    for key, entry in payload.entries.items():
+        named = pinned is None or pinned.get(key) == hashlib.sha256(entry["object"]).hexdigest()
+        if key in payload.skipped:
+            state = f"skipped ({payload.skipped[key]}); built from the source"
+        elif not named:  # intact (else skipped) yet not named: what a load refuses
+            state = "refused: the source does not name it"
+        elif payload.refusal is not None:
+            state = "not mapped: a load refuses the cache for another object"
+        elif payload.mismatch is not None:
+            state = "not mapped: built elsewhere, so built from the source"
+        else:
+            state = "mapped"
+        described.append({"key": key[:16], "kind": object_kind(entry),
+                          "bytes": len(entry["object"]), "named_by_source": named,
+                          "load": state})
+    described.extend({"key": str(key)[:16], "kind": "malformed entry", "bytes": 0,
+                      "named_by_source": False, "load": f"skipped ({why})"}
+                     for key, why in payload.skipped.items() if key not in payload.entries)
+    return described
 
 
 def render(report: dict[str, Any]) -> str:
@@ -283,7 +329,7 @@ def render(report: dict[str, Any]) -> str:
                                                       if number == 1 else ""))
     cache = report["cache"]
     if not cache["present"]:
-        lines.append(f"  cache     : missing ({Path(cache['path']).name}); loads build kernels")
+        lines.append(f"  cache     : missing: {cache['absence']}")
     else:
         lines.append(f"  cache     : {Path(cache['path']).name}, {cache['bytes'] / 1024:.1f} KiB, "
                      f"{'signed' if cache['signed'] else 'unsigned'}, readable {cache['readable']}"
@@ -293,13 +339,15 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"  module    : compiled in the cache: {cache['compiled_module']}")
         if isinstance(cache.get("kernels"), list):
             total = sum(k["bytes"] for k in cache["kernels"])
-            strangers = sum(not k["named_by_source"] for k in cache["kernels"])
-            lines.append(f"  kernels   : {len(cache['kernels'])} prebuilt, {total / 1024:.1f} KiB; "
-                         f"built for {cache['built_for']}; runs here: {cache['runs_here']}"
-                         + (f"; {strangers} NOT named by the source (load refuses the cache)"
-                            if strangers else ""))
+            held = count_objects(k["kind"] for k in cache["kernels"])
+            lines.append(f"  prebuilt  : {held}, {total / 1024:.1f} KiB; built for "
+                         f"{cache['built_for']}; runs here: {cache['runs_here']}")
         elif "kernels" in cache:
-            lines.append(f"  kernels   : {cache['kernels']}")
+            lines.append(f"  prebuilt  : {cache['kernels']}")
+    load = report["load"]
+    lines.append(f"  load      : {load['outcome']}")
+    shown = load["outcome"]
+    lines.extend(f"  problem   : {text}" for text in load["problems"] if text not in shown)
     return "\n".join(lines)
 
 
@@ -317,82 +365,38 @@ def _render_optimizer(optimizer: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _compiled_module_state(code: str, entry: Any) -> str:
-    """What a load here does with the cache's compiled module."""
-    if entry is None:
-        return "absent (a load compiles the source)"
-    if not bytecode.is_sealed(code):
-        return "not used (the source has no seal line; a load compiles it)"
-    if not isinstance(entry, dict) or entry.get("magic") != bytecode.MAGIC:
-        return "not used here (made by another Python; a load compiles the source)"
-    try:
-        sealed = bytecode.unseal(code, entry)
-    except PrecompileError:
-        return "refused (the source's seal does not name it)"
-    if sealed is not None:
-        return "used (sealed by the source, for this Python)"
-    return "damaged (a load compiles the source)"
+@dataclass(frozen=True)
+class Verification:
+    """What ``verify`` found: a pair verifies when ``problems`` is empty and ``unchecked`` is
+    None."""
+
+    checked: list[str]  # what is as it should be
+    notes: list[str]  # nothing wrong, but worth saying (a load here builds or compiles)
+    problems: list[str]  # damage or a refusal: the pair does not verify
+    unchecked: str | None  # why the signature went unchecked (a signed pair, no key)
 
 
-def verify(path: Path, key: bytes | None) -> tuple[list[str], list[str]]:
-    """(problems, notes) about the pair at ``path``: pairing, kernels, signature."""
-    problems: list[str] = []
-    notes: list[str] = []
-    code, spec, cache_file, cache = _read_pair(path)
-    notes.append(f"{path.name}: a precompiled artifact, backend {spec.backend!r}")
+def verify(path: Path, key: bytes | None) -> Verification:
+    """Pairing, compiled module, kernel objects and signature of the pair at ``path``, judged
+    as a load with ``verify_key=key`` judges them (``judgement.judge``)."""
+    pair = _read_pair(path)
+    spec, cache = pair.spec, pair.cache
+    judged = judge(pair.code, cache, key, spec=spec)
+
+    def said(*effects: str) -> list[str]:
+        return [f.text for f in judged.findings if f.effect in effects]
+
+    checked = [f"{path.name}: a precompiled artifact, backend {spec.backend!r}", *said(OK)]
+    # A refusal is among the problems, in load's words.
+    notes = [*said(NOTE), "a load here refuses the pair, running nothing" if judged.refusal
+             else f"a load here {judged.outcome}"]
     if cache is None:
-        problems.append(f"the cache {cache_file.name} is missing")
-        return problems, notes
-    signed, body = signature.split(cache)
-    if key is not None:
-        try:
-            signature.verify(key, code, cache)
-            notes.append("signature valid for the given key")
-        except PrecompileError as e:
-            problems.append(str(e))
-    else:
-        notes.append("signed (not checked: no --key-file)" if signed else "unsigned")
-    try:
-        outer = envelope.decode(body)
-    except Exception as e:
-        problems.append(f"the cache is unreadable ({type(e).__name__}: {e})")
-        return problems, notes
-    if not isinstance(outer, dict) or outer.get("format") != envelope.FORMAT:
-        problems.append("the cache is not a torch-precompile envelope")
-        return problems, notes
-    if outer.get("version") not in envelope.READABLE_VERSIONS:
-        problems.append(f"the cache has version {outer.get('version')!r}; this version reads "
-                        f"{' and '.join(map(str, envelope.READABLE_VERSIONS))}")
-    if outer.get("backend") != spec.backend or outer.get("code_hash") != envelope.code_hash(
-            code):
-        problems.append("the cache belongs to a different source (code_hash or backend differ)")
-    else:
-        notes.append("the cache belongs to this source")
-    state = _compiled_module_state(code, outer.get("compiled"))
-    # A damaged module still loads (from the source), but the cache is corrupt: say so.
-    (problems if state.startswith(("refused", "damaged")) else notes).append(
-        f"compiled module: {state}")
-    artifact = outer.get("artifact")
-    if spec.backend == "inductor":
-        from torch_precompile.artifact.kernel_payload import fingerprint_mismatch, read_payload
-
-        problems_before = len(problems)
-        try:
-            payload = read_payload(artifact)
-            pins = _pins(spec)
-            for name, entry in payload["kernels"].items():
-                digest = _digest(entry["object"])
-                if digest != entry["sha256"]:
-                    problems.append(f"kernel {name[:16]} is corrupt (checksum mismatch)")
-                elif pins is not None and pins.get(name) != digest:
-                    problems.append(f"kernel {name[:16]} is not an object the source names "
-                                    "(its digest is not in the spec's kernels)")
-        except Exception as e:
-            problems.append(f"the kernel payload is unreadable ({type(e).__name__})")
-            return problems, notes
-        if len(problems) == problems_before:
-            notes.append(f"{len(payload['kernels'])} kernels intact")
-        reason = fingerprint_mismatch(payload["fingerprint"])
-        notes.append("kernels built for this machine" if reason is None else
-                     f"kernels built elsewhere ({reason}); a load here rebuilds them")
-    return problems, notes
+        notes.insert(0, str(pair.absence))
+    unchecked = None
+    if judged.signed and not judged.signature_checked:
+        unchecked = ("the pair is signed, but no key was given, so its signature was not "
+                     "checked: pass the signing key with --key-file FILE")
+    elif not judged.signed and cache is not None:
+        notes.insert(0, "unsigned: only the pairing binds the cache to the source")
+    # Damage and refusals both fail verification, in the order a load meets them.
+    return Verification(checked, notes, said(DEFECT, REFUSAL), unchecked)

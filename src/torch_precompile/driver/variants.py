@@ -9,6 +9,7 @@ variant's checks. A call that fits none is refused, naming every variant and the
 difference from the one whose checks it got furthest through.
 """
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -85,14 +86,39 @@ class Variants:
             except PrecompileError as error:
                 refusals[id(driver)] = error
         errors = [refusals[id(d)] for d in self.drivers]
-        nearest = max(range(len(errors)),
-                      key=lambda i: (getattr(errors[i], "check_stage", 0), -i))
+        shapes = _shapes(args, self.positions)
+        gaps = [_shape_gap(shapes, d) for d in self.drivers]
+        # Nearest: the closest input shapes (ties to the smaller variant), then the variant
+        # whose checks the call got furthest through.
+        nearest = min(range(len(errors)), key=lambda i: (
+            gaps[i][0], -getattr(errors[i], "check_stage", 0), gaps[i][1], i))
+        why = ("closest input shapes" if gaps[nearest][0] != _FAR
+               else "its checks got furthest")
         listed = "; ".join(f"{i + 1}: {label}" for i, label in enumerate(self.labels))
         raise PrecompileError(
             f"this call fits none of the artifact's {len(self.drivers)} variants ({listed}). "
-            f"Nearest is variant {nearest + 1}: {errors[nearest]} Capture this call too (one "
-            "more call inside the capture block) to add a variant for it."
+            f"Nearest is variant {nearest + 1} ({why}): {errors[nearest]} Capture this call "
+            "too (one more call inside the capture block) to add a variant for it."
         ) from None
+
+
+_FAR = float("inf")  # shapes that cannot be compared: another rank or count of inputs
+
+
+def _shape_gap(shapes: Sequence[Any] | None, driver: Any) -> tuple[float, int]:
+    """How far a call's positional input shapes are from a variant's: the sum over dims of
+    the absolute size difference (a dynamic dim counts 0), and the variant's own element count
+    (ties go to the smaller); ``_FAR`` where they cannot be compared."""
+    tensors = [leaf.shape for leaf in driver.leaves if leaf.is_tensor]
+    if shapes is None or len(shapes) != len(tensors) or len(tensors) != len(driver.leaves):
+        return _FAR, 0
+    gap, size = 0, 0
+    for got, expected in zip(shapes, tensors, strict=True):
+        if len(got) != len(expected):
+            return _FAR, 0
+        gap += sum(abs(g - e) for g, e in zip(got, expected, strict=True) if e is not None)
+        size += math.prod(e for e in expected if e is not None)
+    return gap, size
 
 
 def _shapes(args: Sequence[Any], positions: Sequence[int]) -> tuple[Any, ...] | None:
