@@ -211,3 +211,28 @@ def in_threads(work: Callable[[int], Any], count: int) -> list[BaseException]:
     for thread in threads:
         thread.join(timeout=600)
     return errors
+
+
+def stderr_on_a_terminal(command: list[str], **run_options: Any) -> tuple[int, str]:
+    """Run ``command`` with its stderr on a pseudo-terminal: (exit status, what it showed)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=follower, **run_options)
+        os.close(follower)
+        follower = -1
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal closes once the process is gone
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        if follower >= 0:
+            os.close(follower)
+        os.close(leader)
+    return proc.returncode, b"".join(chunks).decode()

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import stderr_on_a_terminal
+
 FACTORY = """
 import torch
 from torch import nn
@@ -176,31 +178,9 @@ def test_loaded_from_the_cli_output(compiled: Path) -> None:
 
 def test_progress_is_live_on_a_terminal(compiled: Path) -> None:
     """On a terminal, stage lines are redrawn in place (carriage returns, a running clock)."""
-    import pty
-
-    leader, follower = pty.openpty()
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch_precompile", "compile", "factory:make_static", "-o",
-             "tty.py", "--backend", "eager"],
-            cwd=compiled, stdout=subprocess.PIPE, stderr=follower, timeout=600,
-            env={**os.environ, "PYTHONPATH": str(compiled)},
-        )
-        os.close(follower)
-        follower = -1
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(leader, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        if follower >= 0:
-            os.close(follower)
-        os.close(leader)
-    shown = b"".join(chunks).decode()
-    assert proc.returncode == 0
+    returncode, shown = stderr_on_a_terminal(
+        [sys.executable, "-m", "torch_precompile", "compile", "factory:make_static", "-o",
+         "tty.py", "--backend", "eager"],
+        cwd=compiled, timeout=600, env={**os.environ, "PYTHONPATH": str(compiled)})
+    assert returncode == 0
     assert "\r\x1b[K" in shown and "tracing fn (one traced run): done in" in shown

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
-from conftest import run_python
+from conftest import run_python, stderr_on_a_terminal
 
 BUILD = """
 import logging, torch
@@ -48,30 +47,9 @@ def test_a_process_that_configures_logging_gets_each_record_once() -> None:
 
 
 def test_on_a_terminal_a_step_is_redrawn_in_place() -> None:
-    import pty
-
-    leader, follower = pty.openpty()
-    try:
-        proc = subprocess.run([sys.executable, "-c", BUILD.format(setup="")],
-                              stdout=subprocess.PIPE, stderr=follower, timeout=300,
-                              env=dict(os.environ))
-        os.close(follower)
-        follower = -1
-        shown = b""
-        while True:
-            try:
-                chunk = os.read(leader, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            shown += chunk
-    finally:
-        if follower >= 0:
-            os.close(follower)
-        os.close(leader)
-    assert proc.returncode == 0
-    text = shown.decode()
+    returncode, text = stderr_on_a_terminal([sys.executable, "-c", BUILD.format(setup="")],
+                                            timeout=300, env=dict(os.environ))
+    assert returncode == 0
     # The start has no line end of its own: a running clock, then its end, overwrite it.
     assert re.search(r"tracing fn \(one traced run\)\.\.\.[^\n]*\r\x1b\[Ktorch-precompile: "
                      r"tracing fn \(one traced run\): done in \d+\.\d s\r?\n", text), text
