@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from torch_precompile import precompile
+from torch_precompile import PrecompileError, precompile
 
 STEPS = 3
 LR = 0.1
@@ -670,6 +670,20 @@ def fsdp_mixed_precision(backend: str) -> dict[str, Any]:
         sgd(reference)
     worst["param"] = max(max_diff(p, q) for p, q in zip(model.parameters(),
                                                          reference.parameters(), strict=True))
+    for name, other_policy in (("no_policy", None),
+                               ("fp16_gathers", MixedPrecisionPolicy(param_dtype=torch.float16,
+                                                                     reduce_dtype=torch.float32))):
+        other = fully_sharded(make_mlp, mesh, **({"mp_policy": other_policy}
+                                                  if other_policy else {}))
+        before = [p.detach().clone() for p in other.parameters()]
+        try:
+            step(other, data[0])
+            worst[name] = "ran"
+        except PrecompileError as e:
+            worst[name] = f"PrecompileError: {e}"
+        worst[f"{name}_untouched"] = all(
+            torch.equal(p, q) and p.grad is None
+            for p, q in zip(other.parameters(), before, strict=True))
     return worst
 
 

@@ -299,10 +299,20 @@ def test_fully_shard_over_tensor_parallel_2d_mesh(four_ranks, case: str) -> None
 
 
 def test_fully_shard_mixed_precision_matches_fsdp2(two_ranks) -> None:
-    """bf16 gathers and fp32 reduce-scatters: exactly eager FSDP2's numbers."""
+    """bf16 gathers and fp32 reduce-scatters: exactly eager FSDP2's numbers. A model sharded
+    with another policy (none, or fp16 gathers) is refused naming both policies, and left as
+    it was. Before: it ran the captured bf16 casts without a word."""
     results = _case(two_ranks, "fsdp_mixed_precision")
     _matches_eager(results)
-    assert all(r["grad_dtype"] == "torch.float32" for r in results)
+    for r in results:
+        assert r["grad_dtype"] == "torch.float32"
+        assert re.search(r"^PrecompileError: module .* has a MixedPrecisionPolicy that gathers "
+                         r"parameters in their own dtype .*captured with one that gathers "
+                         r"parameters in torch\.bfloat16", r["no_policy"]), r["no_policy"]
+        assert re.search(r"gathers parameters in torch\.float16 .*captured with one that "
+                         r"gathers parameters in torch\.bfloat16", r["fp16_gathers"]), (
+            r["fp16_gathers"])
+        assert r["no_policy_untouched"] and r["fp16_gathers_untouched"]
 
 
 def test_fully_shard_divide_factor(two_ranks) -> None:

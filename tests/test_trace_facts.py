@@ -594,14 +594,10 @@ def test_changes_after_a_passing_call_are_seen(backend: str) -> None:
     refuses(r"attribute 'scaling' of the model is 1\.0", other)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a limit docs/CONTRACT.md names: the remembered path compares no classes (a type() per "
-    "module would cost as much again as its mode check), and __class__ assigned in place "
-    "registers nothing, so a model that passed once runs Tanh as the captured ReLU (off by "
-    "0.47, no error); a model not yet remembered is refused"))
 def test_class_reassigned_in_place_after_a_passing_call(backend: str) -> None:
     """A submodule whose __class__ is reassigned (no registration, no hook) after a passing
-    call is refused like a swapped submodule."""
+    call is refused like a swapped submodule. Before: the remembered path compared no
+    classes, so Tanh ran as the captured ReLU (off by 0.47, no error)."""
     model, other = mlp(0), mlp(1)
     run = build(forward, model, new_x(), backend=backend)
     for m in (model, other, model):

@@ -158,12 +158,40 @@ def check_sharded(record: Any, model: Any) -> None:
             f"the artifact was captured dividing by {_factor(record.divide_factor)}. Set it "
             "back, or precompile again."
         )
+    dtypes = {tuple(None if d is None else str(d) for d in resolved_dtypes(param, group))
+              for group in groups for param in group.fsdp_params} or {(None, None)}
+    if dtypes != {(record.param_dtype, record.reduce_dtype)}:
+        now = " / ".join(_shown_dtypes(*pair) for pair in sorted(dtypes, key=str))
+        raise PrecompileError(
+            f"{where} has a MixedPrecisionPolicy that {now}; the artifact was captured with "
+            f"one that {_shown_dtypes(record.param_dtype, record.reduce_dtype)}, and its "
+            "graph holds those casts. Shard the model with the capture's policy, or "
+            "precompile again."
+        )
     if not all(group.reduce_grads for group in groups):
         raise PrecompileError(
             f"{where} has set_requires_gradient_sync(False), under which FSDP2 keeps "
             "unsharded gradients aside; the artifact reduce-scatters every gradient. Call it "
             "with gradient sync on."
         )
+
+
+def resolved_dtypes(param: Any, group: Any) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(gather dtype, reduce dtype) of one FSDP2 parameter as FSDP2 resolves its policy at
+    the first forward (None: its own dtype): the group's policy, or since 2.15 the
+    parameter's."""
+    policy = getattr(param, "mp_policy", None) or group.mp_policy
+    dtype = param.sharded_param.dtype
+    gather = policy.param_dtype
+    if gather == dtype or not dtype.is_floating_point:
+        gather = None
+    reduce = policy.reduce_dtype
+    return gather, None if reduce == (gather or dtype) else reduce
+
+
+def _shown_dtypes(gather: str | None, reduce: str | None) -> str:
+    return (f"gathers parameters in {gather or 'their own dtype'} and reduces gradients in "
+            f"{reduce or 'the gathered dtype'}")
 
 
 def _factor(factor: Any) -> str:

@@ -44,12 +44,9 @@ class PythonFacts:
                 value = getattr(value, name, _MISSING)
             _compare(read, shown, value)
 
-    def remember_modules(self, submodules: Sequence[Any]) -> "RememberedValues | None":
-        """A cheap re-check of the module attributes, for the memo's fast path."""
-        if not self.module_reads:
-            return None
-        return RememberedValues([(submodules[read.submodule], read.path)
-                                 for read, _ in self.module_reads])
+    def module_paths(self) -> list[tuple[int, tuple[str, ...]]]:
+        """Where each module attribute was read: (submodule index, attribute path)."""
+        return [(read.submodule, tuple(read.path)) for read, _ in self.module_reads]
 
     def check_globals(self) -> None:
         """The globals read, where their module is loaded in this process."""
@@ -70,37 +67,6 @@ class PythonFacts:
             seen.append(value)
         self.global_dicts, self.global_names, self.global_seen = dicts, names, seen
         self.globals_settled = settled
-
-
-class RememberedValues:
-    """The objects one set of models held where the trace read values, last time they
-    passed."""
-
-    __slots__ = ("dicts", "names", "paths", "seen")
-
-    def __init__(self, places: Sequence[tuple[Any, tuple[str, ...]]]) -> None:
-        # An attribute of the module itself is read straight from its instance dict.
-        self.dicts = [vars(module) for module, path in places if len(path) == 1]
-        self.names = [path[0] for _, path in places if len(path) == 1]
-        self.paths = [(module, operator.attrgetter(".".join(path)))
-                      for module, path in places if len(path) > 1]
-        self.seen = self.now()
-
-    def now(self) -> list[Any]:
-        return [*map(dict.get, self.dicts, self.names),
-                *(getattr_path(module, get) for module, get in self.paths)]
-
-    def unchanged(self) -> bool:
-        return all(map(operator.is_, self.now(), self.seen))
-
-
-def getattr_path(module: Any, get: Any) -> Any:
-    """``get(module)``, or a marker where an attribute on the way is gone (the full check
-    then names it)."""
-    try:
-        return get(module)
-    except AttributeError:
-        return _MISSING
 
 
 class GlobalRead:

@@ -5,20 +5,23 @@ static shapes: inputs laid out as the last ones that passed skip the checks in P
 
 The walk's result is kept per set of model objects. While no parameter, buffer or submodule
 has been registered anywhere since (the public module-registration hooks of
-``torch.nn.modules.module`` count each one), no hook has been registered anywhere (each takes
-a new ``RemovableHandle`` id) and no module lost a member or a hook, a call re-checks only each
-submodule's training flag, the Python values the trace read off the modules (by identity),
-and each tensor's shape, dtype, device, strides and requires_grad, in C++ with
+``torch.nn.modules.module`` count each one) and no hook has been registered anywhere (each takes
+a new ``RemovableHandle`` id), a call runs one function generated for that set of models: it
+compares each submodule's class and training flag, the number of members and hooks of each
+dict the walk found non-empty (a removed one shrinks it), and the Python values the trace read
+off the modules, each by identity with what the walk saw. Then each tensor's shape, dtype,
+device, strides and requires_grad are compared in C++ with
 ``torch._C._dynamo.guards.TensorGuards`` (torch.compile's own tensor check). Where this torch
 has no such check, every call takes the full walk.
 """
 
+import keyword
 import operator
 import sys
 import threading
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,8 +38,8 @@ from torch_precompile.driver.core import (
 class RememberedModels:
     """One set of models that passed the full walk, and what a cheap re-check compares."""
 
-    __slots__ = ("hook_handles", "member_total", "members", "models", "modes_of",
-                 "registrations", "submodules", "tensor_guard", "tensors", "values")
+    __slots__ = ("hook_handles", "models", "registrations", "tensor_guard", "tensors",
+                 "unchanged")
 
     def __init__(self, models: Sequence[Any], walked: WalkedModels, registrations: int,
                  model: ModelPlan) -> None:
@@ -44,29 +47,92 @@ class RememberedModels:
         self.registrations = registrations
         self.hook_handles = _HANDLES.next_id
         self.tensors = tuple(walked.tensors)  # handed out as is: no call mutates it
-        # Where each submodule's training flag is read: its instance dict when the flag lives
-        # there alone (as nn.Module keeps it; a dict read is the cheaper one), else the module.
-        plain = all("training" in vars(m) and not hasattr(type(m), "training")
-                    for m in walked.submodules)
-        self.submodules = [vars(m) for m in walked.submodules] if plain else walked.submodules
-        self.modes_of = _TRAINING_IN_DICT if plain else _TRAINING
-        # The member and hook dicts the walk found non-empty: a removed member or hook shrinks
-        # one of them (one added anywhere is a registration, or a new hook handle).
-        hooks = [a for _, a in MODULE_HOOKS]
-        self.members = [d for m in walked.submodules
-                        for d in (m._parameters, m._buffers, m._modules,
-                                  *(getattr(m, a) for a in hooks)) if d]
-        self.members += [d for _, a in GLOBAL_HOOKS
-                         if (d := getattr(torch.nn.modules.module, a))]
-        self.members += [d for t in walked.tensors[:len(model.parameter_hooks)]
-                         for _, a in TENSOR_HOOKS if (d := getattr(t, a))]
-        self.values = (None if model.facts is None
-                       else model.facts.remember_modules(walked.submodules))
-        self.member_total = self.member_count()
+        paths = [] if model.facts is None else model.facts.module_paths()
+        self.unchanged = module_check(models, walked, paths, len(model.parameter_hooks))
         self.tensor_guard = tensor_guard(walked.tensors)
 
-    def member_count(self) -> int:
-        return sum(map(len, self.members))
+
+def module_check(models: Sequence[Any], walked: WalkedModels,
+                 paths: Sequence[tuple[int, tuple[str, ...]]],
+                 hooked_tensors: int) -> Callable[..., bool]:
+    """A function of the models that tells whether every fact the walk checked in Python
+    still holds as the walk saw it. It is generated as one expression, so each fact costs a
+    few bytecodes, less than a loop over the modules does. What it compares with are its
+    globals (submodules included); the models themselves are its arguments, so it does not
+    keep them alive."""
+    check = _CheckSource(models)
+    for module in walked.submodules:
+        check.same(f"type({check.module(module)})", type(module))
+        check.same(check.read(module, ("training",)), module.training)
+    for index, path in paths:
+        module = walked.submodules[index]
+        check.same(check.read(module, path), _value_at(module, path))
+    members = [d for m in walked.submodules
+               for d in (m._parameters, m._buffers, m._modules,
+                         *(getattr(m, a) for _, a in MODULE_HOOKS)) if d]
+    members += [d for _, a in GLOBAL_HOOKS if (d := getattr(torch.nn.modules.module, a))]
+    members += [d for t in walked.tensors[:hooked_tensors]
+                for _, a in TENSOR_HOOKS if (d := getattr(t, a))]
+    for d in members:
+        check.terms.append(f"len({check.hold('members', d)}) == {len(d)}")
+    return check.compiled()
+
+
+class _CheckSource:
+    """The generated check being written: its terms, and the objects they name."""
+
+    def __init__(self, models: Sequence[Any]) -> None:
+        self.roots = {id(m): f"model{k}" for k, m in enumerate(models)}
+        self.held: dict[str, Any] = {}
+        self.names: dict[tuple[str, int], str] = {}
+        self.terms: list[str] = []
+
+    def hold(self, prefix: str, obj: Any) -> str:
+        """The global name ``obj`` goes by, one per object."""
+        key = (prefix, id(obj))
+        if key not in self.names:
+            self.names[key] = f"{prefix}{len(self.names)}"
+            self.held[self.names[key]] = obj
+        return self.names[key]
+
+    def module(self, module: Any) -> str:
+        return self.roots.get(id(module)) or self.hold("module", module)
+
+    def read(self, module: Any, path: Sequence[str]) -> str:
+        """Code that reads ``path`` off ``module``: a first attribute that lives in the
+        instance dict (as nn.Module keeps its flags and options) is read from that dict."""
+        if not all(p.isidentifier() and not keyword.iskeyword(p) for p in path):
+            raise ValueError(f"not an attribute name: {path}")
+        first, rest = path[0], "".join(f".{p}" for p in path[1:])
+        if first in vars(module) and not hasattr(type(module), first):
+            return f"{self.hold('attributes', vars(module))}[{first!r}]{rest}"
+        return f"{self.module(module)}.{first}{rest}"
+
+    def same(self, code: str, value: Any) -> None:
+        """A term: ``code`` gives the very object ``value``."""
+        known = (repr(value) if value is None or value is True or value is False
+                 else self.hold("value", value))
+        self.terms.append(f"{code} is {known}")
+
+    def compiled(self) -> Callable[..., bool]:
+        body = "".join(f"\n                {t} and" for t in self.terms)
+        source = (f"def unchanged({', '.join(self.roots.values())}):\n"
+                  "    try:\n"
+                  f"        return ({body}\n                True)\n"
+                  "    except (AttributeError, KeyError):\n"
+                  "        return False\n")
+        exec(compile(source, "<remembered models>", "exec"), self.held)
+        return self.held["unchanged"]
+
+
+def _value_at(module: Any, path: Sequence[str]) -> Any:
+    try:
+        return operator.attrgetter(".".join(path))(module)
+    except AttributeError:
+        return _GONE
+
+
+_GONE = object()  # an attribute the walk found missing: no later read can be this object
 
 
 class ModelMemo:
@@ -76,7 +142,6 @@ class ModelMemo:
 
     def __init__(self, model: ModelPlan) -> None:
         self.model = model
-        self.modes = [training for _, training in model.submodules]
         self.entries: dict[tuple[int, ...], RememberedModels] = {}
         self.lock = threading.Lock()
         self.input_guard: Any = None
@@ -97,9 +162,7 @@ class ModelMemo:
         if (entry is not None and entry.registrations == self.registrations[0]
                 and all(map(operator.is_, map(_DEREF, entry.models), models))
                 and entry.hook_handles == _HANDLES.next_id
-                and entry.member_count() == entry.member_total
-                and (entry.values is None or entry.values.unchanged())
-                and list(map(entry.modes_of, entry.submodules)) == self.modes
+                and entry.unchanged(*models)
                 and entry.tensor_guard.check(*entry.tensors)):
             return entry.tensors
         return None
@@ -131,8 +194,6 @@ def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
 
 # Every hook registration anywhere (module, global or tensor hook) takes a new handle id.
 _HANDLES = torch.utils.hooks.RemovableHandle
-_TRAINING = operator.attrgetter("training")
-_TRAINING_IN_DICT = operator.itemgetter("training")
 _DEREF = weakref.ref.__call__  # a remembered model, or None once it is gone
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from torch_precompile.driver.data_parallel import resolved_dtypes
 from torch_precompile.errors import PrecompileError
 
 __all__ = ["ShardedGroup", "bind_parameter", "fsdp_groups", "fsdp_module_class",
@@ -82,7 +83,7 @@ def _read_group(state: Any, group: Any) -> ShardedGroup:
         reshard = after.mesh.size()
     policy = state._mp_policy
     # Each parameter's resolved dtypes (per parameter since torch 2.15).
-    dtypes = {_dtypes(p, group) for p in group.fsdp_params}
+    dtypes = {resolved_dtypes(p, group) for p in group.fsdp_params}
     grad_dtypes = {getattr(p, "_has_sharded_grad_dtype_override", False)
                    for p in group.fsdp_params}
     param_dtype, reduce_dtype = next(iter(dtypes)) if dtypes else (None, None)
@@ -113,18 +114,6 @@ def _read_group(state: Any, group: Any) -> ShardedGroup:
         reduce_dtype=reduce_dtype, output_dtype=policy.output_dtype,
         cast_forward_inputs=bool(policy.cast_forward_inputs),
         divide_factor=group.gradient_divide_factor, unsupported=tuple(unsupported))
-
-
-def _dtypes(param: Any, group: Any) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """(gather dtype, reduce dtype) of one parameter as FSDP2 resolves its policy at the first
-    forward (None: its own dtype): the group's policy, or since 2.15 the parameter's."""
-    policy = getattr(param, "mp_policy", None) or group.mp_policy
-    dtype = param.sharded_param.dtype
-    gather = policy.param_dtype
-    if gather == dtype or not dtype.is_floating_point:
-        gather = None
-    reduce = policy.reduce_dtype
-    return gather, None if reduce == (gather or dtype) else reduce
 
 
 @contextlib.contextmanager
