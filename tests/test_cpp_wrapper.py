@@ -223,11 +223,30 @@ def test_a_failed_cpp_build_falls_back_by_default_and_is_refused_on_request(monk
         precompile(workload.fn, *workload.args(), wrapper="cpp")
 
 
-def test_by_default_a_graph_above_the_size_limit_takes_the_python_wrapper(monkeypatch) -> None:
-    import torch_precompile.lower.inductor as lowering
+def test_the_wrapper_is_built_once_as_glue_and_kernels(monkeypatch) -> None:
+    """The glue (-O1) and the kernels (-O3) are compiled once each, then linked. Before:
+    Inductor built the wrapper as one unit at -O3 and the package built it again without the
+    input asserts, so a 24-block training step took over 11 minutes."""
+    from torch._inductor import cpp_builder
 
-    monkeypatch.setattr(lowering, "AUTO_CPP_MAX_OPERATIONS", 1)
-    workload = WORKLOADS["mlp_infer"]
-    code, _ = precompile(workload.fn, *workload.args())
-    assert "\n# Wrapper: Python. the C++ wrapper is not used: the graph has " in code
-    assert "more than the 1 up to which" in code
+    commands: list[str] = []
+    real = cpp_builder.run_compile_cmd
+
+    def counted(cmd_line: str, cwd: str) -> None:
+        commands.append(cmd_line)
+        real(cmd_line, cwd)
+
+    monkeypatch.setattr(cpp_builder, "run_compile_cmd", counted)
+    scale = 1.0 + int(hashlib.sha256(str(Path(__file__).stat()).encode()).hexdigest()[:6], 16)
+
+    def fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(model(x) * scale)  # a constant no other build shares
+
+    model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    code, cache = precompile(fn, model, x, wrapper="cpp")
+    assert "\nkernel_src = (" in code and "kernel_code=kernel_src" in code
+    glue = [c for c in commands if ".main.cpp" in c]
+    kernels = [c for c in commands if ".optimized.cpp" in c]
+    assert len(glue) == 1 and len(kernels) == 1, commands
+    assert " -O1" in glue[0] and " -O3" in kernels[0]
+    assert_same(precompile.load(code, cache)(model, x), fn(model, x))

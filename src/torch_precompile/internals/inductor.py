@@ -105,7 +105,7 @@ def compile_to_wrapper(graph: torch.fx.GraphModule, fake_mode: FakeTensorMode | 
         fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
     # Without a tracing context Inductor bypasses its FX graph cache.
     with tracing(TracingContext(fake_mode or FakeTensorMode())), inductor_config.patch(
-            {**INDUCTOR_OPTIONS, **options}):
+            {**INDUCTOR_OPTIONS, **options}), _cpp_wrapper_left_unbuilt():
         compiled = compile_fx_inner(graph, fake_inputs, is_inference=True,
                                     cpp_wrapper=cpp_wrapper)
     source = getattr(compiled, "source_code", None)
@@ -116,6 +116,41 @@ def compile_to_wrapper(graph: torch.fx.GraphModule, fake_mode: FakeTensorMode | 
             f"Inductor produced no {kind} wrapper for this graph; use backend='eager'."
         )
     return source, dict(getattr(compiled, "constants", None) or {})
+
+
+@contextlib.contextmanager
+def _cpp_wrapper_left_unbuilt() -> Iterator[None]:
+    """In this thread, Inductor loads the C++ wrapper module it generates without building
+    its shared object. The package builds it once, later, from the source less the input
+    asserts the driver makes redundant (``built_wrapper_object``): Inductor's own build, the
+    longest step of a deep graph's lowering, would be thrown away. Other threads (a load that
+    builds a wrapper) get the real builder."""
+    import inspect
+    import threading
+
+    from torch._inductor.codecache import CppWrapperCodeCache
+
+    own = "load_pybinding" in vars(CppWrapperCodeCache)
+    real = inspect.getattr_static(CppWrapperCodeCache, "load_pybinding")
+    builder = threading.get_ident()
+
+    def load_pybinding(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == builder:
+            return _unbuilt_entry
+        return real.__get__(None, CppWrapperCodeCache)(*args, **kwargs)
+
+    CppWrapperCodeCache.load_pybinding = staticmethod(load_pybinding)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if own:
+            CppWrapperCodeCache.load_pybinding = real  # type: ignore[method-assign]
+        else:
+            del CppWrapperCodeCache.load_pybinding
+
+
+def _unbuilt_entry(*_: Any) -> Any:
+    raise PrecompileError("internal: Inductor's C++ wrapper was called before it was built")
 
 
 def data_dependent_condition(error: BaseException) -> str | None:
@@ -369,12 +404,46 @@ def built_kernel_object(argtypes: list[str], source: str, options: dict[str, Any
 
 def built_wrapper_object(argtypes: list[str], source: str, options: dict[str, Any]
                          ) -> tuple[str, Path]:
-    """The module name and shared-object path of the C++ wrapper Inductor just built."""
-    from torch._inductor.codecache import CppWrapperCodeCache
+    """The module name and shared-object path of the C++ wrapper, built here (Inductor's own
+    build was skipped: see ``_cpp_wrapper_left_unbuilt``)."""
+    from torch._inductor import codecache
 
-    function = CppWrapperCodeCache.load_pybinding(argtypes=argtypes, main_code=source,
-                                                  **options)
+    with _units_built_side_by_side(codecache):
+        function = codecache.CppWrapperCodeCache.load_pybinding(
+            argtypes=argtypes, main_code=source, **options)
     return function.__self__.__name__.rpartition(".")[2], Path(function.__self__.__file__)
+
+
+@contextlib.contextmanager
+def _units_built_side_by_side(codecache: Any) -> Iterator[None]:
+    """Inductor compiles a C++ wrapper's glue and its kernels (two compiler runs) one after
+    the other, then links them. They are independent: here they run at once, where the
+    machine has a core for each."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    serial = codecache._worker_compile_cpp
+
+    def side_by_side(lock_path: str, builders: Any) -> None:
+        *units, link = builders
+        if len(units) < 2 or (os.cpu_count() or 1) < 2:
+            return serial(lock_path, builders)
+        from torch.utils._filelock import FileLock
+
+        with FileLock(lock_path, timeout=codecache.LOCK_TIMEOUT):
+            todo = [b for b in units if not os.path.exists(b.get_target_file_path())]
+            with ThreadPoolExecutor(max_workers=max(len(todo), 1)) as pool:
+                for done in [pool.submit(b.build) for b in todo]:
+                    done.result()
+            if not os.path.exists(link.get_target_file_path()):
+                link.build()
+        return None
+
+    codecache._worker_compile_cpp = side_by_side
+    try:
+        yield
+    finally:
+        codecache._worker_compile_cpp = serial
 
 
 def cpp_wrapper_build(wrapper_source: str) -> tuple[list[str], str, dict[str, Any]] | None:
@@ -382,13 +451,24 @@ def cpp_wrapper_build(wrapper_source: str) -> tuple[list[str], str, dict[str, An
     ``CppWrapperCodeCache.load_pybinding(...)``; None for a Python wrapper."""
     if not is_cpp_wrapper(wrapper_source):
         return None
-    for node in ast.walk(ast.parse(wrapper_source)):
+    tree = ast.parse(wrapper_source)
+    # Module-level strings the call names: the wrapper's source, and (built separately) the
+    # kernels' source.
+    strings = {node.targets[0].id: node.value.value for node in tree.body
+               if isinstance(node, ast.Assign) and len(node.targets) == 1
+               and isinstance(node.targets[0], ast.Name)
+               and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+
+    def value(node: ast.expr) -> Any:
+        return strings[node.id] if isinstance(node, ast.Name) else ast.literal_eval(node)
+
+    for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                 and ast.unparse(node.func) == _CPP_WRAPPER_BUILD and not node.args):
             keywords = {k.arg: k.value for k in node.keywords if k.arg}
             if (isinstance(keywords.get("main_code"), ast.Name)
                     and keywords["main_code"].id == _CPP_WRAPPER_SOURCE):
-                options = {k: ast.literal_eval(v) for k, v in keywords.items()
+                options = {k: value(v) for k, v in keywords.items()
                            if k not in ("argtypes", "main_code")}
                 return (ast.literal_eval(keywords["argtypes"]),
                         cpp_wrapper_source(wrapper_source), options)

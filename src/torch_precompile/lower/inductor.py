@@ -255,11 +255,6 @@ def _reshape_unwritten_views(graph: torch.fx.Graph) -> None:
             node.target = aten.reshape.default
 
 
-# The C++ wrapper is one function, compiled as one unit, and its build time grows faster
-# than the graph: a 12-block transformer training step (2,825 operations) built in 176 s with
-# it and 65 s with the Python wrapper, whose kernels build apart. Small graphs, where its
-# per-call gain is largest, build in about the same time (one block's step: 18.0 against 17.8 s).
-AUTO_CPP_MAX_OPERATIONS = 1000
 
 
 def _compile_wrapper(graph: torch.fx.GraphModule, capture: Capture, kind: str
@@ -269,19 +264,14 @@ def _compile_wrapper(graph: torch.fx.GraphModule, capture: Capture, kind: str
     if kind == "python":
         return _compile(graph, capture.fake_mode, capture.symbol_names), []
     reason = _cpp_wrapper_obstacle(capture)
-    operations = sum(1 for n in graph.graph.nodes if n.op == "call_function")
-    if kind == "auto" and reason is None and operations > AUTO_CPP_MAX_OPERATIONS:
-        reason = (f"the graph has {operations} operations, more than the "
-                  f"{AUTO_CPP_MAX_OPERATIONS} up to which its one compiled function builds in "
-                  "about the time of the Python wrapper's kernels (wrapper='cpp' builds it)")
     if reason is None:
         try:
             wrapper = _compile(graph, capture.fake_mode, capture.symbol_names, cpp=True)
             return wrapper, [
                 f"{WRAPPER_LINE}C++. One compiled function runs the whole call; its shared "
                 "object is in the",
-                "# cache beside the kernels, and without the cache it is built from "
-                "cpp_wrapper_src below."]
+                "# cache, and without the cache it is built from cpp_wrapper_src and "
+                "kernel_src below."]
         except PrecompileError as e:
             reason = _reason(e)
     return _python_wrapper(graph, capture, kind, reason)
@@ -327,6 +317,10 @@ def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str
         # Channels-last conversions for convolutions rely on layout predictions that do not
         # hold for unbacked sizes (see _prepared_graph).
         options["layout_optimization"] = False
+    if cpp:
+        # The glue (allocations and calls, most of a deep graph's lines) is built apart from
+        # the kernels and at a lower optimization level; one unit at -O3 grows superlinearly.
+        options["cpp_wrapper_build_separate"] = True
     try:
         source, constants = compile_to_wrapper(graph, fake_mode, options, cpp_wrapper=cpp)
     except Exception as e:

@@ -1,0 +1,162 @@
+"""Build time at depth: precompile() against torch.compile's cold first call and AOTInductor.
+
+    .venv/bin/python benchmarks/build_time.py                       # writes BUILD_TIME.md
+    .venv/bin/python benchmarks/build_time.py --depths 1,4 --runs 1 --modes infer
+
+The model is N identical pre-norm transformer blocks (``coldstart.Block``: width 64, 4 heads,
+batch 4, sequence 32). Two computations: ``infer`` (one forward under ``torch.no_grad()``) and
+``train`` (forward, MSE loss, backward). Each build runs in a fresh process with empty Inductor
+and temp dirs, so every tool starts cold: its compilers, vector-unit probes and kernel caches
+included. The time is from just after the model is built until
+
+- ``precompile``: ``precompile()`` returns the pair (default ``wrapper="auto"``);
+- ``precompile-cpp``: the same with ``wrapper="cpp"`` (the C++ wrapper at any depth);
+- ``torch.compile``: the compiled function's first call returns;
+- ``aoti``: ``torch.export`` and ``aoti_compile_and_package`` return (inference only).
+
+Import time is left out for every tool. Each cell is the median over ``--runs`` processes;
+the peak resident memory of the building process is reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULT = "BUILD_TIME_RESULT "
+TOOLS = ("precompile", "precompile-cpp", "torch.compile", "aoti")
+
+_CHILD = r"""
+import json, logging, os, resource, sys, time
+import torch
+from torch import nn
+logging.disable(logging.WARNING)
+sys.path.insert(0, {benchmarks!r})
+from coldstart import Block, infer, train_step
+tool, depth, mode, out = {tool!r}, {depth}, {mode!r}, {out!r}
+torch.manual_seed(0)
+model = nn.Sequential(*[Block() for _ in range(depth)])
+inputs = (torch.randn(4, 32, 64),)
+if mode == "train":
+    inputs += (torch.randn(4, 32, 64),)
+    fn = train_step
+else:
+    model.eval()
+    fn = infer
+start = time.perf_counter()
+if tool.startswith("precompile"):
+    from torch_precompile import precompile
+    wrapper = "cpp" if tool == "precompile-cpp" else "auto"
+    code, cache = precompile(fn, model, *inputs, wrapper=wrapper)
+    kind = "C++" if "cpp_wrapper_src" in code else "Python"
+elif tool == "torch.compile":
+    compiled = torch.compile(fn)
+    if mode == "infer":
+        with torch.no_grad():
+            compiled(model, *inputs)
+    else:
+        compiled(model, *inputs)
+    kind = ""
+else:
+    with torch.no_grad():
+        exported = torch.export.export(model, inputs)
+        torch._inductor.aoti_compile_and_package(exported, package_path=out + ".pt2")
+    kind = ""
+seconds = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print({marker!r} + json.dumps({{"seconds": seconds, "peak_mib": peak, "wrapper": kind}}))
+"""
+
+
+def build_once(tool: str, depth: int, mode: str) -> dict[str, float | str]:
+    """One cold build in a fresh process: its seconds, peak memory, and (ours) the wrapper."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"),
+               "TMPDIR": tmp, "PYTHONPATH": os.pathsep.join(
+                   [str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        script = _CHILD.format(benchmarks=str(HERE), tool=tool, depth=depth, mode=mode,
+                               out=str(Path(tmp) / "model"), marker=RESULT)
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                              text=True, timeout=3600, cwd=tmp)
+    line = next((x for x in done.stdout.splitlines() if x.startswith(RESULT)), None)
+    if done.returncode != 0 or line is None:
+        raise RuntimeError(f"{tool} at depth {depth} ({mode}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(line.removeprefix(RESULT))
+
+
+def measure(tool: str, depth: int, mode: str, runs: int) -> dict[str, float | str]:
+    results = [build_once(tool, depth, mode) for _ in range(runs)]
+    return {"seconds": statistics.median(float(r["seconds"]) for r in results),
+            "peak_mib": statistics.median(float(r["peak_mib"]) for r in results),
+            "wrapper": str(results[0]["wrapper"])}
+
+
+def table(rows: dict[tuple[str, int, str], dict[str, float | str]], depths: list[int],
+          modes: list[str], tools: list[str]) -> list[str]:
+    """One row per mode and depth: each tool's seconds (and peak MiB), ours against peers."""
+    shown = [t for t in tools if any(k[0] == t for k in rows)]
+    head = ["mode", "blocks", *(f"{t} s (peak MiB)" for t in shown), "precompile / torch.compile"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(shown) + 1)]
+    for mode in modes:
+        for depth in depths:
+            cells = []
+            for tool in shown:
+                r = rows.get((tool, depth, mode))
+                wrapper = f", {r['wrapper']}" if r and r["wrapper"] else ""
+                cells.append("-" if r is None else
+                             f"{float(r['seconds']):.1f} ({float(r['peak_mib']):,.0f}{wrapper})")
+            ours, peer = rows.get(("precompile", depth, mode)), rows.get(
+                ("torch.compile", depth, mode))
+            ratio = (f"{float(ours['seconds']) / float(peer['seconds']):.2f}x"
+                     if ours and peer else "-")
+            lines.append(f"| {mode} | {depth} | " + " | ".join(cells) + f" | {ratio} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", default="1,2,4,12,24")
+    parser.add_argument("--modes", default="infer,train")
+    parser.add_argument("--tools", default=",".join(TOOLS))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=HERE / "BUILD_TIME.md")
+    args = parser.parse_args()
+    depths = [int(d) for d in args.depths.split(",")]
+    modes, tools = args.modes.split(","), args.tools.split(",")
+    rows: dict[tuple[str, int, str], dict[str, float | str]] = {}
+    for mode in modes:
+        for depth in depths:
+            for tool in tools:
+                if tool == "aoti" and mode == "train":
+                    continue  # AOTInductor compiles inference graphs only
+                rows[(tool, depth, mode)] = measure(tool, depth, mode, args.runs)
+                print(tool, depth, mode, rows[(tool, depth, mode)], flush=True)
+    import torch
+
+    lines = [
+        "# Build time at depth",
+        "",
+        f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} cores; "
+        f"{args.runs} fresh process(es) per cell, median; every build cold (empty Inductor "
+        "cache). Rerun with `.venv/bin/python benchmarks/build_time.py --runs "
+        f"{args.runs}`.",
+        "",
+        *table(rows, depths, modes, tools),
+        "",
+        f"Written by `build_time.py` on {datetime.date.today().isoformat()}.",
+    ]
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
