@@ -12,6 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# The suite makes hundreds of builds on one machine: precompiled C++ headers pay for
+# themselves there (set before torch_precompile reads it; child processes inherit it).
+os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "1")
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
