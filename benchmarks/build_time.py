@@ -36,10 +36,24 @@ RESULT = "BUILD_TIME_RESULT "
 TOOLS = ("precompile", "precompile-cpp", "torch.compile", "aoti")
 
 _CHILD = r"""
-import json, logging, os, resource, sys, time
+import json, logging, os, re, resource, sys, time
 import torch
 from torch import nn
-logging.disable(logging.WARNING)
+logging.getLogger().setLevel(logging.ERROR)
+steps = {{}}  # precompile's progress: each step's seconds
+
+
+class Steps(logging.Handler):
+    def emit(self, record):
+        done = re.match(r"(\w+).*: done in ([0-9.]+) s$", record.getMessage())
+        if done:
+            steps[done[1]] = float(done[2])
+
+
+progress = logging.getLogger("torch_precompile.progress")
+progress.setLevel(logging.INFO)
+progress.addHandler(Steps())
+progress.propagate = False
 sys.path.insert(0, {benchmarks!r})
 from coldstart import Block, infer, train_step
 tool, depth, mode, out = {tool!r}, {depth}, {mode!r}, {out!r}
@@ -73,7 +87,8 @@ else:
     kind = ""
 seconds = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print({marker!r} + json.dumps({{"seconds": seconds, "peak_mib": peak, "wrapper": kind}}))
+print({marker!r} + json.dumps({{"seconds": seconds, "peak_mib": peak, "wrapper": kind,
+                                 "trace": steps.get("tracing"), "lower": steps.get("lowering")}}))
 """
 
 
@@ -95,17 +110,20 @@ def build_once(tool: str, depth: int, mode: str) -> dict[str, float | str]:
 
 def measure(tool: str, depth: int, mode: str, runs: int) -> dict[str, float | str]:
     results = [build_once(tool, depth, mode) for _ in range(runs)]
-    return {"seconds": statistics.median(float(r["seconds"]) for r in results),
-            "peak_mib": statistics.median(float(r["peak_mib"]) for r in results),
-            "wrapper": str(results[0]["wrapper"])}
+    summary: dict[str, float | str] = {"wrapper": str(results[0]["wrapper"])}
+    for key in ("seconds", "peak_mib", "trace", "lower"):
+        if all(r.get(key) is not None for r in results):
+            summary[key] = statistics.median(float(r[key]) for r in results)
+    return summary
 
 
 def table(rows: dict[tuple[str, int, str], dict[str, float | str]], depths: list[int],
           modes: list[str], tools: list[str]) -> list[str]:
     """One row per mode and depth: each tool's seconds (and peak MiB), ours against peers."""
     shown = [t for t in tools if any(k[0] == t for k in rows)]
-    head = ["mode", "blocks", *(f"{t} s (peak MiB)" for t in shown), "precompile / torch.compile"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(shown) + 1)]
+    head = ["mode", "blocks", *(f"{t} s (peak MiB)" for t in shown),
+            "precompile / torch.compile", "precompile: trace + lower s"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(shown) + 2)]
     for mode in modes:
         for depth in depths:
             cells = []
@@ -118,7 +136,9 @@ def table(rows: dict[tuple[str, int, str], dict[str, float | str]], depths: list
                 ("torch.compile", depth, mode))
             ratio = (f"{float(ours['seconds']) / float(peer['seconds']):.2f}x"
                      if ours and peer else "-")
-            lines.append(f"| {mode} | {depth} | " + " | ".join(cells) + f" | {ratio} |")
+            split = (f"{float(ours['trace']):.1f} + {float(ours['lower']):.1f}"
+                     if ours and "trace" in ours and "lower" in ours else "-")
+            lines.append(f"| {mode} | {depth} | " + " | ".join(cells) + f" | {ratio} | {split} |")
     return lines
 
 
@@ -126,7 +146,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depths", default="1,2,4,12,24")
     parser.add_argument("--modes", default="infer,train")
-    parser.add_argument("--tools", default=",".join(TOOLS))
+    parser.add_argument("--tools", default="precompile,torch.compile,aoti",
+                        help=f"any of {', '.join(TOOLS)}")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "BUILD_TIME.md")
     args = parser.parse_args()
