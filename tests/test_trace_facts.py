@@ -713,3 +713,21 @@ def test_checkpointed_dropout_uses_the_forwards_mask() -> None:
         run(artifact, x)
         torch.testing.assert_close([p.grad for p in artifact.parameters()],
                                    [p.grad for p in eager.parameters()])
+
+
+def test_the_remembered_check_reads_any_attribute_name() -> None:
+    """The generated check of remembered models reads a name that is no Python identifier
+    with getattr, and fails (so the call walks the models) when the value changes."""
+    from torch_precompile.driver.memo import _CheckSource
+
+    model = nn.Linear(2, 2)
+    model.options = type("Options", (), {})()
+    setattr(model.options, "class", 3)
+    check = _CheckSource([model])
+    check.same(check.read(model, ("options", "class")), 3)
+    unchanged = check.compiled()
+    assert unchanged(model)
+    setattr(model.options, "class", 4)
+    assert not unchanged(model)
+    del model.options
+    assert not unchanged(model)

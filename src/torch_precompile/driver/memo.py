@@ -101,12 +101,14 @@ class _CheckSource:
     def read(self, module: Any, path: Sequence[str]) -> str:
         """Code that reads ``path`` off ``module``: a first attribute that lives in the
         instance dict (as nn.Module keeps its flags and options) is read from that dict."""
-        if not all(p.isidentifier() and not keyword.iskeyword(p) for p in path):
-            raise ValueError(f"not an attribute name: {path}")
-        first, rest = path[0], "".join(f".{p}" for p in path[1:])
+        first, rest = path[0], path[1:]
         if first in vars(module) and not hasattr(type(module), first):
-            return f"{self.hold('attributes', vars(module))}[{first!r}]{rest}"
-        return f"{self.module(module)}.{first}{rest}"
+            code = f"{self.hold('attributes', vars(module))}[{first!r}]"
+        else:
+            code = _attribute(self.module(module), first)
+        for name in rest:
+            code = _attribute(code, name)
+        return code
 
     def same(self, code: str, value: Any) -> None:
         """A term: ``code`` gives the very object ``value``."""
@@ -123,6 +125,13 @@ class _CheckSource:
                   "        return False\n")
         exec(compile(source, "<remembered models>", "exec"), self.held)
         return self.held["unchanged"]
+
+
+def _attribute(code: str, name: str) -> str:
+    """Code that reads attribute ``name`` off the value of ``code``."""
+    if name.isidentifier() and not keyword.iskeyword(name):
+        return f"{code}.{name}"
+    return f"getattr({code}, {name!r})"
 
 
 def _value_at(module: Any, path: Sequence[str]) -> Any:
