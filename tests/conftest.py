@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
@@ -46,19 +47,23 @@ class Artifacts:
     """Builds each workload's artifact pair once per backend, for the whole session."""
 
     def __init__(self) -> None:
-        self._built: dict[tuple[str, str, str], tuple[str, bytes]] = {}
+        self._built: dict[tuple[str, str, str, bool], tuple[str, bytes]] = {}
 
-    def pair(self, name: str, backend: str, wrapper: str = "auto") -> tuple[str, bytes]:
-        key = (name, backend, wrapper)
+    def pair(self, name: str, backend: str, wrapper: str = "auto", inference: bool = False
+             ) -> tuple[str, bytes]:
+        """``inference``: built under no_grad, as a server builds (no backward graphs)."""
+        key = (name, backend, wrapper, inference)
         if key not in self._built:
             workload = WORKLOADS[name]
             options = {"wrapper": wrapper} if wrapper != "auto" else {}
-            self._built[key] = precompile(workload.fn, *workload.args(), backend=backend,
-                                          **options)
+            with torch.no_grad() if inference else contextlib.nullcontext():
+                self._built[key] = precompile(workload.fn, *workload.args(), backend=backend,
+                                              **options)
         return self._built[key]
 
-    def load(self, name: str, backend: str, wrapper: str = "auto") -> Callable[..., Any]:
-        return precompile.load(*self.pair(name, backend, wrapper))
+    def load(self, name: str, backend: str, wrapper: str = "auto", inference: bool = False
+             ) -> Callable[..., Any]:
+        return precompile.load(*self.pair(name, backend, wrapper, inference))
 
 
 @pytest.fixture(scope="session")
@@ -240,3 +245,44 @@ def stderr_on_a_terminal(command: list[str], **run_options: Any) -> tuple[int, s
             os.close(follower)
         os.close(leader)
     return proc.returncode, b"".join(chunks).decode()
+
+
+# Distributed runs: one process per rank, on gloo over 127.0.0.1, each writing a report.
+WORKER_TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, cases: list[str], out: Path,
+              worker: str = "distributed_worker.py") -> list[dict[str, Any]]:
+    """Run ``worker`` (``RANK WORLD PORT OUT CASES``) on ``world`` ranks; each rank's report."""
+    import json
+
+    port = free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": os.pathsep.join(
+        [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    logs = [open(out / f"log{rank}", "w") for rank in range(world)]  # noqa: SIM115
+    procs = [subprocess.Popen(
+        [sys.executable, str(TESTS_DIR / worker), str(rank), str(world), str(port), str(out),
+         ",".join(cases)],
+        stdout=logs[rank], stderr=subprocess.STDOUT, env=env) for rank in range(world)]
+    try:
+        for proc in procs:
+            proc.wait(timeout=WORKER_TIMEOUT_S)
+    finally:
+        for proc in procs:
+            proc.kill()
+        for log in logs:
+            log.close()
+    reports = []
+    for rank in range(world):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), (out / f"log{rank}").read_text()[-3000:]
+        reports.append(json.loads(path.read_text()))
+    return reports

@@ -5,12 +5,7 @@ single-process eager on the unsharded model over three SGD steps."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +14,9 @@ import torch
 
 from torch_precompile import precompile
 
-from conftest import run_python
+from conftest import run_python, run_ranks
 
 TESTS_DIR = Path(__file__).parent
-WORKER_TIMEOUT_S = 900
 TOLERANCE = 1e-5
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
@@ -49,45 +43,14 @@ CASES_4 = ["tp_mlp_inductor_one_rank", "tp_mlp_eager", "tp_dp_2d_eager", "tp_dp_
            "fsdp_tp_2d_adamw_eager", "fsdp_tp_2d_adamw_inductor_one_rank", "refusals"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_ranks(world: int, cases: list[str], out: Path) -> list[dict[str, Any]]:
-    port = _free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": os.pathsep.join(
-        [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    logs = [open(out / f"log{rank}", "w") for rank in range(world)]  # noqa: SIM115
-    procs = [subprocess.Popen(
-        [sys.executable, str(TESTS_DIR / "distributed_worker.py"), str(rank), str(world),
-         str(port), str(out), ",".join(cases)],
-        stdout=logs[rank], stderr=subprocess.STDOUT, env=env) for rank in range(world)]
-    try:
-        for proc in procs:
-            proc.wait(timeout=WORKER_TIMEOUT_S)
-    finally:
-        for proc in procs:
-            proc.kill()
-        for log in logs:
-            log.close()
-    reports = []
-    for rank in range(world):
-        path = out / f"rank{rank}.json"
-        assert path.exists(), (out / f"log{rank}").read_text()[-3000:]
-        reports.append(json.loads(path.read_text()))
-    return reports
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _run_ranks(2, CASES_2, tmp_path_factory.mktemp("two_ranks"))
+    return run_ranks(2, CASES_2, tmp_path_factory.mktemp("two_ranks"))
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _run_ranks(4, CASES_4, tmp_path_factory.mktemp("four_ranks"))
+    return run_ranks(4, CASES_4, tmp_path_factory.mktemp("four_ranks"))
 
 
 def _case(reports: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:

@@ -29,6 +29,8 @@ READ_ELSEWHERE = {
     "ParamGroup.call_time": "names the options the optimizer part reads at every call (lr)",
     "FullyShardedGroup.reshard_after_forward": "memory only: either way the step computes "
                                                "the same values",
+    "Autograd.saved": "a description for inspect; the backward graph takes what the forward "
+                      "graph returns",
 }
 # Recorded facts a call is not yet checked against, and what that leaves to the caller.
 KNOWN_UNCHECKED = {

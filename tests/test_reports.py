@@ -52,10 +52,11 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One tiny inductor pair (the default wrapper), compiled from the command line."""
+    """One tiny inductor pair (the default wrapper) for inference, compiled from the command
+    line."""
     folder = tmp_path_factory.mktemp("reports")
     (folder / "factory.py").write_text(FACTORY)
-    proc = _cli("compile", "factory:make", "-o", "model.py", cwd=folder)
+    proc = _cli("compile", "factory:make", "-o", "model.py", "--inference", cwd=folder)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return folder / "model.py"
 

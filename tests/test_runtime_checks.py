@@ -258,8 +258,16 @@ def test_requires_grad_is_fixed_at_capture_for_a_training_step(backend: str, art
         frozen_run(frozen, fx, ft)
 
 
-def test_requires_grad_does_not_matter_for_inference(backend: str, artifacts) -> None:
+def test_frozen_parameters_run_as_inference(backend: str, artifacts) -> None:
     run = artifacts.load("mlp_infer", backend)
     model, x = WORKLOADS["mlp_infer"].args()
     model.requires_grad_(False)
-    torch.testing.assert_close(run(model, x.requires_grad_()), model(x).detach())
+    result = run(model, x)
+    assert result.grad_fn is None
+    torch.testing.assert_close(result, model(x))
+    # An input that requires grad where the capture's did not: eager's result would carry
+    # its history, the artifact has no gradient for it.
+    with pytest.raises(PrecompileError, match="input x requires grad at this call"):
+        run(model, x.requires_grad_())
+    with torch.no_grad():
+        torch.testing.assert_close(run(model, x), model(x))

@@ -34,10 +34,11 @@ EXECUTING = "is executing python_code"
 
 @pytest.fixture(scope="module")
 def pairs(artifacts) -> dict[str, tuple[str, bytes]]:
-    """The two inductor pairs of this file (C++ wrapper, Python wrapper) and an eager one."""
-    return {"cpp": artifacts.pair(NAME, "inductor", wrapper="cpp"),
-            "python": artifacts.pair(NAME, "inductor", wrapper="python"),
-            "eager": artifacts.pair(NAME, "eager")}
+    """The two inductor pairs of this file (C++ wrapper, Python wrapper) and an eager one,
+    built for inference as a server builds them."""
+    return {"cpp": artifacts.pair(NAME, "inductor", wrapper="cpp", inference=True),
+            "python": artifacts.pair(NAME, "inductor", wrapper="python", inference=True),
+            "eager": artifacts.pair(NAME, "eager", inference=True)}
 
 
 def _runs(run) -> None:

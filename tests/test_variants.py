@@ -78,7 +78,7 @@ def test_variants_share_the_kernels_inductor_emits_for_both(tmp_path: Path) -> N
     model, x = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)), torch.randn(3, 4)
     # The Python wrapper's kernels are objects of their own, which variants share; the C++
     # wrapper's object holds the kernels of its graph.
-    with capture(fn, artifact_path=tmp_path / "a.py", wrapper="python") as cap:
+    with torch.no_grad(), capture(fn, artifact_path=tmp_path / "a.py", wrapper="python") as cap:
         for scale in (2.0, 3.0):
             assert_same(cap(model, x, scale), fn(model, x, scale))
     code = (tmp_path / "a.py").read_text()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -12,10 +14,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from torch_precompile import progress, runtime, storage
 from torch_precompile.artifact import bytecode, envelope, signature
 from torch_precompile.errors import PrecompileError
-from torch_precompile.spec import ArtifactSpec, parse_spec
+from torch_precompile.spec import ArtifactSpec, Autograd, parse_spec
 
 if TYPE_CHECKING:
-    from torch_precompile.lower import LoweredGraph
+    from torch_precompile.lower import LoweredGraph, VariantGraphs
+    from torch_precompile.module_form import PrecompiledModule
     from torch_precompile.trace import Capture
 
 BACKENDS = ("inductor", "eager")
@@ -26,6 +29,7 @@ WRAPPERS = ("auto", "cpp", "python")
 # process-global compiler state: one capture at a time. Reentrant so that fn may itself call
 # precompile; recreated in a forked child, where a holder thread no longer exists.
 _lock = threading.RLock()
+log = logging.getLogger("torch_precompile")
 
 
 def _reset_lock() -> None:
@@ -124,6 +128,43 @@ class Precompile:
         return runtime.load(python_code, cache, verify_key=verify_key,
                             require_prebuilt=require_prebuilt, cache_absence=absence)
 
+    def module(
+        self,
+        model: Any,
+        *example_inputs: Any,
+        example_kwargs: Mapping[str, Any] | None = None,
+        modes: Sequence[str] | None = None,
+        artifact: runtime.LoadedArtifact | None = None,
+        **options: Any,
+    ) -> PrecompiledModule:
+        """``model`` as an ``nn.Module`` whose ``forward`` runs a precompiled artifact.
+
+        It holds ``model`` (its parameters, ``state_dict()``, ``train()``, ``eval()`` and
+        ``to()`` are the model's) and its results carry autograd history where eager's would,
+        so code that calls ``backward()`` and steps an optimizer itself takes it as is.
+        ``precompile.module(model, x, example_kwargs={...})`` captures ``model(x, **kwargs)``
+        in each of ``modes`` (``"train"``, ``"eval"``; default: the model's current one), each
+        a variant; a call in another mode is refused. ``options`` are ``precompile()``'s
+        keywords. ``precompile.module(model, artifact=precompile.load(path))`` wraps an
+        artifact saved earlier (``wrapped.save(path)``) instead of building one.
+        """
+        from torch_precompile.module_form import PrecompiledModule, build_module
+
+        if artifact is not None:
+            if example_inputs or example_kwargs or modes or options:
+                raise PrecompileError(
+                    "precompile.module(model, artifact=...) wraps a loaded artifact as it is; "
+                    "it takes no examples, modes or build options.")
+            return PrecompiledModule(model, artifact)
+        unknown = sorted(set(options) - _MODULE_OPTIONS)
+        if unknown:
+            raise PrecompileError(
+                f"precompile.module got unknown keywords {unknown}; it takes precompile()'s "
+                f"build keywords ({', '.join(sorted(_MODULE_OPTIONS))}).")
+        build_options = BuildOptions(**options)
+        return build_module(model, example_inputs, example_kwargs,
+                            tuple(modes) if modes is not None else None, build_options)
+
     def save(
         self,
         python_code: str,
@@ -175,6 +216,15 @@ class Precompile:
         return self
 
 
+_MODULE_OPTIONS = {"backend", "wrapper", "decompositions", "sign_key", "progress"}
+
+
+def _grad_mode() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
 def _names_a_file(value: object) -> bool:
     """A path, or a non-empty string of one line: an artifact's source always has many."""
     return isinstance(value, os.PathLike) or (isinstance(value, str) and bool(value)
@@ -203,6 +253,9 @@ class BuildOptions:
     progress: Callable[[str], None] | None = None
     compile_on_one_rank: bool = False
     wrapper: str = "auto"
+    # Whether precompile() was called under grad mode: where it was not, results of an fn
+    # without a backward carry no history, and no backward graph is built.
+    grad_mode: bool = dataclasses.field(default_factory=lambda: _grad_mode())
 
     def __post_init__(self) -> None:
         if self.wrapper not in WRAPPERS:
@@ -249,10 +302,10 @@ def _build(fn: Callable[..., Any], example_inputs: tuple[Any, ...], options: Bui
 
 @dataclass(frozen=True)
 class CompiledVariant:
-    """One captured call, lowered: its spec (strides and kernels filled in) and its graph."""
+    """One captured call, lowered: its spec (strides and kernels filled in) and its graphs."""
 
     spec: ArtifactSpec
-    graph: LoweredGraph
+    graphs: VariantGraphs
 
 
 def compile_variant(fn: Callable[..., Any], example_inputs: tuple[Any, ...],
@@ -270,8 +323,61 @@ def compile_variant(fn: Callable[..., Any], example_inputs: tuple[Any, ...],
         report("lower")
         with progress.step(f"lowering with the {options.backend} backend"):
             lowered = _lower(captured, options.backend, options.wrapper)
-    spec = captured.spec.with_strides(lowered.input_strides).with_kernels(lowered.kernels)
-    return CompiledVariant(spec, lowered)
+        graphs, record = _with_backward(captured, lowered, options, on_fakes)
+    kernels = {k.key: k for g in graphs.all for k in g.kernels}
+    spec = dataclasses.replace(
+        captured.spec.with_strides(lowered.input_strides), autograd=record
+    ).with_kernels(sorted(kernels.values(), key=lambda k: k.key))
+    return CompiledVariant(spec, graphs)
+
+
+def _with_backward(captured: Capture, lowered: LoweredGraph, options: BuildOptions,
+                   on_fakes: bool) -> tuple[VariantGraphs, Autograd | None]:
+    """The plain graph, and where fn runs no backward but its results would carry history,
+    the forward and backward graphs that give them history (see ``trace.differentiable``)."""
+    from torch_precompile.lower import VariantGraphs
+    from torch_precompile.trace import differentiable
+
+    spec = captured.spec
+    if any(t.gets_grad for t in spec.model) or spec.optimizers:
+        return VariantGraphs(lowered), None  # fn runs its backward itself
+    inputs = differentiable.differentiable_inputs(spec)
+    if not inputs:
+        return VariantGraphs(lowered), Autograd()
+    reason = differentiable.why_not_differentiable(spec, captured.fake_mode is not None
+                                                   or on_fakes)
+    if reason is None and not options.grad_mode:
+        reason = ("results carry no autograd history because it was precompiled under "
+                  "torch.no_grad()")
+    if reason is not None:
+        return VariantGraphs(lowered), Autograd(inputs=tuple(inputs), unavailable=reason)
+    try:
+        with progress.step("tracing the backward (results with autograd history)"):
+            split = differentiable.differentiate(captured, options.backend,
+                                                 _decompositions(options))
+        if not split.record.outputs:
+            return VariantGraphs(lowered), split.record
+        with progress.step(f"lowering the forward and backward with the {options.backend} "
+                           "backend"):
+            forward = _lower(split.forward, options.backend, options.wrapper)
+            backward = _lower(split.backward, options.backend, options.wrapper)
+    except Exception as e:  # the plain graph serves every call that needs no history
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        log.warning("results of this artifact will carry no autograd history: its backward "
+                    "could not be built (%s: %s).", type(e).__name__, first)
+        return VariantGraphs(lowered), Autograd(
+            inputs=tuple(inputs), unavailable="results carry no autograd history because its "
+            f"backward could not be built ({type(e).__name__}: {first})")
+    return VariantGraphs(lowered, forward, backward), split.record
+
+
+def _decompositions(options: BuildOptions) -> Mapping[Any, Callable[..., Any]] | None:
+    """The decompositions of the backward's trace: Inductor's own for that backend."""
+    if options.backend != "inductor":
+        return options.decompositions
+    from torch_precompile.internals.inductor import decomposition_table
+
+    return decomposition_table()
 
 
 def package(variants: Sequence[CompiledVariant], options: BuildOptions) -> ArtifactPair:
@@ -283,8 +389,9 @@ def package(variants: Sequence[CompiledVariant], options: BuildOptions) -> Artif
     (options.progress or (lambda stage: None))("render")
     spec = variants[0].spec.with_variants([v.spec for v in variants[1:]])
     with progress.step("writing the artifact source"):
-        python_code, compiled = bytecode.seal(render(spec, [v.graph for v in variants]))
-    payloads = [v.graph.acceleration for v in variants if v.graph.acceleration is not None]
+        python_code, compiled = bytecode.seal(render(spec, [v.graphs for v in variants]))
+    payloads = [g.acceleration for v in variants for g in v.graphs.all
+                if g.acceleration is not None]
     acceleration = (payloads[0] if len(payloads) <= 1 else merged_payloads(payloads)
                     ) if payloads else None
     cache = envelope.pack(options.backend, python_code, acceleration, compiled)

@@ -14,6 +14,7 @@ but the signature is unverified).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -69,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     compile_cmd.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
     compile_cmd.add_argument("--sign-key-file", type=_key_file, dest="sign_key", metavar="FILE",
                              help="sign the pair with the key in FILE")
+    compile_cmd.add_argument("--inference", action="store_true",
+                             help="precompile under torch.no_grad(): no backward is built, and "
+                                  "results carry no autograd history")
     compile_cmd.set_defaults(run=_compile, command_parser=compile_cmd)
 
     inspect_cmd = commands.add_parser(
@@ -102,6 +106,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _compile(args: argparse.Namespace) -> int:
+    import torch
+
     from torch_precompile import precompile, progress, storage
 
     module_name, _, factory_name = args.target.partition(":")
@@ -114,7 +120,8 @@ def _compile(args: argparse.Namespace) -> int:
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
         raise ValueError(f"{args.target}() must return (fn, example_inputs)")
     fn, inputs = made
-    code, cache = precompile(fn, *inputs, backend=args.backend)
+    with torch.no_grad() if args.inference else contextlib.nullcontext():
+        code, cache = precompile(fn, *inputs, backend=args.backend)
     with progress.step(f"saving {args.output}"):
         storage.save(code, cache, args.output, sign_key=args.sign_key)
     print(f"{args.output} ({len(code) / 1024:.1f} KiB) and "

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -119,7 +120,9 @@ def run_demo(out_dir: Path, backend: str) -> int:
     for kind, fn in WORKLOADS.items():
         args = example(kind)
         start = time.perf_counter()
-        code, cache = precompile(fn, *args, backend=backend)
+        # An inference artifact is built under no_grad, as a server builds it: no backward.
+        with torch.no_grad() if kind == "infer" else contextlib.nullcontext():
+            code, cache = precompile(fn, *args, backend=backend)
         build_s = time.perf_counter() - start
         path = precompile.save(code, cache, out_dir / f"mlp_{kind}.py")
         spec = precompile.inspect(code)

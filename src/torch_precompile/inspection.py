@@ -111,6 +111,7 @@ def describe(path: Path) -> dict[str, Any]:
         "subclasses": _describe_subclasses(spec),
         "data_parallel": _describe_data_parallel(spec),
         "wrapper": _describe_wrapper(code, spec),
+        "autograd": _describe_autograd(spec),
         "variants": [variant_label(v) for v in spec.all_variants] if spec.variants else [],
         "cache": _describe_cache(pair, judged),
         "load": {"outcome": judged.outcome, "refused": judged.refusal is not None,
@@ -207,6 +208,20 @@ def _shown_context(encoded: Any) -> str:
     if kind in ("device", "size"):
         return f"{'device' if kind == 'device' else 'Size'}({value!r})"
     return repr(value) if kind != "float" else value
+
+
+def _describe_autograd(spec: ArtifactSpec) -> dict[str, Any] | None:
+    """Whether results carry autograd history (fn without backward), and what the forward
+    saves for backward."""
+    record = spec.autograd
+    if record is None:
+        return None
+    if not record.outputs:
+        said = record.unavailable or ("no: nothing required grad at capture" if not record.inputs
+                                      else "no: no result depends on what requires grad")
+        return {"differentiable": False, "why": said}
+    return {"differentiable": True, "gradients_for": len(record.inputs),
+            "results_with_history": list(record.outputs), "saved": list(record.saved)}
 
 
 def _describe_modes(spec: ArtifactSpec) -> str:
@@ -324,6 +339,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"    flatten context {w['context']}")
     if report.get("wrapper"):
         lines.append(f"  wrapper   : {report['wrapper']}")
+    lines.extend(_render_autograd(report.get("autograd")))
     for number, label in enumerate(report.get("variants", ()), 1):
         lines.append(f"  variant {number} : {label}" + ("   (the spec's top level, shown above)"
                                                       if number == 1 else ""))
@@ -349,6 +365,18 @@ def render(report: dict[str, Any]) -> str:
     shown = load["outcome"]
     lines.extend(f"  problem   : {text}" for text in load["problems"] if text not in shown)
     return "\n".join(lines)
+
+
+def _render_autograd(autograd: dict[str, Any] | None) -> list[str]:
+    if autograd is None:
+        return []
+    if not autograd["differentiable"]:
+        return [f"  autograd  : results carry no history ({autograd['why']})"]
+    saved = autograd["saved"]
+    return [f"  autograd  : differentiable: results {autograd['results_with_history']} carry "
+            f"history; the backward gives {autograd['gradients_for']} gradients; "
+            f"{len(saved)} values saved for backward:",
+            *(f"    {entry}" for entry in saved)]
 
 
 def _render_optimizer(optimizer: dict[str, Any]) -> str:

@@ -80,6 +80,10 @@ SCHEMA_HISTORY = (
                  "default dtype, deterministic algorithms and active modes at capture), "
                  "mutated (the flat inputs the graph writes) and seed (a seed fn sets before "
                  "its first random draw, set again before every call)."),
+    SchemaChange(9, "2026-12-04", "Differentiable results: autograd (for an artifact whose fn "
+                 "runs no backward: the flat inputs its backward graph gives gradients, the "
+                 "result leaves with history and their tangents' layouts, what the forward "
+                 "saves for backward, or why results carry no history)."),
 )
 SCHEMA_VERSION = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""
@@ -396,6 +400,27 @@ class FullyShardedGroup:
 
 
 @dataclass(frozen=True)
+class Autograd:
+    """How the results of an artifact whose fn runs no backward carry autograd history.
+
+    With ``inputs``, the artifact holds a forward and a backward graph beside the plain one:
+    a call under grad mode where a flat input requires grad runs the forward, whose results
+    get history; ``backward()`` later runs the backward graph, which gives gradients for
+    ``inputs`` (flat input indices). ``outputs`` are the result leaves with history, in the
+    order the backward takes their tangents, each in the layout ``tangent_strides`` gives.
+    ``saved`` says what the forward keeps for backward, one entry per value. Without
+    ``inputs``, ``unavailable`` says why results carry no history (None: nothing required
+    grad at capture).
+    """
+
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+    tangent_strides: tuple[tuple[int, ...], ...] = ()
+    saved: tuple[str, ...] = ()
+    unavailable: str | None = None
+
+
+@dataclass(frozen=True)
 class KernelObject:
     """A built kernel object the cache may carry: its kernel key and the SHA-256 of its bytes."""
 
@@ -435,6 +460,7 @@ class ArtifactSpec:
     ambient: Ambient | None = None
     mutated: tuple[int, ...] = ()
     seed: int | None = None
+    autograd: Autograd | None = None
     variants: tuple[ArtifactSpec, ...] = ()
 
     # What every variant has in common, held once at the top level (the first variant's).
@@ -447,9 +473,10 @@ class ArtifactSpec:
         "param_groups": ParamGroup, "optimizer_state": OptimizerState,
         "wrapped": WrappedTensor, "wrapped_inner": InnerTensor, "data_parallel": DataParallel,
         "fully_sharded": FullyShardedGroup, "read_values": ReadValue, "ambient": Ambient,
+        "autograd": Autograd,
     }
     # Fields that hold one record (or None), not a list of them.
-    SINGLE: ClassVar[tuple[str, ...]] = ("torch", "ambient")
+    SINGLE: ClassVar[tuple[str, ...]] = ("torch", "ambient", "autograd")
 
     @property
     def interned(self) -> tuple[ModelTensor, ...]:

@@ -19,6 +19,7 @@ from types import ModuleType
 
 import torch_precompile
 from torch_precompile.driver import (
+    autograd,
     core,
     data_parallel,
     distributed,
@@ -33,7 +34,7 @@ from torch_precompile.driver import (
 )
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
-from torch_precompile.lower import LoweredGraph
+from torch_precompile.lower import LoweredGraph, VariantGraphs
 from torch_precompile.shipped import import_block, shipped_source
 from torch_precompile.spec import ArtifactSpec
 
@@ -53,8 +54,8 @@ _HEADER = '''\
 #
 {checks}
 #
-# Sections: 1. the spec (ARTIFACT_SPEC, the calling convention)  2. the compiled graph,
-# call(flat_inputs)  3. the driver: forward's checks, in call order. Last, the seal.
+# Sections: 1. the spec (ARTIFACT_SPEC, the calling convention)  2. {graphs}
+# 3. the driver: forward's checks, in call order. Last, the seal.
 '''
 
 _CHECKS = (
@@ -104,6 +105,12 @@ _FULLY_SHARDED_NOTE = (
     "gradients as FSDP2 does."
 )
 
+_AUTOGRAD_NOTE = (
+    " Under grad mode, where a tensor that required grad at capture requires grad, results "
+    "carry autograd history: the forward graph runs and backward() runs the backward graph "
+    "(a tensor requiring grad that did not at capture is refused)."
+)
+
 _VARIANTS_NOTE = (
     " This artifact holds {count} variants, one per call captured (section 1 lists each one's "
     "spec): a call runs the first variant whose checks it passes, trying the one that ran last "
@@ -134,9 +141,10 @@ _SUBCLASSES = DriverPart(subclasses, "subclasses", "WrappedCall")
 _PLANNED = DriverPart(planned, None, None)
 _OPTIMIZERS = DriverPart(optimizers, "optimizers", "OptimizerSteps")
 _DATA_PARALLEL = DriverPart(data_parallel, "data_parallel", "DataParallelSteps")
+_AUTOGRAD = DriverPart(autograd, "autograd", "differentiable")
 _VARIANTS = DriverPart(variants, None, None)
 _PART_ORDER = (_VALUES, _FACTS, _MEMO, _PLANNED, _SIZES, _DISTRIBUTED, _SUBCLASSES, _OPTIMIZERS,
-               _DATA_PARALLEL)
+               _DATA_PARALLEL, _AUTOGRAD)
 
 
 def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
@@ -151,7 +159,8 @@ def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
                                       (_SUBCLASSES, bool(spec.wrapped)),
                                       (_OPTIMIZERS, bool(spec.optimizers)),
                                       (_DATA_PARALLEL,
-                                       bool(spec.data_parallel or spec.fully_sharded)))
+                                       bool(spec.data_parallel or spec.fully_sharded)),
+                                      (_AUTOGRAD, spec.autograd is not None))
             if needed]
 
 
@@ -169,87 +178,150 @@ def _has_values(spec: ArtifactSpec) -> bool:
             or any(leaf.kind != "tensor" for leaf in spec.inputs))
 
 
-def render(spec: ArtifactSpec, graphs: Sequence[LoweredGraph], tracer: str = "make_fx") -> str:
-    """Return the artifact's source: one graph per variant of ``spec`` (one, mostly); the
+def render(spec: ArtifactSpec, graphs: Sequence[VariantGraphs], tracer: str = "make_fx") -> str:
+    """Return the artifact's source: the graphs of each variant of ``spec`` (one, mostly); the
     driver's modules are copied in (see ``shipped``)."""
     variants = spec.all_variants
     if len(graphs) != len(variants):
         raise PrecompileError(f"internal: {len(variants)} variants and {len(graphs)} graphs")
     call_example = ", ".join(a.name for a in spec.args)
-    graph_section = _graph_section(variants, graphs)
+    named = _named_graphs(variants, graphs)
+    graph_section = _graph_section(named)
     driver_source = _driver_source([core, *(p.module for p in _all_parts(variants))],
                                    graph_section)
     _check_no_clash(graph_section, driver_source)
+    all_named = [g for per_variant in named for g in per_variant]
     sections = [
         _HEADER.format(
             provenance=_provenance(spec, tracer), call_example=call_example,
-            checks=_checks(variants),
+            checks=_checks(variants), graphs=_graphs_line(all_named),
         ),
         _section(1, "The spec: the calling convention, read by load() without executing"),
         spec.source(_structure_notes(spec)),
-        _section(2, "The compiled graph: call(flat_inputs) -> flat_outputs" if len(graphs) == 1
-                 else f"The compiled graphs, one per variant: call_1 to call_{len(graphs)}"),
+        _section(2, "The compiled graph: call(flat_inputs) -> flat_outputs" if len(all_named) == 1
+                 else "The compiled graphs: " + ", ".join(
+                     f"{g.function}()" if g.lazy else g.name for g in all_named)),
         graph_section,
         _section(3, "The driver: forward and the checks it runs"),
         driver_source,
         "",
         _RULE,
-        *_binding(variants),
+        *_binding(variants, named),
         _MAIN.format(call_example=call_example),
     ]
     return "\n".join(sections)
 
 
-def _binding(variants: Sequence[ArtifactSpec]) -> list[str]:
+@dataclass(frozen=True)
+class _NamedGraph:
+    """A compiled graph as the artifact names it (``call``, ``call_2_backward``), and the
+    comment above it. A lazy one is readied at its first use (a call that needs history),
+    not at load: ``function`` is what the driver is given."""
+
+    name: str
+    comment: str
+    graph: LoweredGraph
+    lazy: bool = False
+
+    @property
+    def function(self) -> str:
+        return self.name.replace("call", "graph", 1)
+
+
+def _named_graphs(specs: Sequence[ArtifactSpec], graphs: Sequence[VariantGraphs]
+                  ) -> list[list[_NamedGraph]]:
+    """Each variant's graphs, named."""
+    named = []
+    for number, (spec, held) in enumerate(zip(specs, graphs, strict=True), 1):
+        base = "call" if len(specs) == 1 else f"call_{number}"
+        whose = (f"Variant {number} of {len(specs)} ({variants.variant_label(spec)})"
+                 if len(specs) > 1 else "The computation")
+        per_variant = [_NamedGraph(base, f"{whose}: the plain graph"
+                                   + (", for calls whose results need no history."
+                                      if held.forward else "."), held.plain)]
+        if held.forward is not None and held.backward is not None:
+            ready = "readied at the first call that needs history"
+            per_variant += [
+                _NamedGraph(f"{base}_forward", f"{whose}: the forward, for calls whose results "
+                            "carry autograd history; it returns the results, then what the "
+                            f"backward needs ({ready}).", held.forward, lazy=True),
+                _NamedGraph(f"{base}_backward", f"{whose}: the backward; it takes the saved "
+                            "values, then one tangent per result with history, and returns "
+                            f"the gradients of the inputs that required grad ({ready}).",
+                            held.backward, lazy=True),
+            ]
+        named.append(per_variant)
+    return named
+
+
+def _graphs_line(named: Sequence[_NamedGraph]) -> str:
+    """What section 2 holds, for the header."""
+    if len(named) == 1:
+        return "the compiled graph, call(flat_inputs)"
+    if any(g.lazy for g in named):
+        return ("the compiled graphs: the plain one,\n# and the forward and backward that "
+                "give results autograd history")
+    return "the compiled graphs, one per variant"
+
+
+def _binding(variants: Sequence[ArtifactSpec], named: Sequence[Sequence[_NamedGraph]]
+             ) -> list[str]:
     """The lines that bind ``forward``."""
-    def keywords(variant: ArtifactSpec) -> str:
-        return "".join(f", {p.keyword}={p.factory}" for p in driver_parts(variant)
+    def keywords(variant: ArtifactSpec, graphs: Sequence[_NamedGraph]) -> str:
+        given = {_AUTOGRAD.keyword: "differentiable("
+                 + ", ".join(g.function for g in graphs[1:]) + ")"}
+        return "".join(f", {p.keyword}={given.get(p.keyword, p.factory)}"
+                       for p in driver_parts(variant)
                        if p.keyword and (p is not _MEMO or variant.model_names))
 
     if len(variants) == 1:
         return ["# forward: the driver over this spec and graph.",
-                f"forward = Driver(ARTIFACT_SPEC, call{keywords(variants[0])})"]
+                f"forward = Driver(ARTIFACT_SPEC, call{keywords(variants[0], named[0])})"]
     return [
         "# forward: a driver over each variant's spec and graph; a call runs the variant it "
         "fits.",
         "forward = Variants([",
-        *(f"    Driver(variant_spec(ARTIFACT_SPEC, {n}), call_{n}{keywords(v)}),"
-          for n, v in enumerate(variants, 1)),
+        *(f"    Driver(variant_spec(ARTIFACT_SPEC, {n}), {graphs[0].name}{keywords(v, graphs)}),"
+          for n, (v, graphs) in enumerate(zip(variants, named, strict=True), 1)),
         "])",
     ]
 
 
-def _graph_section(variants: Sequence[ArtifactSpec], graphs: Sequence[LoweredGraph]) -> str:
-    """The stand-ins the graphs use, once, then the graph (or each variant's, in a function
-    of its own so that their names stay apart)."""
-    stand_ins = list(dict.fromkeys(module for graph in graphs for module in graph.stand_ins))
+def _graph_section(named: Sequence[Sequence[_NamedGraph]]) -> str:
+    """The stand-ins the graphs use, once, then the graphs. A lone variant's plain graph is
+    at the top level; any other graph is in a function of its own, so that names stay apart."""
+    every = [g for per_variant in named for g in per_variant]
+    stand_ins = list(dict.fromkeys(module for g in every for module in g.graph.stand_ins))
     shipped = [shipped_source(module) for module in stand_ins]
     pieces = [*(part.comment for part in shipped),
               import_block([i for part in shipped for i in part.imports]) if shipped else "",
               *(part.body for part in shipped)]
-    if len(graphs) == 1:
-        return "\n".join([*pieces, graphs[0].source]) if shipped else graphs[0].source
-    for number, (variant, graph) in enumerate(zip(variants, graphs, strict=True), 1):
-        pieces.append(_graph_function(number, len(graphs), variant, graph))
+    top_level = every[0] if len(named) == 1 else None
+    if top_level is not None and not shipped and len(every) == 1:
+        return top_level.graph.source
+    if top_level is not None:
+        pieces.append(top_level.graph.source)
+    pieces.extend(_graph_function(g) for g in every if g is not top_level)
     return "\n".join(pieces)
 
 
-def _graph_function(number: int, count: int, variant: ArtifactSpec, graph: LoweredGraph) -> str:
-    source = graph.source
-    if graph.stand_ins:  # an inductor graph: its kernel loader runs inside the function
+def _graph_function(named: _NamedGraph) -> str:
+    source = named.graph.source
+    if named.graph.stand_ins:  # an inductor graph: its kernel loader runs inside the function
         from torch_precompile.internals.inductor import loader_resolving_now
 
         source = loader_resolving_now(source)
+    bound = [] if named.lazy else ["", "", f"{named.name} = {named.function}()"]
     return "\n".join([
         "",
-        f"# Variant {number} of {count}: {variants.variant_label(variant)}.",
-        f"def graph_{number}():",
-        f'    """Variant {number}\'s compiled graph; returns its call(flat_inputs)."""',
+        *textwrap.wrap(named.comment, width=96, initial_indent="# ",
+                       subsequent_indent="# "),
+        f"def {named.function}():",
+        '    """Readies this graph; returns its call(flat_inputs)."""' if named.lazy
+        else f'    """Returns {named.name}(flat_inputs)."""',
         _indented(source).rstrip("\n"),
         "    return call",
-        "",
-        "",
-        f"call_{number} = graph_{number}()",
+        *bound,
         "",
     ])
 
@@ -313,6 +385,8 @@ def _checks(specs: Sequence[ArtifactSpec]) -> str:
         + note(anywhere("fully_sharded"), _FULLY_SHARDED_NOTE),
         layout=note(specs[0].backend == "inductor", _INDUCTOR_LAYOUT),
     )
+    if any(spec.autograd is not None and spec.autograd.outputs for spec in specs):
+        text += _AUTOGRAD_NOTE
     if len(specs) > 1:
         text += _VARIANTS_NOTE.format(count=len(specs))
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")

@@ -37,14 +37,15 @@ class Driver:
     parts its spec needs: ``values`` (nested inputs, Python values, value guards), ``memo``
     (remembers checked models), ``sizes`` (dynamic dims), ``distributed`` (DTensors),
     ``subclasses`` (other tensor subclasses), ``optimizers`` (optimizer arguments) and
-    ``data_parallel`` (DistributedDataParallel models).
+    ``data_parallel`` (DistributedDataParallel models) and ``autograd`` (results with
+    history, where fn runs no backward).
     """
 
     def __init__(self, literal: Mapping[str, Any], call: Callable[[list[Any]], list[Any]], *,
                  values: Any = None, memo: Any = None, sizes: Any = None,
                  distributed: Any = None, subclasses: Any = None,
-                 optimizers: Any = None, data_parallel: Any = None, facts: Any = None
-                 ) -> None:
+                 optimizers: Any = None, data_parallel: Any = None, facts: Any = None,
+                 autograd: Any = None) -> None:
         spec = self.spec = read_spec(literal)
         self.arity = len(spec.args)
         self.arg_names = [a.name for a in spec.args]
@@ -100,6 +101,7 @@ class Driver:
         self.data_parallel = data_parallel(self) if data_parallel is not None else None
         call = call if subclasses is None else subclasses(self, call)
         self.call = call if distributed is None else distributed(self, call)
+        self.autograd = autograd(self) if autograd is not None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the precompiled computation on ``args`` (the captured fn's positional
@@ -150,18 +152,20 @@ class Driver:
         """Run the graph on a checked call, then put its gradients and results in place."""
         state, inputs, stepped = checked
         flat = [*state, *inputs, *stepped]
+        grad_enabled = torch.is_grad_enabled()
+        # Results get history where eager's would: under grad mode, from inputs requiring it.
+        with_history = grad_enabled and self.autograd is not None and self.autograd.wanted(flat)
         if self.separate:  # before anything is written, the averaged gradients included
             check_separate_writes(self, flat)
         if self.data_parallel is not None:
             self.data_parallel.average_left_gradients(args, state)
-        grad_enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
+        torch._C._set_grad_enabled(with_history)
         try:
             # Value guards are read after the graph ran: keep what it writes, to undo it.
             kept = [(flat[i], flat[i].clone()) for i in self.rollback] if self.rollback else ()
             if self.seed is not None:
                 torch.manual_seed(self.seed)
-            outputs = self.call(flat)
+            outputs = self.autograd(flat) if with_history else self.call(flat)
             if self.value_guards:
                 self.values.check_guards(outputs[self.guards_start:], kept)
             if self.grad_indices:
@@ -766,7 +770,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
                      "size_relations", "output_aliases", "meshes", "distributed", "kernels",
                      "optimizers", "param_groups", "optimizer_state", "wrapped",
                      "wrapped_inner", "data_parallel", "fully_sharded", "global_hooks",
-                     "read_values", "ambient", "mutated", "seed", "variants"),
+                     "read_values", "ambient", "mutated", "seed", "autograd", "variants"),
     "TorchBuild": ("version", "git"),
     "Argument": ("name", "is_model", "is_optimizer"),
     "ModelTensor": ("name", "kind", "tied_to", "shape", "dtype", "device", "strides",
@@ -792,6 +796,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "DataParallel": ("argument", "model", "group", "world_size", "sync_grads", "forward_sync"),
     "FullyShardedGroup": ("model", "module", "reshard_after_forward", "param_dtype",
                           "reduce_dtype", "divide_factor"),
+    "Autograd": ("inputs", "outputs", "tangent_strides", "saved", "unavailable"),
 }
 # Which record each list (or, for "torch", the one record) of the spec holds.
 SPEC_LISTS: dict[str, str] = {
@@ -803,6 +808,7 @@ SPEC_LISTS: dict[str, str] = {
     "optimizer_state": "OptimizerState", "wrapped": "WrappedTensor",
     "wrapped_inner": "InnerTensor", "data_parallel": "DataParallel",
     "fully_sharded": "FullyShardedGroup", "read_values": "ReadValue", "ambient": "Ambient",
+    "autograd": "Autograd",
 }
 _RECORD_TYPES = {name: namedtuple(name, fields) for name, fields in SPEC_RECORDS.items()}
 
@@ -814,7 +820,7 @@ def read_spec(literal: Mapping[str, Any]) -> Any:
     for name, record in SPEC_LISTS.items():
         make = _RECORD_TYPES[record]
         value = fields[name]
-        if name in ("torch", "ambient"):  # one record, not a list
+        if name in ("torch", "ambient", "autograd"):  # one record, not a list
             fields[name] = None if value is None else make(**value)
         else:
             fields[name] = tuple(make(**v) for v in value)

@@ -62,6 +62,11 @@ def retrace_for_inductor(fn: Callable[..., Any], inputs: list[torch.Tensor],
         return make_fx(fn, decomposition_table=decompositions)(*fakes)
 
 
+def decomposition_table() -> dict[Any, Any]:
+    """Inductor's decompositions, as the lowering retraces with them."""
+    return _decomposition_table()
+
+
 def _decomposition_table() -> dict[Any, Any]:
     """Inductor's decompositions, with ``cat`` giving the layout eager ``cat`` gives."""
     from torch._inductor.decomposition import select_decomp_table

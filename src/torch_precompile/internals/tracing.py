@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch_precompile.errors import PrecompileError
 
 __all__ = [
+    "BAKED_READS",
     "BatchNormBase",
     "DynamicOutputShapeException",
     "FakeTensor",
@@ -66,6 +67,11 @@ __all__ = [
 ]
 
 check = torch._check
+
+
+# Reads whose value the trace baked (capture guards them); nothing downstream uses the result.
+BAKED_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+               torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default)
 
 
 def compiling() -> contextlib.AbstractContextManager[None]:

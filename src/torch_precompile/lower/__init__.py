@@ -29,3 +29,17 @@ class LoweredGraph:
     input_strides: list[tuple[int, ...] | str | None] | None = None
     kernels: tuple[KernelObject, ...] = ()
     stand_ins: tuple[ModuleType, ...] = ()
+
+
+@dataclass(frozen=True)
+class VariantGraphs:
+    """One variant's compiled graphs: the plain one, and where its results carry autograd
+    history, the forward (results, then what backward needs) and the backward."""
+
+    plain: LoweredGraph
+    forward: LoweredGraph | None = None
+    backward: LoweredGraph | None = None
+
+    @property
+    def all(self) -> list[LoweredGraph]:
+        return [g for g in (self.plain, self.forward, self.backward) if g is not None]

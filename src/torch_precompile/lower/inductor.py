@@ -31,6 +31,7 @@ from torch_precompile.internals.inductor import (
     wrapper_with_stand_ins,
 )
 from torch_precompile.internals.tracing import (
+    BAKED_READS,
     DynamicOutputShapeException,
     FakeTensor,
     operator_schema,
@@ -43,9 +44,6 @@ from torch_precompile.trace.checks import MAX_LITERAL_ELEMENTS, literal_source
 
 aten = torch.ops.aten
 log = logging.getLogger("torch_precompile")
-# Reads whose value the trace baked (capture guards them); nothing downstream uses the result.
-_BAKED_READS = (aten._local_scalar_dense.default, aten.item.default, aten.equal.default,
-                aten.is_nonzero.default)
 # Convolution operators and the positions of their activation arguments.
 _CONVOLUTIONS = {aten.convolution.default: (0,), aten.convolution_backward.default: (0, 1)}
 
@@ -126,7 +124,7 @@ def _lowered(capture: Capture, graph: torch.fx.GraphModule, wrapper: str,
 
 def _has_compute(gm: torch.fx.GraphModule) -> bool:
     return any(
-        n.op == "call_function" and n.target not in _BAKED_READS
+        n.op == "call_function" and n.target not in BAKED_READS
         and n.target is not aten.detach.default
         for n in gm.graph.nodes
     )
@@ -203,7 +201,7 @@ def _prepared_graph(graph: torch.fx.Graph, dynamic: bool) -> torch.fx.Graph:
     copied = copy.deepcopy(graph)
     _reshape_unwritten_views(copied)
     for node in reversed(list(copied.nodes)):
-        if node.op == "call_function" and node.target in _BAKED_READS and not node.users:
+        if node.op == "call_function" and node.target in BAKED_READS and not node.users:
             copied.erase_node(node)
         elif dynamic and node.target in _CONVOLUTIONS:
             for position in _CONVOLUTIONS[node.target]:

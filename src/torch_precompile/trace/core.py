@@ -577,7 +577,7 @@ class _Trace:
         self.on_fakes = on_fakes
 
     def run(self) -> torch.fx.GraphModule:
-        with torch.enable_grad(), _fork_rng(self.examples), differentiable_rnns():
+        with torch.enable_grad(), fork_rng(self.examples), differentiable_rnns():
             if not self.on_fakes:
                 return trace_with_user_lines(self.flat_fn, self.decompositions,
                                              tolerate_data_dependent_ops=True)(*self.examples)
@@ -733,7 +733,7 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _fork_rng(tensors: list[torch.Tensor]) -> Any:
+def fork_rng(tensors: list[torch.Tensor]) -> Any:
     """Run the trace without advancing the caller's random streams (dropout draws)."""
     cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=cuda):

@@ -1,0 +1,110 @@
+"""The module form: a model whose ``forward`` runs its precompiled artifact.
+
+Training code written for ``nn.Module`` (a plain loop, a Trainer, a pipeline stage) takes it
+in place of the model: it holds the model, so ``parameters()``, ``state_dict()``, ``train()``,
+``eval()`` and ``to()`` act on the model itself, and its results carry autograd history (see
+``driver/autograd.py``), so the caller's own ``backward()`` and optimizer work unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torch_precompile.errors import PrecompileError
+
+MODES = ("train", "eval")
+
+
+def call_module(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The computation the module form captures: one call of the model."""
+    return model(*args, **kwargs)
+
+
+class PrecompiledModule(torch.nn.Module):
+    """``model``, with ``forward`` running a precompiled artifact of ``model(*args, **kwargs)``.
+
+    Attributes the wrapper lacks are read from the model (``config``, say). ``state_dict()``
+    and ``load_state_dict()`` are the model's own (no prefix). ``pair`` is the artifact pair
+    (None when made from a loaded artifact); ``save(path)`` writes it.
+    """
+
+    def __init__(self, model: torch.nn.Module, artifact: Callable[..., Any],
+                 pair: tuple[str, bytes | None] | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.__dict__["artifact"] = artifact  # a plain attribute, not a submodule
+        self.__dict__["pair"] = pair
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.artifact(self.model, args, kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "model":
+                raise
+            return getattr(self.model, name)
+
+    def save(self, path: str | os.PathLike[str], *, sign_key: bytes | None = None) -> Path:
+        """Write the artifact pair to ``path`` and its cache beside it (as ``precompile.save``);
+        load it back with ``precompile.module(model, artifact=precompile.load(path))``."""
+        if self.pair is None:
+            raise PrecompileError(
+                "this module was made from a loaded artifact, which keeps no pair to save; "
+                "save the files it was loaded from instead.")
+        from torch_precompile.api import precompile
+
+        return precompile.save(self.pair[0], self.pair[1], path, sign_key=sign_key)
+
+    def __repr__(self) -> str:
+        return f"PrecompiledModule({self.model!r})"
+
+
+def build_module(model: torch.nn.Module, example_inputs: tuple[Any, ...],
+                 example_kwargs: Mapping[str, Any] | None, modes: tuple[str, ...] | None,
+                 options: Any) -> PrecompiledModule:
+    """Capture ``model`` called on the examples, once per mode asked for (each a variant)."""
+    from torch_precompile.api import compile_variant, package, precompile
+
+    if not isinstance(model, torch.nn.Module):
+        raise PrecompileError(
+            f"precompile.module takes an nn.Module first, got {type(model).__name__}.")
+    wanted = modes if modes is not None else (MODES[0] if model.training else MODES[1],)
+    unknown = [m for m in wanted if m not in MODES]
+    if unknown or not wanted:
+        raise PrecompileError(f"modes must name some of {MODES}, got {modes!r}.")
+    kwargs = dict(example_kwargs or {})
+    was_training = model.training
+    variants = []
+    try:
+        for mode in dict.fromkeys(wanted):
+            model.train(mode == "train")
+            # An eval variant serves evaluation, under no_grad: it gets no backward.
+            grad = contextlib.nullcontext() if mode == "train" else torch.no_grad()
+            with grad:
+                variants.append(compile_variant(call_module, (model, example_inputs, kwargs),
+                                                _with_grad_mode(options)))
+    finally:
+        model.train(was_training)
+    pair = package(variants, options)
+    return PrecompiledModule(model, precompile.load(*pair), tuple(pair))
+
+
+def _with_grad_mode(options: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(options, grad_mode=torch.is_grad_enabled())

@@ -1,0 +1,203 @@
+"""The differentiable form: a forward and a backward graph for a capture that runs no backward.
+
+When ``fn`` returns results that depend on tensors requiring grad and runs no backward itself,
+the user's own code will: a training loop, a pipeline schedule. The captured graph is traced
+again through AOTAutograd, which splits forward from backward; each becomes a capture of its
+own for the backend to lower. At a call under grad mode the artifact runs the forward and
+hands the backward to autograd (see ``driver/autograd.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from torch_precompile.errors import PrecompileError
+from torch_precompile.internals.autograd import (
+    is_tangent,
+    returns_alias,
+    split_forward_backward,
+)
+from torch_precompile.internals.tracing import BAKED_READS, rename_node
+from torch_precompile.spec import ArtifactSpec, Autograd
+from torch_precompile.trace.core import Capture, fork_rng
+
+
+@dataclass(frozen=True)
+class Differentiable:
+    """A capture's forward (its outputs, then the saved values) and backward graphs."""
+
+    forward: Capture
+    backward: Capture
+    record: Autograd
+
+
+def differentiable_inputs(spec: ArtifactSpec) -> list[int]:
+    """The flat inputs that required grad at capture (parameters, input tensors)."""
+    tensors = [*spec.interned, *spec.tensor_inputs]
+    return [i for i, t in enumerate(tensors) if t.requires_grad]
+
+
+def why_not_differentiable(spec: ArtifactSpec, dynamic: bool) -> str | None:
+    """Why this capture's results cannot carry history, if they cannot."""
+    reasons = (
+        (dynamic, "dims are marked dynamic"),
+        (bool(spec.meshes), "it takes DTensors"),
+        (bool(spec.wrapped), "it takes tensor subclasses"),
+        (bool(spec.data_parallel or spec.fully_sharded),
+         "it takes DistributedDataParallel or fully_shard models"),
+        (bool(spec.output_aliases), "fn returns an input or a view of one"),
+        (_backward_hooks(spec), "a module has backward hooks (they would run at capture "
+                                "only)"),
+    )
+    for applies, reason in reasons:
+        if applies:
+            return (f"results carry no autograd history because {reason}, which the "
+                    "differentiable form does not support yet")
+    return None
+
+
+def _backward_hooks(spec: ArtifactSpec) -> bool:
+    """Whether a module or the process holds module backward hooks."""
+    sets = [*spec.global_hooks, *(h for m in spec.submodules for h in m.hooks)]
+    return any(kind.startswith("backward") and names for kind, names in sets)
+
+
+def differentiate(capture: Capture, backend: str,
+                  decompositions: Mapping[Any, Callable[..., Any]] | None) -> Differentiable:
+    """Split ``capture`` (whose fn ran no backward) into its forward and backward."""
+    inputs = differentiable_inputs(capture.spec)
+    gm = capture.graph
+    outputs = list(gm.graph.output_node().args[0])
+    tensor_slots = [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)]
+    copies = {i for i in tensor_slots if returns_alias(outputs[i])}
+    num_flat = len(capture.example_inputs)
+    interpreter = torch.fx.Interpreter(_without_baked_reads(gm))
+
+    def pure(*flat: torch.Tensor) -> list[torch.Tensor]:
+        results = interpreter.run(*flat)
+        return [results[i].clone() if i in copies else results[i] for i in tensor_slots]
+
+    # Copies: the traced run writes what fn writes (BatchNorm statistics), and the examples
+    # include the caller's own buffers.
+    examples = [t.detach().clone().requires_grad_(i in inputs)
+                for i, t in enumerate([*capture.example_inputs, *capture.literals])]
+    # The graph already holds autocast's casts: it is traced with autocast off.
+    with fork_rng(examples), contextlib.ExitStack() as stack:
+        for device in sorted({t.device.type for t in examples}):
+            stack.enter_context(torch.autocast(device, enabled=False))
+        split = split_forward_backward(pure, examples, min_cut=backend == "inductor",
+                                       decompositions=decompositions)
+    mutated = split.written
+    with_history = [n for n, o in enumerate(split.outputs) if o.requires_grad]
+    placeholders = list(split.backward.graph.find_nodes(op="placeholder"))
+    num_tangents = sum(is_tangent(p) for p in placeholders)
+    if num_tangents != len(with_history):
+        raise PrecompileError(
+            f"internal: the backward takes {num_tangents} tangents for {len(with_history)} "
+            "results with history")
+    num_saved = len(placeholders) - num_tangents
+    # AOTAutograd returns the new values of the inputs fn writes (BatchNorm statistics) first;
+    # the forward graph writes them back, as the capture did.
+    forward = _forward_graph(split.forward, gm, outputs, tensor_slots, mutated, num_saved)
+    backward = _backward_graph(split.backward, num_flat, inputs)
+    saved_values = [p.meta.get("val") for p in placeholders if not is_tangent(p)]
+    saved_nodes = list(forward.graph.output_node().args[0])[len(outputs):]
+    record = Autograd(
+        inputs=tuple(inputs), outputs=tuple(tensor_slots[n] for n in with_history),
+        tangent_strides=tuple(tuple(split.outputs[n].stride()) for n in with_history),
+        saved=tuple(_saved_entry(node, value)
+                    for node, value in zip(saved_nodes, saved_values, strict=True)))
+    backward_examples = [*(_example(v) for v in saved_values),
+                         *(torch.zeros_like(split.outputs[n]) for n in with_history)]
+    return Differentiable(
+        dataclasses.replace(capture, graph=forward),
+        Capture(backward, [], _backward_spec(capture.spec), backward_examples),
+        record)
+
+
+def _without_baked_reads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy without the reads of tensor values the trace decided on (the value guards check
+    them): they cannot run on the fake tensors AOTAutograd traces with."""
+    graph = copy.deepcopy(gm.graph)
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and node.target in BAKED_READS and not node.users:
+            graph.erase_node(node)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _forward_graph(aot_forward: torch.fx.GraphModule, captured: torch.fx.GraphModule,
+                   outputs: list[Any], tensor_slots: list[int], mutated: list[int],
+                   num_saved: int) -> torch.fx.GraphModule:
+    """AOTAutograd's forward with the capture's calling convention: the same inputs (named
+    as the capture names them), the writes to mutated inputs done in the graph, the capture's
+    outputs (constants included), then the saved values."""
+    graph = aot_forward.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    for node, original in zip(placeholders, captured.graph.find_nodes(op="placeholder"),
+                              strict=True):
+        rename_node(node, original.name)
+        node.target = node.name
+    output = graph.output_node()
+    values = list(output.args[0])
+    new_values, rest = values[:len(mutated)], values[len(mutated):]
+    if len(rest) != len(tensor_slots) + num_saved:
+        raise PrecompileError(
+            "internal: AOTAutograd's forward returns values this package does not place "
+            f"({len(values)} for {len(mutated)} written inputs, {len(tensor_slots)} results "
+            f"and {num_saved} saved values)")
+    with graph.inserting_before(output):
+        for index, value in zip(mutated, new_values, strict=True):
+            graph.call_function(torch.ops.aten.copy_.default, (placeholders[index], value))
+    results = list(outputs)
+    for slot, value in zip(tensor_slots, rest, strict=False):
+        results[slot] = value
+    output.args = ([*results, *rest[len(tensor_slots):]],)
+    graph.lint()
+    gm = torch.fx.GraphModule(aot_forward, graph)
+    gm.recompile()
+    return gm
+
+
+def _backward_graph(aot_backward: torch.fx.GraphModule, num_flat: int, inputs: list[int]
+                    ) -> torch.fx.GraphModule:
+    """AOTAutograd's backward, returning a gradient for each differentiable flat input only
+    (literals and other inputs get none)."""
+    graph = aot_backward.graph
+    output = graph.output_node()
+    grads = list(output.args[0])[:num_flat]
+    output.args = ([grads[i] for i in inputs],)
+    graph.eliminate_dead_code()
+    gm = torch.fx.GraphModule(aot_backward, graph)
+    gm.recompile()
+    return gm
+
+
+def _backward_spec(spec: ArtifactSpec) -> ArtifactSpec:
+    """The spec a lowering reads for the backward graph: no driver-checked inputs (Inductor
+    keeps its own layout asserts), no aliases, nothing written."""
+    return dataclasses.replace(spec, model=(), inputs=(), output_aliases=(), mutated=(),
+                               value_guards=(), variants=())
+
+
+def _example(value: Any) -> torch.Tensor:
+    """A real tensor standing in for a saved value the backward graph takes."""
+    if not isinstance(value, torch.Tensor):
+        raise PrecompileError(
+            "internal: the backward graph takes a saved value that is not a tensor")
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                               device=value.device).zero_()
+
+
+def _saved_entry(node: torch.fx.Node, value: torch.Tensor) -> str:
+    """What a saved value is, for ``inspect``: a flat input by name, or an activation."""
+    shape = ", ".join(str(s) for s in value.shape)
+    kind = node.name if node.op == "placeholder" else "activation"
+    return f"{kind}: {str(value.dtype).removeprefix('torch.')}[{shape}]"
