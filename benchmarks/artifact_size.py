@@ -43,10 +43,11 @@ def measure(name, code):
                  "driver_lines": driver_lines(code),
                  "generated_lines": generated.pop() if generated else 0})
 
-measure("eager Linear(4, 4)", precompile(lambda m, x: m(x), torch.nn.Linear(4, 4),
-                                         torch.randn(2, 4), backend="eager")[0])
-for kind in ("infer", "train"):
-    measure(f"inductor demo {kind}", precompile(demo.WORKLOADS[kind], *demo.example(kind))[0])
+with torch.no_grad():  # inference artifacts, as a server builds them
+    measure("eager Linear(4, 4)", precompile(lambda m, x: m(x), torch.nn.Linear(4, 4),
+                                             torch.randn(2, 4), backend="eager")[0])
+    measure("inductor demo infer", precompile(demo.WORKLOADS["infer"], *demo.example("infer"))[0])
+measure("inductor demo train", precompile(demo.WORKLOADS["train"], *demo.example("train"))[0])
 print(json.dumps(rows))
 """
 

@@ -36,7 +36,7 @@ RESULT = "BUILD_TIME_RESULT "
 TOOLS = ("precompile", "precompile-cpp", "torch.compile", "aoti")
 
 _CHILD = r"""
-import json, logging, os, re, resource, sys, time
+import contextlib, json, logging, os, re, resource, sys, time
 import torch
 from torch import nn
 logging.getLogger().setLevel(logging.ERROR)
@@ -70,7 +70,8 @@ start = time.perf_counter()
 if tool.startswith("precompile"):
     from torch_precompile import precompile
     wrapper = "cpp" if tool == "precompile-cpp" else "auto"
-    code, cache = precompile(fn, model, *inputs, wrapper=wrapper)
+    with torch.no_grad() if mode == "infer" else contextlib.nullcontext():  # no backward
+        code, cache = precompile(fn, model, *inputs, wrapper=wrapper)
     kind = "C++" if "cpp_wrapper_src" in code else "Python"
 elif tool == "torch.compile":
     compiled = torch.compile(fn)

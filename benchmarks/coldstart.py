@@ -251,7 +251,9 @@ def _build(mode: str, workload: str, workdir: Path) -> dict[str, Any]:
         wrapper, name = ("cpp", "ours_cpp") if mode == "build-ours-cpp" else ("python", "ours")
         start = time.perf_counter()
         mark_dynamic_dims(workload, inputs)
-        code, cache = precompile(fn, model, *inputs, wrapper=wrapper)
+        # An inference artifact is built under no_grad, as a server builds it: no backward.
+        with torch.no_grad() if workload in NO_GRAD_WORKLOADS else contextlib.nullcontext():
+            code, cache = precompile(fn, model, *inputs, wrapper=wrapper)
         seconds = time.perf_counter() - start
         (workdir / f"{name}.py").write_text(code)
         (workdir / f"{name}.cache").write_bytes(cache)

@@ -29,7 +29,8 @@ sys.path.insert(0, {benchmarks!r})
 from coldstart import build_workload
 from torch_precompile import precompile
 fn, model, inputs = build_workload({workload!r})
-code, cache = precompile(fn, model, *inputs)
+with torch.no_grad():  # an inference artifact, as a server builds it
+    code, cache = precompile(fn, model, *inputs)
 open({out!r} + ".py", "w").write(code)
 open({out!r} + ".cache", "wb").write(cache)
 """

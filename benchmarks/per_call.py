@@ -85,9 +85,10 @@ def approaches(workload: str, batch: int, workdir: Path) -> dict[str, Callable[[
     builtin = _builtin(fn, model, inputs, workdir)
     if builtin is not None:
         runs["torch.compiler.precompile"] = lambda: builtin(model, *inputs)
-    forward = precompile.load(*precompile(fn, model, *inputs))
+    with torch.no_grad():  # inference artifacts, as a server builds them
+        forward = precompile.load(*precompile(fn, model, *inputs))
+        with_python = precompile.load(*precompile(fn, model, *inputs, wrapper="python"))
     runs["ours (default)"] = lambda: forward(model, *inputs)
-    with_python = precompile.load(*precompile(fn, model, *inputs, wrapper="python"))
     runs["ours, wrapper='python'"] = lambda: with_python(model, *inputs)
     driver = forward._forward  # the artifact's Driver: its compiled call, checked tensors
     state = type(driver).__call__.__globals__["model_tensors"](driver, [model])
