@@ -7,7 +7,8 @@ It compares its stage's parameters with single-process eager on the whole model 
 same micro-batches, the loss of each averaged as the schedule scales it) and writes
 ``OUT/rank{RANK}.json``: per case, the largest difference or the error raised. The case
 ``save_<backend>`` trains two steps and saves each stage's pair and state; a later run's
-``resume_<backend>`` restarts from them and trains the third.
+``resume_<backend>`` restarts from them and trains the third. In ``onerank_<backend>`` rank 0
+builds every stage (``precompile.stages``).
 """
 
 from __future__ import annotations
@@ -135,8 +136,25 @@ def resume_case(rank: int, world: int, backend: str, out: Path) -> dict[str, Any
     return {**compared(stage_module, rank, world), "build_modules": built}
 
 
+def one_rank_case(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """Rank 0 builds every stage; each rank trains its own under 1F1B."""
+
+    def make_stage(index: int) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+        example = torch.randn(BATCH // MICRO_BATCHES, DIM, requires_grad=index > 0)
+        return stage_of(make_model(), index, world), (example,)
+
+    wrapped = precompile.stages(make_stage, world, rank, backend=backend)
+    built = [name for name in sys.modules
+             if name.startswith(("torch_precompile.trace", "torch_precompile.lower"))]
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=0.05)
+    train(wrapped, opt, rank, world, "1f1b", range(STEPS))
+    return {**compared(wrapped.model, rank, world), "build_modules": built}
+
+
 def run_case(case: str, rank: int, world: int, out: Path) -> dict[str, Any]:
     kind, backend = case.split("_")
+    if kind == "onerank":
+        return one_rank_case(rank, world, backend)
     if kind == "save":
         return save_case(rank, world, backend, out)
     if kind == "resume":

@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(),
                                  reason="torch.distributed is not built into this torch"),
               pytest.mark.timeout(1200)]
 CASES = ["gpipe_eager", "1f1b_eager", "gpipe_inductor", "1f1b_inductor"]
+ONE_RANK = ["onerank_eager", "onerank_inductor"]
 TOLERANCE = 1e-5
 
 
@@ -23,7 +24,7 @@ TOLERANCE = 1e-5
 def stages(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> list[dict[str, Any]]:
     world = request.param
-    return run_ranks(world, CASES, tmp_path_factory.mktemp(f"pipeline{world}"),
+    return run_ranks(world, [*ONE_RANK, *CASES], tmp_path_factory.mktemp(f"pipeline{world}"),
                      worker="pipeline_worker.py")
 
 
@@ -34,6 +35,15 @@ def test_precompiled_stages_train_like_eager(stages: list[dict[str, Any]], case:
         assert "error" not in result, f"rank {rank}: {result.get('traceback', result)}"
         assert result["differentiable"], rank
         assert result["moved"] > 1e-3, rank  # the stage trained at all
+        assert result["max_diff"] <= TOLERANCE, (rank, result["max_diff"])
+
+
+@pytest.mark.parametrize("case", ONE_RANK)
+def test_one_rank_builds_every_stage(stages: list[dict[str, Any]], case: str) -> None:
+    for rank, report in enumerate(stages):
+        result = report[case]
+        assert "error" not in result, f"rank {rank}: {result.get('traceback', result)}"
+        assert bool(result["build_modules"]) == (rank == 0), rank  # only rank 0 built
         assert result["max_diff"] <= TOLERANCE, (rank, result["max_diff"])
 
 

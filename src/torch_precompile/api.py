@@ -156,14 +156,28 @@ class Precompile:
                     "precompile.module(model, artifact=...) wraps a loaded artifact as it is; "
                     "it takes no examples, modes or build options.")
             return PrecompiledModule(model, artifact)
-        unknown = sorted(set(options) - _MODULE_OPTIONS)
-        if unknown:
-            raise PrecompileError(
-                f"precompile.module got unknown keywords {unknown}; it takes precompile()'s "
-                f"build keywords ({', '.join(sorted(_MODULE_OPTIONS))}).")
-        build_options = BuildOptions(**options)
         return build_module(model, example_inputs, example_kwargs,
-                            tuple(modes) if modes is not None else None, build_options)
+                            tuple(modes) if modes is not None else None,
+                            _module_options(options))
+
+    def stages(
+        self,
+        make_stage: Callable[[int], tuple[Any, tuple[Any, ...]]],
+        num_stages: int,
+        stage_index: int,
+        **options: Any,
+    ) -> PrecompiledModule:
+        """Pipeline stages built on one rank: this rank's stage in the module form.
+
+        Call it on every rank of an initialized default process group. ``make_stage(i)``
+        returns stage ``i``'s module and example inputs (a later stage's input requiring
+        grad, as the schedule passes it). Rank 0 builds every stage's pair and sends them to
+        every rank (the others trace and compile nothing); each rank then wraps its own stage,
+        ``make_stage(stage_index)``'s module. ``options`` as for ``module``.
+        """
+        from torch_precompile.module_form import build_stages
+
+        return build_stages(make_stage, num_stages, stage_index, _module_options(options))
 
     def save(
         self,
@@ -217,6 +231,15 @@ class Precompile:
 
 
 _MODULE_OPTIONS = {"backend", "wrapper", "decompositions", "sign_key", "progress"}
+
+
+def _module_options(options: Mapping[str, Any]) -> BuildOptions:
+    unknown = sorted(set(options) - _MODULE_OPTIONS)
+    if unknown:
+        raise PrecompileError(
+            f"got unknown keywords {unknown}; the module form takes precompile()'s build "
+            f"keywords ({', '.join(sorted(_MODULE_OPTIONS))}).")
+    return BuildOptions(**options)
 
 
 def _grad_mode() -> bool:

@@ -77,8 +77,18 @@ class PrecompiledModule(torch.nn.Module):
 def build_module(model: torch.nn.Module, example_inputs: tuple[Any, ...],
                  example_kwargs: Mapping[str, Any] | None, modes: tuple[str, ...] | None,
                  options: Any) -> PrecompiledModule:
+    """``model`` wrapped with the artifact of its call on the examples (see ``module_pair``)."""
+    from torch_precompile.api import precompile
+
+    pair = module_pair(model, example_inputs, example_kwargs, modes, options)
+    return PrecompiledModule(model, precompile.load(*pair), pair)
+
+
+def module_pair(model: torch.nn.Module, example_inputs: tuple[Any, ...],
+                example_kwargs: Mapping[str, Any] | None, modes: tuple[str, ...] | None,
+                options: Any) -> tuple[str, bytes | None]:
     """Capture ``model`` called on the examples, once per mode asked for (each a variant)."""
-    from torch_precompile.api import compile_variant, package, precompile
+    from torch_precompile.api import compile_variant, package
 
     if not isinstance(model, torch.nn.Module):
         raise PrecompileError(
@@ -100,11 +110,34 @@ def build_module(model: torch.nn.Module, example_inputs: tuple[Any, ...],
                                                 _with_grad_mode(options)))
     finally:
         model.train(was_training)
-    pair = package(variants, options)
-    return PrecompiledModule(model, precompile.load(*pair), tuple(pair))
+    code, cache = package(variants, options)
+    return code, cache
 
 
 def _with_grad_mode(options: Any) -> Any:
     import dataclasses
 
     return dataclasses.replace(options, grad_mode=torch.is_grad_enabled())
+
+
+def build_stages(make_stage: Callable[[int], tuple[torch.nn.Module, tuple[Any, ...]]],
+                 num_stages: int, stage_index: int, options: Any) -> PrecompiledModule:
+    """Rank 0 of the default process group builds every pipeline stage's pair and sends them
+    to every rank; this rank wraps its own stage (``make_stage(stage_index)``) with its pair."""
+    from torch_precompile.api import precompile
+    from torch_precompile.one_rank import build_on_rank_zero
+
+    if not 0 <= stage_index < num_stages:
+        raise PrecompileError(
+            f"stage_index must be in 0..{num_stages - 1}, got {stage_index}.")
+
+    def build_all() -> list[tuple[str, bytes | None]]:
+        built = []
+        for index in range(num_stages):
+            module, examples = make_stage(index)
+            built.append(module_pair(module, tuple(examples), None, None, options))
+        return built
+
+    pairs = build_on_rank_zero(build_all)
+    module, _ = make_stage(stage_index)
+    return PrecompiledModule(module, precompile.load(*pairs[stage_index]), pairs[stage_index])

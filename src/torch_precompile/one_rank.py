@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 from torch_precompile.errors import PrecompileError
 
+Built = TypeVar("Built")
 
-def build_on_rank_zero(build: Callable[[], tuple[str, bytes]]) -> tuple[str, bytes]:
-    """Run ``build`` on rank 0 of the default process group and broadcast its pair (or its
-    failure) to every rank; the other ranks trace, lower and compile nothing."""
+
+def build_on_rank_zero(build: Callable[[], Built]) -> Built:
+    """Run ``build`` on rank 0 of the default process group and broadcast what it made (a
+    pair, or a list of pairs; or its failure) to every rank; the other ranks trace, lower and
+    compile nothing."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -35,5 +39,5 @@ def build_on_rank_zero(build: Callable[[], tuple[str, bytes]]) -> tuple[str, byt
         raise PrecompileError(
             f"rank 0 could not precompile, so no rank has an artifact: {payload}"
         )
-    code, cache = payload  # type: ignore[misc]
-    return code, cache
+    built: Built = payload
+    return built
