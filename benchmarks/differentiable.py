@@ -89,6 +89,18 @@ def whole_step(model, ids, targets):
     return loss.detach()
 """
 
+# Run in each measured process: the median time of ``steps`` steps after three.
+TIMING = r"""
+def steady_step_ms(step, steps):
+    times = []
+    for i in range(1, steps + 4):
+        t = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - t)
+    steady = sorted(times[3:])
+    return 1e3 * steady[len(steady) // 2]
+"""
+
 _CHILD = r"""
 import time
 start = time.perf_counter()
@@ -135,14 +147,9 @@ def step(i):
 before = rss_kib("VmRSS:")
 first_loss = step(0).item()
 first = time.perf_counter() - start
-times = []
-for i in range(1, steps + 4):
-    t = time.perf_counter()
-    step(i)
-    times.append(time.perf_counter() - t)
-steady = sorted(times[3:])
+exec({timing!r})
 print({result!r} + json.dumps({{
-    "first_s": first, "import_s": torch_imported, "step_ms": 1e3 * steady[len(steady) // 2],
+    "first_s": first, "import_s": torch_imported, "step_ms": steady_step_ms(step, steps),
     "peak_mib": (rss_kib("VmHWM:") - before) / 1024, "first_loss": first_loss}}))
 """
 
@@ -194,7 +201,7 @@ def main() -> None:
         rows = {}
         for tool in args.tools.split(","):
             runs = [_child(_CHILD.format(model=MODEL, tool=tool, pairs=pairs, steps=args.steps,
-                                         result=RESULT), work / f"{tool}{n}")
+                                         result=RESULT, timing=TIMING), work / f"{tool}{n}")
                     for n in range(args.runs)]
             rows[tool] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
             print(tool, json.dumps(rows[tool]))
