@@ -21,6 +21,7 @@ import torch.fx
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.autograd import (
+    SplitGraphs,
     is_tangent,
     returns_alias,
     split_forward_backward,
@@ -77,24 +78,7 @@ def differentiate(capture: Capture, backend: str,
     gm = capture.graph
     outputs = list(gm.graph.output_node().args[0])
     tensor_slots = [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)]
-    copies = {i for i in tensor_slots if returns_alias(outputs[i])}
-    num_flat = len(capture.example_inputs)
-    interpreter = torch.fx.Interpreter(_without_baked_reads(gm))
-
-    def pure(*flat: torch.Tensor) -> list[torch.Tensor]:
-        results = interpreter.run(*flat)
-        return [results[i].clone() if i in copies else results[i] for i in tensor_slots]
-
-    # Copies: the traced run writes what fn writes (BatchNorm statistics), and the examples
-    # include the caller's own buffers.
-    examples = [t.detach().clone().requires_grad_(i in inputs)
-                for i, t in enumerate([*capture.example_inputs, *capture.literals])]
-    # The graph already holds autocast's casts: it is traced with autocast off.
-    with fork_rng(examples), contextlib.ExitStack() as stack:
-        for device in sorted({t.device.type for t in examples}):
-            stack.enter_context(torch.autocast(device, enabled=False))
-        split = split_forward_backward(pure, examples, min_cut=backend == "inductor",
-                                       decompositions=decompositions)
+    split = _traced(capture, inputs, tensor_slots, backend, decompositions)
     mutated = split.written
     with_history = [n for n, o in enumerate(split.outputs) if o.requires_grad]
     placeholders = list(split.backward.graph.find_nodes(op="placeholder"))
@@ -107,7 +91,7 @@ def differentiate(capture: Capture, backend: str,
     # AOTAutograd returns the new values of the inputs fn writes (BatchNorm statistics) first;
     # the forward graph writes them back, as the capture did.
     forward = _forward_graph(split.forward, gm, outputs, tensor_slots, mutated, num_saved)
-    backward = _backward_graph(split.backward, num_flat, inputs)
+    backward = _backward_graph(split.backward, len(capture.example_inputs), inputs)
     saved_values = [p.meta.get("val") for p in placeholders if not is_tangent(p)]
     saved_nodes = list(forward.graph.output_node().args[0])[len(outputs):]
     record = Autograd(
@@ -121,6 +105,30 @@ def differentiate(capture: Capture, backend: str,
         dataclasses.replace(capture, graph=forward),
         Capture(backward, [], _backward_spec(capture.spec), backward_examples),
         record)
+
+
+def _traced(capture: Capture, inputs: list[int], tensor_slots: list[int], backend: str,
+            decompositions: Mapping[Any, Callable[..., Any]] | None) -> SplitGraphs:
+    """AOTAutograd's forward and backward of the captured graph's tensor results; a result
+    that may alias an input or another result is returned as a copy."""
+    outputs = list(capture.graph.graph.output_node().args[0])
+    copies = {i for i in tensor_slots if returns_alias(outputs[i])}
+    interpreter = torch.fx.Interpreter(_without_baked_reads(capture.graph))
+
+    def pure(*flat: torch.Tensor) -> list[torch.Tensor]:
+        results = interpreter.run(*flat)
+        return [results[i].clone() if i in copies else results[i] for i in tensor_slots]
+
+    # Copies: the traced run writes what fn writes (BatchNorm statistics), and the examples
+    # include the caller's own buffers.
+    examples = [t.detach().clone().requires_grad_(i in inputs)
+                for i, t in enumerate([*capture.example_inputs, *capture.literals])]
+    # The graph already holds autocast's casts: it is traced with autocast off.
+    with fork_rng(examples), contextlib.ExitStack() as stack:
+        for device in sorted({t.device.type for t in examples}):
+            stack.enter_context(torch.autocast(device, enabled=False))
+        return split_forward_backward(pure, examples, min_cut=backend == "inductor",
+                                      decompositions=decompositions)
 
 
 def _without_baked_reads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
