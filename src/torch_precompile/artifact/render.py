@@ -54,8 +54,7 @@ _HEADER = '''\
 #
 {checks}
 #
-# Sections: 1. the spec (ARTIFACT_SPEC, the calling convention)  2. {graphs}
-# 3. the driver: forward's checks, in call order. Last, the seal.
+{sections}
 '''
 
 _CHECKS = (
@@ -194,7 +193,7 @@ def render(spec: ArtifactSpec, graphs: Sequence[VariantGraphs], tracer: str = "m
     sections = [
         _HEADER.format(
             provenance=_provenance(spec, tracer), call_example=call_example,
-            checks=_checks(variants), graphs=_graphs_line(all_named),
+            checks=_checks(variants), sections=_sections_line(all_named),
         ),
         _section(1, "The spec: the calling convention, read by load() without executing"),
         spec.source(_structure_notes(spec)),
@@ -254,14 +253,18 @@ def _named_graphs(specs: Sequence[ArtifactSpec], graphs: Sequence[VariantGraphs]
     return named
 
 
-def _graphs_line(named: Sequence[_NamedGraph]) -> str:
-    """What section 2 holds, for the header."""
+def _sections_line(named: Sequence[_NamedGraph]) -> str:
+    """The header's list of sections; what section 2 holds depends on the graphs."""
     if len(named) == 1:
-        return "the compiled graph, call(flat_inputs)"
-    if any(g.lazy for g in named):
-        return ("the compiled graphs: the plain one,\n# and the forward and backward that "
-                "give results autograd history")
-    return "the compiled graphs, one per variant"
+        graphs = "the compiled graph, call(flat_inputs)"
+    elif any(g.lazy for g in named):
+        graphs = ("the compiled graphs: the plain one, and the forward and backward that give "
+                  "results autograd history")
+    else:
+        graphs = "the compiled graphs, one per variant"
+    text = (f"Sections: 1. the spec (ARTIFACT_SPEC, the calling convention)  2. {graphs}  "
+            "3. the driver: forward's checks, in call order. Last, the seal.")
+    return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
 
 
 def _binding(variants: Sequence[ArtifactSpec], named: Sequence[Sequence[_NamedGraph]]
