@@ -131,7 +131,7 @@ class CachedAttention(nn.Module):
         return (q @ k.transpose(-2, -1)).softmax(-1) @ v
 
 
-@pytest.mark.parametrize("disabled", ["_decomposition_table", "_reshape_unwritten_views"])
+@pytest.mark.parametrize("disabled", ["_decomposition_table", "reshape_unwritten_views"])
 def test_cat_of_empty_cache_then_view_inductor(disabled: str, monkeypatch) -> None:
     """Either half of the fix (eager's layout for cat, reshape for views nobody writes
     through) suffices on its own."""
@@ -142,7 +142,7 @@ def test_cat_of_empty_cache_then_view_inductor(disabled: str, monkeypatch) -> No
 
     module = layer if disabled == "_decomposition_table" else lowering
     stand_in = {"_decomposition_table": lambda: dict(select_decomp_table()),
-                "_reshape_unwritten_views": lambda graph: None}[disabled]
+                "reshape_unwritten_views": lambda graph: None}[disabled]
     monkeypatch.setattr(module, disabled, stand_in)
     torch.manual_seed(0)
     model, x = CachedAttention(), torch.randn(2, 4, 8)
@@ -153,7 +153,7 @@ def test_cat_of_empty_cache_then_view_inductor(disabled: str, monkeypatch) -> No
 def test_views_written_through_stay_views() -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_precompile.lower.inductor import _reshape_unwritten_views
+    from torch_precompile.internals.tracing import reshape_unwritten_views
 
     def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x.view(6).add_(1)  # written through: must stay a view
@@ -161,7 +161,7 @@ def test_views_written_through_stay_views() -> None:
         return y.view(3, 2) * 2  # never written: may become a reshape
 
     graph = make_fx(fn)(torch.zeros(2, 3), torch.zeros(2, 3)).graph
-    _reshape_unwritten_views(graph)
+    reshape_unwritten_views(graph)
     targets = [n.target for n in graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.aten.view.default) == 2
     assert targets.count(torch.ops.aten.reshape.default) == 1

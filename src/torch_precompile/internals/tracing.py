@@ -58,6 +58,7 @@ __all__ = [
     "plain_checkpoints",
     "rename_node",
     "reparametrize_module",
+    "reshape_unwritten_views",
     "set_size_hint",
     "size_function_types",
     "symbol_pinning",
@@ -353,3 +354,42 @@ def padded_lengths_in_python() -> Iterator[None]:
             del torch._VF._pad_packed_sequence
         else:
             torch._VF._pad_packed_sequence = saved  # type: ignore[attr-defined]
+
+
+def reshape_unwritten_views(graph: torch.fx.Graph) -> None:
+    """Turn ``view`` into ``reshape`` where no in-place op writes the viewed memory.
+
+    The trace recorded each ``view`` on the strides eager produced. The retrace runs Inductor's
+    decompositions, which need not reproduce every intermediate's strides, and ``view`` fails
+    on strides it cannot reinterpret. ``reshape`` is the same view wherever the strides allow
+    one, and a copy elsewhere; a copy is equal in value as long as nothing writes through the
+    view or its base, which is checked: views of memory written in place stay views.
+    """
+    import operator
+
+    roots: dict[torch.fx.Node, torch.fx.Node] = {}
+    written: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        roots[node] = node
+        if node.op != "call_function":
+            continue
+        source = node.args[0] if node.args else None
+        if node.target is operator.getitem and isinstance(source, torch.fx.Node):
+            roots[node] = roots[source]
+            continue
+        schema = operator_schema(node.target)
+        if schema is None:
+            continue
+        bound = dict(zip((a.name for a in schema.arguments), node.args, strict=False))
+        bound.update(node.kwargs)
+        for argument in schema.arguments:
+            value = bound.get(argument.name)
+            if argument.alias_info is None or not isinstance(value, torch.fx.Node):
+                continue
+            if argument.alias_info.is_write:
+                written.add(roots[value])
+            if schema.returns and schema.returns[0].alias_info is not None:
+                roots[node] = roots[value]  # a view (or list of views) of this argument
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.view.default and roots[node] not in written:
+            node.target = torch.ops.aten.reshape.default

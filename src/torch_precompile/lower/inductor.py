@@ -34,7 +34,7 @@ from torch_precompile.internals.tracing import (
     BAKED_READS,
     DynamicOutputShapeException,
     FakeTensor,
-    operator_schema,
+    reshape_unwritten_views,
 )
 from torch_precompile.lower import WRAPPER_LINE, LoweredGraph
 from torch_precompile.lower.kernels import collect_built_kernels
@@ -199,7 +199,7 @@ def _prepared_graph(graph: torch.fx.Graph, dynamic: bool) -> torch.fx.Graph:
     import copy
 
     copied = copy.deepcopy(graph)
-    _reshape_unwritten_views(copied)
+    reshape_unwritten_views(copied)
     for node in reversed(list(copied.nodes)):
         if node.op == "call_function" and node.target in BAKED_READS and not node.users:
             copied.erase_node(node)
@@ -212,47 +212,6 @@ def _prepared_graph(graph: torch.fx.Graph, dynamic: bool) -> torch.fx.Graph:
                     )
                 node.update_arg(position, contiguous)
     return copied
-
-
-def _reshape_unwritten_views(graph: torch.fx.Graph) -> None:
-    """Turn ``view`` into ``reshape`` where no in-place op writes the viewed memory.
-
-    The trace recorded each ``view`` on the strides eager produced. The retrace runs Inductor's
-    decompositions, which need not reproduce every intermediate's strides, and ``view`` fails
-    on strides it cannot reinterpret. ``reshape`` is the same view wherever the strides allow
-    one, and a copy elsewhere; a copy is equal in value as long as nothing writes through the
-    view or its base, which is checked: views of memory written in place stay views.
-    """
-    import operator
-
-    roots: dict[torch.fx.Node, torch.fx.Node] = {}
-    written: set[torch.fx.Node] = set()
-    for node in graph.nodes:
-        roots[node] = node
-        if node.op != "call_function":
-            continue
-        source = node.args[0] if node.args else None
-        if node.target is operator.getitem and isinstance(source, torch.fx.Node):
-            roots[node] = roots[source]
-            continue
-        schema = operator_schema(node.target)
-        if schema is None:
-            continue
-        bound = dict(zip((a.name for a in schema.arguments), node.args, strict=False))
-        bound.update(node.kwargs)
-        for argument in schema.arguments:
-            value = bound.get(argument.name)
-            if argument.alias_info is None or not isinstance(value, torch.fx.Node):
-                continue
-            if argument.alias_info.is_write:
-                written.add(roots[value])
-            if schema.returns and schema.returns[0].alias_info is not None:
-                roots[node] = roots[value]  # a view (or list of views) of this argument
-    for node in graph.nodes:
-        if node.target is aten.view.default and roots[node] not in written:
-            node.target = aten.reshape.default
-
-
 
 
 def _compile_wrapper(graph: torch.fx.GraphModule, capture: Capture, kind: str

@@ -26,7 +26,11 @@ from torch_precompile.internals.autograd import (
     returns_alias,
     split_forward_backward,
 )
-from torch_precompile.internals.tracing import BAKED_READS, rename_node
+from torch_precompile.internals.tracing import (
+    BAKED_READS,
+    rename_node,
+    reshape_unwritten_views,
+)
 from torch_precompile.spec import ArtifactSpec, Autograd
 from torch_precompile.trace.core import Capture, fork_rng
 
@@ -83,10 +87,10 @@ def differentiate(capture: Capture, backend: str,
     with_history = [n for n, o in enumerate(split.outputs) if o.requires_grad]
     placeholders = list(split.backward.graph.find_nodes(op="placeholder"))
     num_tangents = sum(is_tangent(p) for p in placeholders)
-    if num_tangents != len(with_history):
+    if num_tangents != len(with_history):  # the others are for inputs written in place
         raise PrecompileError(
-            f"internal: the backward takes {num_tangents} tangents for {len(with_history)} "
-            "results with history")
+            "fn writes values that carry autograd history into an input or buffer in place "
+            "(a key-value cache, say), which the differentiable form does not carry yet")
     num_saved = len(placeholders) - num_tangents
     # AOTAutograd returns the new values of the inputs fn writes (BatchNorm statistics) first;
     # the forward graph writes them back, as the capture did.
@@ -133,11 +137,13 @@ def _traced(capture: Capture, inputs: list[int], tensor_slots: list[int], backen
 
 def _without_baked_reads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy without the reads of tensor values the trace decided on (the value guards check
-    them): they cannot run on the fake tensors AOTAutograd traces with."""
+    them): they cannot run on the fake tensors AOTAutograd traces with. Its views that nothing
+    writes through are reshapes, which the retrace's strides need not match."""
     graph = copy.deepcopy(gm.graph)
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and node.target in BAKED_READS and not node.users:
             graph.erase_node(node)
+    reshape_unwritten_views(graph)  # views recorded on eager's strides (see that function)
     return torch.fx.GraphModule(gm, graph)
 
 
