@@ -49,6 +49,12 @@ class Precompile:
     ``ArtifactPair`` (a named tuple: ``.code``, ``.cache``).
     ``precompile.load(python_code, cache)`` returns a callable taking the same arguments.
 
+    Where ``fn`` runs no backward and its results depend on tensors that require grad, the
+    artifact also holds a compiled forward and backward: under grad mode its results carry
+    autograd history, so the caller's own ``backward()`` works as with eager (see
+    ``precompile.module``). Called under ``torch.no_grad()``, ``precompile`` builds no backward
+    (an inference artifact).
+
     Args:
         fn: the whole computation, e.g. ``lambda m, x: m(x)`` or a training step that calls
             ``loss.backward()`` (gradients then land on the runtime model's ``.grad``).
