@@ -265,24 +265,36 @@ def run_ranks(world: int, cases: list[str], out: Path,
     import json
 
     port = free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": os.pathsep.join(
-        [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    logs = [open(out / f"log{rank}", "w") for rank in range(world)]  # noqa: SIM115
-    procs = [subprocess.Popen(
-        [sys.executable, str(TESTS_DIR / worker), str(rank), str(world), str(port), str(out),
-         ",".join(cases)],
-        stdout=logs[rank], stderr=subprocess.STDOUT, env=env) for rank in range(world)]
-    try:
-        for proc in procs:
-            proc.wait(timeout=WORKER_TIMEOUT_S)
-    finally:
-        for proc in procs:
-            proc.kill()
-        for log in logs:
-            log.close()
+    launch([[sys.executable, str(TESTS_DIR / worker), str(rank), str(world), str(port),
+             str(out), ",".join(cases)] for rank in range(world)],
+           [out / f"log{rank}" for rank in range(world)], distributed_env(), WORKER_TIMEOUT_S)
     reports = []
     for rank in range(world):
         path = out / f"rank{rank}.json"
         assert path.exists(), (out / f"log{rank}").read_text()[-3000:]
         reports.append(json.loads(path.read_text()))
     return reports
+
+
+def distributed_env(**extra: str) -> dict[str, str]:
+    """The environment of a rank: gloo on the loopback device, this directory importable."""
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **extra, "PYTHONPATH": os.pathsep.join(
+        [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def launch(commands: list[list[str]], logs: list[Path], env: dict[str, str],
+           timeout: float) -> list[int]:
+    """Run ``commands`` at once, each writing to its log; wait for all (killing any left after
+    ``timeout``); their exit statuses."""
+    files = [open(log, "w") for log in logs]  # noqa: SIM115
+    procs = [subprocess.Popen(command, stdout=file, stderr=subprocess.STDOUT, env=env)
+             for command, file in zip(commands, files, strict=True)]
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc in procs:
+            proc.kill()
+        for file in files:
+            file.close()
+    return [proc.returncode for proc in procs]

@@ -85,6 +85,12 @@ def twins(seed: int = 1, **kwargs: Any) -> tuple[nn.Module, nn.Module]:
     return model, copy.deepcopy(model)
 
 
+def twin_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """An input that requires grad, and an identical one for eager."""
+    x = torch.randn(6, 4, requires_grad=True)
+    return x, x.detach().clone().requires_grad_()
+
+
 def assert_models_match(model: nn.Module, eager: nn.Module, atol: float = 1e-5) -> None:
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=atol, rtol=1e-4, msg=_named(name))
@@ -105,8 +111,7 @@ def _named(name: str) -> Callable[[str], str]:
 def test_results_carry_history_and_backward_matches_eager(built: Built, backend: str) -> None:
     run = net_artifact(built, backend)
     model, eager = twins()
-    x = torch.randn(6, 4, requires_grad=True)
-    x_eager = x.detach().clone().requires_grad_()
+    x, x_eager = twin_inputs()
     y, y_eager = run(model, x), eager(x_eager)
     assert y.requires_grad and y.grad_fn is not None
     torch.testing.assert_close(y, y_eager, atol=1e-5, rtol=1e-4)
@@ -193,8 +198,7 @@ def test_a_gan_two_models_two_optimizers_two_backwards(built: Built, backend: st
 def test_checkpoint_around_the_artifact(built: Built, backend: str) -> None:
     run = net_artifact(built, backend)
     model, eager = twins()
-    x = torch.randn(6, 4, requires_grad=True)
-    x_eager = x.detach().clone().requires_grad_()
+    x, x_eager = twin_inputs()
     y = torch.utils.checkpoint.checkpoint(run, model, x, use_reentrant=False)
     y_eager = torch.utils.checkpoint.checkpoint(eager, x_eager, use_reentrant=False)
     y.pow(2).sum().backward()
@@ -297,8 +301,7 @@ def test_frozen_parameters_and_inputs_that_require_grad(built: Built, backend: s
     model, eager = twins()
     model.fc1.requires_grad_(False)
     eager.fc1.requires_grad_(False)
-    x = torch.randn(6, 4, requires_grad=True)
-    x_eager = x.detach().clone().requires_grad_()
+    x, x_eager = twin_inputs()
     run(model, x).sum().backward()
     eager(x_eager).sum().backward()
     assert model.fc1.weight.grad is None
@@ -474,3 +477,4 @@ def test_module_backward_hooks_leave_results_without_history_and_say_so() -> Non
     run = precompile.load(code, None)
     with pytest.warns(UserWarning, match="backward hooks"):
         assert run(model, torch.randn(6, 4)).grad_fn is None
+

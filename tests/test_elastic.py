@@ -5,16 +5,15 @@ last checkpoint (``elastic_worker.py`` is what each worker runs)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from conftest import distributed_env, free_port, launch
 
 TESTS_DIR = Path(__file__).parent
 LAUNCH_TIMEOUT_S = 600
@@ -24,22 +23,10 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not built into this torch")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(*options: str) -> list[str]:
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     base = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
     return [*base, "--rdzv-backend", "c10d", "--local-addr", "127.0.0.1", *options]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(TESTS_DIR),
-                                           *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def _reports(out: Path, mode: str) -> list[dict[str, Any]]:
@@ -47,25 +34,16 @@ def _reports(out: Path, mode: str) -> list[dict[str, Any]]:
 
 
 def _run(commands: list[list[str]], out: Path) -> None:
-    logs = [open(out / f"launch{i}.log", "w") for i in range(len(commands))]  # noqa: SIM115
-    procs = [subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT, env=_env())
-             for c, log in zip(commands, logs, strict=True)]
-    try:
-        for proc in procs:
-            proc.wait(timeout=LAUNCH_TIMEOUT_S)
-    finally:
-        for proc in procs:
-            proc.kill()
-        for log in logs:
-            log.close()
-    for i, proc in enumerate(procs):
-        assert proc.returncode == 0, (out / f"launch{i}.log").read_text()[-4000:]
+    logs = [out / f"launch{i}.log" for i in range(len(commands))]
+    statuses = launch(commands, logs, distributed_env(OMP_NUM_THREADS="1"), LAUNCH_TIMEOUT_S)
+    for log, status in zip(logs, statuses, strict=True):
+        assert status == 0, log.read_text()[-4000:]
 
 
 def test_two_nodes_share_rank_zeros_artifact(tmp_path: Path) -> None:
     """Two ``torchrun --nnodes 2 --nproc-per-node 2`` launches: every rank of both nodes holds
     the identical pair, and the fully_shard job trains like single-process eager."""
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     command = _torchrun("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint,
                         "--rdzv-id", "two-nodes", str(TESTS_DIR / "elastic_worker.py"),
                         "two_nodes", str(tmp_path))
@@ -83,7 +61,7 @@ def test_restart_resumes_from_the_saved_pair(tmp_path: Path) -> None:
     loads the saved pair and the last checkpoint, and the final parameters equal an
     uninterrupted eager run's."""
     command = _torchrun("--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
-                        "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+                        "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                         str(TESTS_DIR / "elastic_worker.py"), "restart", str(tmp_path))
     _run([command], tmp_path)
     reports = _reports(tmp_path, "restart")
