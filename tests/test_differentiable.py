@@ -478,3 +478,24 @@ def test_module_backward_hooks_leave_results_without_history_and_say_so() -> Non
     with pytest.warns(UserWarning, match="backward hooks"):
         assert run(model, torch.randn(6, 4)).grad_fn is None
 
+
+def test_the_module_form_refuses_bad_arguments_by_name() -> None:
+    model = Net()
+    cases = [
+        (lambda: precompile.module(lambda x: x, torch.randn(6, 4)), "takes an nn.Module first"),
+        (lambda: precompile.module(model, torch.randn(6, 4), modes=("test",)), "modes must"),
+        (lambda: precompile.module(model, torch.randn(6, 4), example_kwargs=[1]),
+         "example_kwargs must be a dict"),
+        (lambda: precompile.module(model, torch.randn(6, 4), optimize=True),
+         "unknown keywords \\['optimize'\\]"),
+        (lambda: precompile.module(model, artifact="model.py"), "what precompile.load returned"),
+        (lambda: precompile.module(model, torch.randn(6, 4), artifact=lambda *a: None),
+         "takes no examples"),
+        (lambda: precompile.stages(lambda i: (model, ()), 2, 2), "stage_index one of"),
+        (lambda: precompile.module(model, artifact=precompile.load(
+            *precompile(call, Net(), torch.randn(6, 4), backend="eager"))).save("x.py"),
+         "made from a loaded artifact"),
+    ]
+    for thunk, message in cases:
+        with pytest.raises(PrecompileError, match=message):
+            thunk()

@@ -154,14 +154,14 @@ class Precompile:
         keywords. ``precompile.module(model, artifact=precompile.load(path))`` wraps an
         artifact saved earlier (``wrapped.save(path)``) instead of building one.
         """
-        from torch_precompile.module_form import PrecompiledModule, build_module
+        from torch_precompile.module_form import build_module, wrap_loaded
 
         if artifact is not None:
             if example_inputs or example_kwargs or modes or options:
                 raise PrecompileError(
                     "precompile.module(model, artifact=...) wraps a loaded artifact as it is; "
                     "it takes no examples, modes or build options.")
-            return PrecompiledModule(model, artifact)
+            return wrap_loaded(model, artifact)
         return build_module(model, example_inputs, example_kwargs,
                             tuple(modes) if modes is not None else None,
                             _module_options(options))

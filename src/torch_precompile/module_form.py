@@ -74,6 +74,15 @@ class PrecompiledModule(torch.nn.Module):
         return f"PrecompiledModule({self.model!r})"
 
 
+def wrap_loaded(model: torch.nn.Module, artifact: Any) -> PrecompiledModule:
+    """``model`` wrapped with an artifact ``precompile.load`` returned."""
+    if not isinstance(model, torch.nn.Module) or not callable(artifact):
+        raise PrecompileError(
+            "precompile.module(model, artifact=...) takes an nn.Module and what precompile.load "
+            f"returned, got {type(model).__name__} and {type(artifact).__name__}.")
+    return PrecompiledModule(model, artifact)
+
+
 def build_module(model: torch.nn.Module, example_inputs: tuple[Any, ...],
                  example_kwargs: Mapping[str, Any] | None, modes: tuple[str, ...] | None,
                  options: Any) -> PrecompiledModule:
@@ -97,6 +106,10 @@ def module_pair(model: torch.nn.Module, example_inputs: tuple[Any, ...],
     unknown = [m for m in wanted if m not in MODES]
     if unknown or not wanted:
         raise PrecompileError(f"modes must name some of {MODES}, got {modes!r}.")
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise PrecompileError(
+            "example_kwargs must be a dict of keyword inputs, got "
+            f"{type(example_kwargs).__name__}.")
     kwargs = dict(example_kwargs or {})
     was_training = model.training
     variants = []
@@ -127,17 +140,30 @@ def build_stages(make_stage: Callable[[int], tuple[torch.nn.Module, tuple[Any, .
     from torch_precompile.api import precompile
     from torch_precompile.one_rank import build_on_rank_zero
 
-    if not 0 <= stage_index < num_stages:
+    if not (isinstance(num_stages, int) and isinstance(stage_index, int)
+            and 0 <= stage_index < num_stages):
         raise PrecompileError(
-            f"stage_index must be in 0..{num_stages - 1}, got {stage_index}.")
+            f"num_stages must be a positive int and stage_index one of 0..num_stages - 1, got "
+            f"{num_stages!r} and {stage_index!r}.")
 
     def build_all() -> list[tuple[str, bytes | None]]:
         built = []
         for index in range(num_stages):
-            module, examples = make_stage(index)
-            built.append(module_pair(module, tuple(examples), None, None, options))
+            module, examples = _made_stage(make_stage, index)
+            built.append(module_pair(module, examples, None, None, options))
         return built
 
     pairs = build_on_rank_zero(build_all)
-    module, _ = make_stage(stage_index)
+    module, _ = _made_stage(make_stage, stage_index)
     return PrecompiledModule(module, precompile.load(*pairs[stage_index]), pairs[stage_index])
+
+
+def _made_stage(make_stage: Callable[[int], Any], index: int
+                ) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+    made = make_stage(index)
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)
+            and isinstance(made[1], tuple | list)):
+        raise PrecompileError(
+            f"make_stage({index}) must return (stage module, example inputs as a tuple), got "
+            f"{type(made).__name__}.")
+    return made[0], tuple(made[1])

@@ -95,9 +95,12 @@ def differentiate(capture: Capture, backend: str,
     # AOTAutograd returns the new values of the inputs fn writes (BatchNorm statistics) first;
     # the forward graph writes them back, as the capture did.
     forward = _forward_graph(split.forward, gm, outputs, tensor_slots, mutated, num_saved)
-    backward = _backward_graph(split.backward, len(capture.example_inputs), inputs)
     saved_values = [p.meta.get("val") for p in placeholders if not is_tangent(p)]
     saved_nodes = list(forward.graph.output_node().args[0])[len(outputs):]
+    backward = _backward_graph(
+        split.backward, len(capture.example_inputs), inputs,
+        [*(node.name for node in saved_nodes),
+         *(f"grad_of_result_{tensor_slots[n]}" for n in with_history)])
     record = Autograd(
         inputs=tuple(inputs), outputs=tuple(tensor_slots[n] for n in with_history),
         tangent_strides=tuple(tuple(split.outputs[n].stride()) for n in with_history),
@@ -180,11 +183,15 @@ def _forward_graph(aot_forward: torch.fx.GraphModule, captured: torch.fx.GraphMo
     return gm
 
 
-def _backward_graph(aot_backward: torch.fx.GraphModule, num_flat: int, inputs: list[int]
-                    ) -> torch.fx.GraphModule:
+def _backward_graph(aot_backward: torch.fx.GraphModule, num_flat: int, inputs: list[int],
+                    names: list[str]) -> torch.fx.GraphModule:
     """AOTAutograd's backward, returning a gradient for each differentiable flat input only
-    (literals and other inputs get none)."""
+    (literals and other inputs get none). Each saved value is named as the forward names it,
+    each tangent after the result it belongs to."""
     graph = aot_backward.graph
+    for node, name in zip(graph.find_nodes(op="placeholder"), names, strict=True):
+        rename_node(node, name)
+        node.target = node.name
     output = graph.output_node()
     grads = list(output.args[0])[:num_flat]
     output.args = ([grads[i] for i in inputs],)
