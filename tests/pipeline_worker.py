@@ -8,7 +8,8 @@ same micro-batches, the loss of each averaged as the schedule scales it) and wri
 ``OUT/rank{RANK}.json``: per case, the largest difference or the error raised. The case
 ``save_<backend>`` trains two steps and saves each stage's pair and state; a later run's
 ``resume_<backend>`` restarts from them and trains the third. In ``onerank_<backend>`` rank 0
-builds every stage (``precompile.stages``).
+builds every stage (``precompile.stages``). ``fsdp_<backend>`` (4 ranks) is PP x FSDP2: two
+stages, each sharded over two ranks.
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 
-from torch_precompile import precompile
+from torch_precompile import PrecompileError, precompile
 
 STEPS = 3
 MICRO_BATCHES = 4
 BATCH, DIM = 8, 8
+REPLICAS = 2  # data-parallel ranks per stage in the PP x FSDP2 case
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
@@ -39,23 +44,27 @@ def make_model() -> torch.nn.Sequential:
                                  for _ in range(4)))
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(replicas: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each step's inputs and targets: ``BATCH`` rows per data-parallel replica."""
     torch.manual_seed(1)
-    return [(torch.randn(BATCH, DIM), torch.randn(BATCH, DIM)) for _ in range(STEPS)]
+    rows = BATCH * replicas
+    return [(torch.randn(rows, DIM), torch.randn(rows, DIM)) for _ in range(STEPS)]
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(output, target)
 
 
-def eager_reference() -> torch.nn.Sequential:
-    """The whole model trained in one process, micro-batch by micro-batch."""
+def eager_reference(replicas: int = 1) -> torch.nn.Sequential:
+    """The whole model trained in one process, micro-batch by micro-batch: every replica's
+    micro-batches, each loss scaled as the schedule scales it and data parallelism averages."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    for x, t in batches():
+    chunks = MICRO_BATCHES * replicas
+    for x, t in batches(replicas):
         opt.zero_grad()
-        for xm, tm in zip(x.chunk(MICRO_BATCHES), t.chunk(MICRO_BATCHES), strict=True):
-            (loss_fn(model(xm), tm) / MICRO_BATCHES).backward()
+        for xm, tm in zip(x.chunk(chunks), t.chunk(chunks), strict=True):
+            (loss_fn(model(xm), tm) / chunks).backward()
         opt.step()
     return model
 
@@ -70,13 +79,13 @@ def stage_of(whole: torch.nn.Sequential, rank: int, world: int) -> torch.nn.Sequ
 
 
 def train(wrapped: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, world: int,
-          schedule: str, steps: range) -> None:
-    """``steps`` of the pipeline schedule over this rank's stage."""
-    stage = PipelineStage(wrapped, rank, world, torch.device("cpu"))
+          schedule: str, steps: range, data: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+          group: dist.ProcessGroup | None = None) -> None:
+    """``steps`` of the pipeline schedule over stage ``rank`` of ``world`` (ranks of ``group``)."""
+    stage = PipelineStage(wrapped, rank, world, torch.device("cpu"), group=group)
     runner = SCHEDULES[schedule](stage, MICRO_BATCHES, loss_fn=loss_fn)
-    data = batches()
     for step in steps:
-        x, t = data[step]
+        x, t = (data or batches())[step]
         opt.zero_grad()
         if rank == 0:
             runner.step(x)
@@ -87,10 +96,12 @@ def train(wrapped: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, world
         opt.step()
 
 
-def compared(stage_module: torch.nn.Module, rank: int, world: int) -> dict[str, float]:
+def compared(stage_module: torch.nn.Module, rank: int, world: int,
+             replicas: int = 1) -> dict[str, float]:
     """The stage's largest difference from eager's whole model, and how far it moved."""
-    blocks, whole, reference = stage_blocks(rank, world), make_model(), eager_reference()
-    ours = dict(stage_module.named_parameters())
+    blocks, whole, reference = stage_blocks(rank, world), make_model(), eager_reference(replicas)
+    ours = {name: p.full_tensor() if isinstance(p, DTensor) else p
+            for name, p in stage_module.named_parameters()}
     pairs = [(ours[f"{n}.{name}"], reference[i].get_parameter(name), whole[i].get_parameter(name))
              for n, i in enumerate(blocks) for name, _ in whole[i].named_parameters()]
     return {"max_diff": max((p - r).abs().max().item() for p, r, _ in pairs),
@@ -106,6 +117,40 @@ def pipeline_case(rank: int, world: int, schedule: str, backend: str) -> dict[st
     train(wrapped, opt, rank, world, schedule, range(STEPS))
     return {**compared(stage_module, rank, world),
             "differentiable": precompile.inspect(wrapped.pair[0]).autograd.outputs == (0,)}
+
+
+def fsdp_case(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """PP x FSDP2: stages along one mesh dimension, each sharded over ``REPLICAS`` ranks of the
+    other, every replica on its own rows; rank 0 builds both stages' pairs."""
+    mesh = init_device_mesh("cpu", (world // REPLICAS, REPLICAS), mesh_dim_names=("pp", "dp"))
+    stage, replica, stages = rank // REPLICAS, rank % REPLICAS, world // REPLICAS
+
+    def make_stage(index: int) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+        example = torch.randn(BATCH // MICRO_BATCHES, DIM, requires_grad=index > 0)
+        return stage_of(make_model(), index, stages), (example,)
+
+    wrapped = precompile.stages(make_stage, stages, stage, backend=backend)
+    fully_shard(wrapped, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=0.05)
+    rows = slice(replica * BATCH, (replica + 1) * BATCH)
+    data = [(x[rows], t[rows]) for x, t in batches(REPLICAS)]
+    train(wrapped, opt, stage, stages, "1f1b", range(STEPS), data, mesh["pp"].get_group())
+    return {**compared(wrapped.model, stage, stages, REPLICAS),
+            "sharded": isinstance(next(wrapped.parameters()), DTensor),
+            "differentiable": precompile.inspect(wrapped.pair[0]).autograd.outputs == (0,)}
+
+
+def inner_shard_case(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """A block sharded after capture: the artifact never runs its hooks, so it refuses."""
+    mesh = init_device_mesh("cpu", (world,))
+    wrapped = precompile.module(stage_of(make_model(), 0, 1), torch.randn(2, DIM),
+                                backend=backend)
+    fully_shard(wrapped.model[0], mesh=mesh)
+    try:
+        wrapped(torch.randn(2, DIM))
+    except PrecompileError as e:
+        return {"refused": str(e)}
+    return {"refused": None}
 
 
 def save_case(rank: int, world: int, backend: str, out: Path) -> dict[str, Any]:
@@ -153,6 +198,10 @@ def one_rank_case(rank: int, world: int, backend: str) -> dict[str, Any]:
 
 def run_case(case: str, rank: int, world: int, out: Path) -> dict[str, Any]:
     kind, backend = case.split("_")
+    if kind == "innershard":
+        return inner_shard_case(rank, world, backend)
+    if kind == "fsdp":
+        return fsdp_case(rank, world, backend)
     if kind == "onerank":
         return one_rank_case(rank, world, backend)
     if kind == "save":

@@ -1,6 +1,6 @@
 """Pipeline parallelism with ``torch.distributed.pipelining`` on gloo over 127.0.0.1: each
 stage a differentiable artifact (the module form), under GPipe and 1F1B with 4 micro-batches,
-matching single-process eager over three AdamW steps (``pipeline_worker.py``)."""
+matching single-process eager over three AdamW steps (``pipeline_worker.py``); and PP x FSDP2."""
 
 from __future__ import annotations
 
@@ -59,3 +59,28 @@ def test_restarted_stages_resume_from_their_saved_pairs(tmp_path: Path) -> None:
             assert "error" not in result, f"rank {rank}: {result.get('traceback', result)}"
             assert result["build_modules"] == [], rank
             assert result["max_diff"] <= TOLERANCE, (rank, case, result["max_diff"])
+
+
+@pytest.fixture(scope="module")
+def pp_fsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(4, ["fsdp_eager", "fsdp_inductor", "innershard_eager"],
+                     tmp_path_factory.mktemp("pp_fsdp"), worker="pipeline_worker.py")
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_pipeline_stages_sharded_with_fsdp2_train_like_eager(pp_fsdp: list[dict[str, Any]],
+                                                             backend: str) -> None:
+    """PP x FSDP2 on 4 ranks (2 stages x 2 shards): each precompiled stage sharded as a whole
+    with ``fully_shard``, each replica on its own rows, matches eager over the whole batch."""
+    for rank, report in enumerate(pp_fsdp):
+        result = report[f"fsdp_{backend}"]
+        assert "error" not in result, f"rank {rank}: {result.get('traceback', result)}"
+        assert result["sharded"] and result["differentiable"], rank
+        assert result["moved"] > 1e-3, rank
+        assert result["max_diff"] <= TOLERANCE, (rank, result["max_diff"])
+
+
+def test_a_block_sharded_after_capture_is_refused(pp_fsdp: list[dict[str, Any]]) -> None:
+    for rank, report in enumerate(pp_fsdp):
+        refused = report["innershard_eager"].get("refused")
+        assert refused and "Shard the precompiled module as a whole" in refused, (rank, report)

@@ -325,11 +325,15 @@ PLAIN = (torch.Tensor, torch.nn.Parameter)
 def subclass_error(what: str, tensor: torch.Tensor) -> PrecompileError:
     """A tensor subclass where the artifact was captured with a plain tensor: the kernels
     would read its wrapper as if it held the data."""
-    return PrecompileError(
-        f"{what} is a {type(tensor).__module__}.{type(tensor).__qualname__}, but was a plain "
-        "tensor at capture. Pass a plain tensor (the checkpoint unquantized, as at capture), "
-        "or precompile again with this one."
-    )
+    kind = f"{type(tensor).__module__}.{type(tensor).__qualname__}"
+    if kind == "torch.distributed.tensor.DTensor":
+        fix = ("A module the artifact runs was sharded after capture (fully_shard, say): its "
+               "hooks never run inside the artifact. Shard the precompiled module as a whole "
+               "(fully_shard(wrapped)), or precompile the sharded model.")
+    else:
+        fix = ("Pass a plain tensor (the checkpoint unquantized, as at capture), or precompile "
+               "again with this one.")
+    return PrecompileError(f"{what} is a {kind}, but was a plain tensor at capture. {fix}")
 
 
 def layout_differs(tensor: torch.Tensor, strides: Sequence[int]) -> bool:
