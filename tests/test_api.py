@@ -8,7 +8,6 @@ import inspect
 import pickle
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch
 import torch_precompile
 from torch_precompile import PrecompileError, precompile
 
-from conftest import assert_same, run_python
+from conftest import assert_same, in_threads, run_python
 from workloads import WORKLOADS
 
 
@@ -95,25 +94,19 @@ def test_the_pair_is_a_named_tuple() -> None:
 def test_concurrent_captures_from_threads(backend: str) -> None:
     model, x, t = WORKLOADS["mlp_train"].args()
     results: dict[int, tuple[str, bytes]] = {}
-    errors: list[BaseException] = []
 
     def work(i: int) -> None:
-        try:
-            scale = float(i + 1)
-            results[i] = precompile(lambda m, x, t: (m(x) * scale - t).square().mean(),
-                                    copy.deepcopy(model), x, t, backend=backend)
-        except BaseException as e:  # surfaced below
-            errors.append(e)
+        scale = float(i + 1)
+        results[i] = precompile(lambda m, x, t: (m(x) * scale - t).square().mean(),
+                                copy.deepcopy(model), x, t, backend=backend)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=600)
+    errors = in_threads(work, 4)
     assert not errors, errors
+    assert sorted(results) == [0, 1, 2, 3]  # every thread finished with its own pair
+    other, x2, t2 = WORKLOADS["mlp_train"].args(1)
     for i, (code, cache) in results.items():
-        expected = (model(x) * (i + 1) - t).square().mean()
-        assert_same(precompile.load(code, cache)(model, x, t), expected)
+        expected = (other(x2) * (i + 1) - t2).square().mean()
+        assert_same(precompile.load(code, cache)(other, x2, t2), expected)
 
 
 def test_nested_precompile_does_not_deadlock() -> None:

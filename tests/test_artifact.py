@@ -25,7 +25,7 @@ FRESH_CHECK = """
     from workloads import WORKLOADS
     expected = torch.load({expected!r}, weights_only=False)
     workload = WORKLOADS[{name!r}]
-    args = workload.args()
+    args = workload.args(1)
     code = open({code!r}).read()
     {load}
     result = run(*args)
@@ -59,7 +59,7 @@ LOADERS = {
 def test_runs_in_a_fresh_process(name: str, how: str, backend: str, artifacts, tmp_path) -> None:
     code, cache = artifacts.pair(name, backend)
     workload = WORKLOADS[name]
-    args = workload.args()
+    args = workload.args(1)  # new weights and inputs, not the capture's example
     result = workload.fn(*args)
     grads = [p.grad for m in args if isinstance(m, torch.nn.Module) for p in m.parameters()]
     (tmp_path / "a.py").write_text(code)

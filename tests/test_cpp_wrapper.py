@@ -24,6 +24,7 @@ from torch_precompile.inspection import describe
 
 from conftest import (
     FRESH_LOAD,
+    assert_runs_like_eager,
     assert_same,
     kernel_payload,
     model_state,
@@ -62,18 +63,27 @@ def test_training_matches_eager_over_three_calls(artifacts) -> None:
     assert all(p.grad is not None for p in compiled_args[0].parameters())
 
 
-def test_the_driver_checks_layouts_so_the_wrapper_does_not(artifacts) -> None:
+@pytest.mark.parametrize("name", ["mlp_infer", "mlp_train"])
+def test_the_driver_checks_layouts_so_the_wrapper_does_not(name: str, artifacts) -> None:
     """Every input's layout is the driver's check, so the C++ source asserts none of them
-    (each assert costs a string stream per call there); a wrong layout is still refused."""
-    code, cache = artifacts.pair("mlp_infer", "inductor", wrapper="cpp")
+    (each assert costs a string stream per call there); a wrong layout of any input is still
+    refused, before anything runs."""
+    code, cache = artifacts.pair(name, "inductor", wrapper="cpp")
     source = code[code.index("\ncpp_wrapper_src = ("):code.index("\ninductor_entry = ")]
     assert "inductor_entry_impl" in source and "assert_size_stride(" not in source
     assert "unsafe_alloc_void_ptrs_from_tensors(args)" in code  # no Python walk of the inputs
-    model, x = WORKLOADS["mlp_infer"].args()
     run = precompile.load(code, cache)
-    assert_same(run(model, x), WORKLOADS["mlp_infer"].fn(model, x))
-    with pytest.raises(PrecompileError, match="strides"):
-        run(model, torch.randn(4, 5).t())
+    assert_runs_like_eager(run, name)
+    model, *inputs = WORKLOADS[name].args(1)
+    for i, tensor in enumerate(inputs):
+        if tensor.dim() < 2 or not tensor.is_floating_point():
+            continue
+        transposed = tensor.t().contiguous().t()  # same shape and values, other strides
+        bad = [transposed if j == i else t for j, t in enumerate(inputs)]
+        before = model_state(model)
+        with pytest.raises(PrecompileError, match="strides"):
+            run(model, *bad)
+        assert_same(model_state(model), before)  # refused before anything ran
 
 
 @pytest.mark.parametrize("name", ["mlp_infer", "mlp_train"])

@@ -66,10 +66,31 @@ def check_training(pairs: PairCache, name: str, backend: str, step: Callable[...
 
 def check_inference(pairs: PairCache, name: str, backend: str, fn: Callable[..., Any],
                     model: nn.Module, *args: Any, **tol: float) -> None:
+    """The artifact's results are eager's on the example and on other weights and inputs."""
     run = pairs.load(name, backend, fn, model, *args)
-    eager_model = copy.deepcopy(model)
-    assert_same(run(model, *args), fn(eager_model, *args), **(tol or TOL))
-    assert_same(model_state(model), model_state(eager_model), **(tol or TOL))
+    for weights, inputs in ((model, args), other_weights_and_inputs(model, args)):
+        eager_model = copy.deepcopy(weights)
+        assert_same(run(weights, *inputs), fn(eager_model, *inputs), **(tol or TOL))
+        assert_same(model_state(weights), model_state(eager_model), **(tol or TOL))
+
+
+def other_weights_and_inputs(model: nn.Module, args: tuple[Any, ...]
+                             ) -> tuple[nn.Module, tuple[Any, ...]]:
+    """A copy of ``model`` with moved weights, and new inputs of the same kinds and ranges."""
+    torch.manual_seed(2)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+
+    def new(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        if a.is_floating_point():
+            return torch.randn_like(a)
+        return torch.randint_like(a, int(a.max()) + 1)
+
+    return other, tuple(new(a) for a in args)
 
 
 def infer(m: nn.Module, *args: Any) -> Any:

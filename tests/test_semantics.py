@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 
 from torch_precompile import PrecompileError, precompile
 
-from conftest import assert_same, model_state, modules_in
+from conftest import assert_same, model_state, modules_in, run_eager_and_compiled
 from workloads import WORKLOADS, mse_step
 
 DETERMINISTIC = ["mlp_infer", "mlp_train", "tied", "two_models", "frozen", "pytree", "literals",
@@ -97,9 +97,19 @@ def test_tied_weights_are_one_input_with_one_gradient(backend: str, artifacts) -
     assert names.count("embed.weight") == 1
     assert "head.weight" not in names
     assert {t.name: t.tied_to for t in spec.model if t.tied_to} == {"head.weight": "embed.weight"}
-    model, ids = WORKLOADS["tied"].args()
-    artifacts.load("tied", backend)(model, ids)
-    assert model.head.weight.grad is model.embed.weight.grad
+    run = artifacts.load("tied", backend)
+    _, _, eager_args, compiled_args = run_eager_and_compiled("tied", run)
+    ours, eager = compiled_args[0], eager_args[0]
+    assert ours.head.weight is ours.embed.weight  # still one parameter, so one .grad
+    torch.testing.assert_close(ours.embed.weight.grad, eager.embed.weight.grad)
+    # That one gradient is the sum of both uses' (the embedding's and the head's), as eager's.
+    untied = copy.deepcopy(eager)
+    untied.zero_grad()
+    untied.head.weight = torch.nn.Parameter(untied.embed.weight.detach().clone())
+    WORKLOADS["tied"].fn(untied, eager_args[1])
+    assert untied.head.weight.grad.abs().sum() > 0 and untied.embed.weight.grad.abs().sum() > 0
+    torch.testing.assert_close(ours.embed.weight.grad,
+                               untied.embed.weight.grad + untied.head.weight.grad)
 
 
 def test_several_models_get_qualified_names(backend: str, artifacts) -> None:

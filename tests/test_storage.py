@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import builtins
+import itertools
 import logging
 import os
-import random
 import signal
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch_precompile import PrecompileError, precompile
 from torch_precompile.artifact import envelope
 from torch_precompile.storage import cache_path
 
-from conftest import assert_same
+from conftest import assert_runs_like_eager
 from workloads import WORKLOADS
 
 KEY = b"correct horse battery staple"
@@ -28,8 +29,7 @@ def pair(backend: str, artifacts) -> tuple[str, bytes]:
 
 
 def _runs(run) -> None:
-    model, x = WORKLOADS["mlp_infer"].args()
-    assert_same(run(model, x), model(x))
+    assert_runs_like_eager(run, "mlp_infer")
 
 
 def test_save_and_load_file(pair, tmp_path) -> None:
@@ -147,57 +147,69 @@ def _generation(base: str, i: int) -> tuple[str, bytes]:
     return code, envelope.pack("eager", code, b"\0" * (2 << 20))
 
 
-def _keep_saving(base: str, target: Path, start: int) -> None:
-    i = start
-    while True:
-        code, cache = _generation(base, i)
-        precompile.save(code, cache, target)
-        i += 1
+# The system calls a save makes, each a point where a writer may die.
+_SAVE_STEPS = ((os, "open"), (os, "fsync"), (os, "replace"), (os, "unlink"), (builtins, "open"))
 
 
-def _start_writer(base: str, target: Path, start: int) -> int:
-    """Fork a writer and return its pid once it is running, so that fork latency on a busy
-    machine does not eat into the time before the kill."""
-    ready_read, ready_write = os.pipe()
+def _counting_steps(on_step: Callable[[int], None]) -> None:
+    """Patch every save step to call ``on_step(n)`` (n counts from 0) before it runs."""
+    counter = itertools.count()
+    for module, name in _SAVE_STEPS:
+        real = getattr(module, name)
+
+        def step(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            on_step(next(counter))
+            return _real(*args, **kwargs)
+
+        setattr(module, name, step)
+
+
+def _steps_of_one_save(base: str, target: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    steps: list[int] = []
+    with monkeypatch.context() as patched:
+        for module, name in _SAVE_STEPS:
+            patched.setattr(module, name, getattr(module, name))  # restored on exit
+        _counting_steps(steps.append)
+        precompile.save(*_generation(base, 0), target)
+    return len(steps)
+
+
+def _killed_writer(base: str, target: Path, start: int, kill_at: int) -> None:
+    """Fork a writer that saves generation after generation over ``target`` and is SIGKILLed
+    just before its ``kill_at``-th system call; wait for it."""
     pid = os.fork()
     if pid == 0:  # the writer: never returns
         try:
-            os.close(ready_read)
-            os.write(ready_write, b"!")
-            _keep_saving(base, target, start)
+            def die_at(n: int) -> None:
+                if n == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            _counting_steps(die_at)
+            for i in itertools.count(start):
+                precompile.save(*_generation(base, i), target)
         finally:
             os._exit(1)
-    os.close(ready_write)
-    os.read(ready_read, 1)
-    os.close(ready_read)
-    return pid
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
 
 
 @pytest.mark.release_independent
-def test_kill_at_any_moment_leaves_a_whole_pair(artifacts, tmp_path) -> None:
-    """SIGKILL a forked writer that keeps saving new pairs over one path, at random moments;
-    after each kill what is on disk must be one whole pair, and it must load."""
+def test_kill_at_any_moment_leaves_a_whole_pair(artifacts, tmp_path, monkeypatch) -> None:
+    """A writer killed before each system call of its saves, one by one: what is on disk is
+    always one whole pair, the last one saved, and it loads."""
     base, _ = artifacts.pair("mlp_infer", "eager")
     target = tmp_path / "model.py"
-    rng = random.Random(1234)
-    started = time.perf_counter()
-    precompile.save(*_generation(base, -1), target)  # a whole pair is on disk from the start
-    # Kill within a few saves' time; the window widens whenever a kill lands before the writer's
-    # first pair, so that kills land among writes on a busy machine too.
-    window = max(0.05, 6 * (time.perf_counter() - started))
-    replaced = 0
-    for trial in range(40):
-        pid = _start_writer(base, target, start=trial * 100_000)
-        time.sleep(rng.uniform(0.0, window))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    per_save = _steps_of_one_save(base, target, monkeypatch)
+    assert per_save >= 4, per_save
+    landed = []
+    for kill_at in range(2 * per_save):  # every step of two saves: over none, then over one
+        start = (kill_at + 1) * 100_000
+        _killed_writer(base, target, start, kill_at)
         code = target.read_text()
         generation = int(code.rsplit("# generation ", 1)[1])
         assert cache_path(target, code).read_bytes() == _generation(base, generation)[1]
-        landed = generation >= trial * 100_000  # this trial's writer got a pair out
-        replaced += landed
-        if not landed:  # the writer had no pair out yet: more time next trial, within bounds
-            window = min(1.5 * window, max(window, 2.0))
+        assert generation <= start + 1, generation  # the second save never got far
+        landed.append(generation >= start)
         precompile.load_file(target)  # a mismatched pair would raise here
-    # Kills must land among the writes, not all before the first one.
-    assert replaced >= 10, (replaced, window)
+    # Killed early, the previous pair stays; killed late, the new one is whole.
+    assert not landed[0] and landed[-1], landed

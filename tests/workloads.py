@@ -143,8 +143,9 @@ class Workload:
     fn: Callable[..., Any]
     make_args: Callable[[], tuple[Any, ...]]
 
-    def args(self) -> tuple[Any, ...]:
-        torch.manual_seed(0)
+    def args(self, seed: int = 0) -> tuple[Any, ...]:
+        """Seed 0 gives the capture's example; any other seed, new weights and inputs."""
+        torch.manual_seed(seed)
         return self.make_args()
 
 
