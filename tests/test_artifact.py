@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +20,9 @@ from torch_precompile.spec import SCHEMA_VERSION, SPEC_NAME
 
 from conftest import run_python
 from workloads import WORKLOADS
+
+# How the artifacts name the workloads' file: relative to the directory the tests run in.
+WORKLOADS_FILE = os.path.relpath(inspect.getsourcefile(WORKLOADS["mlp_infer"].fn))
 
 FRESH_CHECK = """
     import copy, torch
@@ -90,7 +94,9 @@ def test_standalone_artifact_imports_nothing_from_the_package(backend: str, arti
 def test_sections_in_order(backend: str, artifacts) -> None:
     """Meaning first: what it is and how to call it, the spec, the graph, then the driver."""
     code, _ = artifacts.pair("mlp_train", backend)
-    assert code.startswith("# A precompiled PyTorch computation: forward(m, x, t).")
+    first = " ".join(line.removeprefix("# ") for line in code.split("\n#\n")[0].splitlines())
+    assert first.startswith("A precompiled PyTorch computation: forward(m, x, t), captured from "
+                            f"mse_step ({WORKLOADS_FILE}, line ")
     assert "No weights are inside" in code[:2000]
     positions = [code.index(f"=\n# {n}. ") for n in (1, 2, 3)]
     assert positions == sorted(positions)
@@ -115,6 +121,20 @@ def test_header_says_how_the_artifact_was_made(backend: str, artifacts) -> None:
     assert f"with tracer make_fx and backend {backend!r}, for torch {torch.__version__}" in flat
     assert re.search(r" on \d{4}-\d\d-\d\d with tracer", flat)
     assert all(len(line) <= 100 for line in header.splitlines())
+    line = inspect.getsourcelines(WORKLOADS["mlp_infer"].fn)[1]
+    assert f"captured from infer ({WORKLOADS_FILE}, line {line}) with x float32[5, 4]." in flat
+    served, _ = artifacts.pair("mlp_infer", backend, inference=True)
+    flat = " ".join(line.removeprefix("# ") for line in served[:200 * 8].splitlines())
+    assert ("with x float32[5, 4]. Its results carry no autograd history because it was "
+            "precompiled under torch.no_grad().") in flat
+
+
+def test_no_absolute_path_of_the_build_machine(backend: str, artifacts) -> None:
+    """Provenance names files as the user knows them: relative to where it was built."""
+    code, _ = artifacts.pair("mlp_train", backend)
+    assert str(Path(__file__).parent) not in code and str(Path.cwd()) not in code
+    if backend == "eager":
+        assert f"# File: {WORKLOADS_FILE}:" in code
 
 
 def test_driver_parts_are_the_package_modules_verbatim(backend: str, artifacts) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ def _comment(fn: Callable[..., Any], code: str) -> str:
     """The ``# File:`` comment fx writes for the line of ``fn`` whose text is ``code``."""
     lines, first = inspect.getsourcelines(fn)
     number = first + next(i for i, line in enumerate(lines) if line.strip() == code)
-    return f"# File: {__file__}:{number} in {fn.__name__}, code: {code}"
+    # Named relative to where it was built (the tests' directory): no absolute path.
+    return f"# File: {os.path.relpath(__file__)}:{number} in {fn.__name__}, code: {code}"
 
 
 def _comment_above(source: str, op: str) -> str | None:

@@ -421,3 +421,46 @@ def test_pad_packed_sequence_returns_the_lengths(backend: str) -> None:
         x = torch.randn(3, 5, 2)
         torch.testing.assert_close(run(x, torch.tensor(lengths)),
                                    unpack_lengths(x, torch.tensor(lengths)))
+
+
+MAIN_SCRIPT = """
+import sys, torch
+from torch_precompile import PrecompileError, precompile
+SCALE = float(sys.argv[2])
+def scaled(m, x):
+    return m(x) * SCALE
+torch.manual_seed(0)
+m, x = torch.nn.Linear(2, 2), torch.randn(3, 2)
+if sys.argv[1] == "build":
+    with torch.no_grad():
+        precompile.save(*precompile(scaled, m, x, backend="eager"), "scaled.py")
+else:
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(precompile.load_file("scaled.py")(m, x), scaled(m, x))
+        print("RAN")
+    except PrecompileError as e:
+        print("REFUSED", e)
+"""
+
+
+def test_a_global_of_the_main_script_is_checked_by_script_name(tmp_path) -> None:
+    """A global of ``__main__`` is compared when the same script runs again (known by its base
+    name: the spec holds no path of the build machine) and must be as at capture."""
+    import subprocess
+    import sys
+
+    (tmp_path / "serve.py").write_text(MAIN_SCRIPT)
+
+    def run(*args: str) -> str:
+        proc = subprocess.run([sys.executable, "serve.py", *args], cwd=tmp_path, text=True,
+                              capture_output=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    run("build", "2")
+    reads = precompile.inspect((tmp_path / "scaled.py").read_text()).read_values
+    assert [(r.module, r.path, r.file) for r in reads] == [("__main__", ("SCALE",), "serve.py")]
+    assert run("load", "2").startswith("RAN")
+    refused = run("load", "3")
+    assert refused.startswith("REFUSED") and "SCALE" in refused, refused

@@ -335,13 +335,17 @@ class CompiledVariant:
 
     spec: ArtifactSpec
     graphs: VariantGraphs
+    origin: str  # fn's name and where it is defined, for the artifact's header
 
 
 def compile_variant(fn: Callable[..., Any], example_inputs: tuple[Any, ...],
-                    options: BuildOptions, on_fakes: bool = False) -> CompiledVariant:
-    """Capture and lower one call of ``fn``; ``options.progress`` hears about each stage."""
+                    options: BuildOptions, on_fakes: bool = False,
+                    origin: str | None = None) -> CompiledVariant:
+    """Capture and lower one call of ``fn``; ``options.progress`` hears about each stage.
+    ``origin`` says what the header names as captured (default: ``fn`` and its file)."""
     report = options.progress or (lambda stage: None)
     # The build pipeline is imported here, not at module level: load() never needs it.
+    from torch_precompile.internals.origin import describe_callable
     from torch_precompile.trace import capture
 
     with _lock:
@@ -357,7 +361,7 @@ def compile_variant(fn: Callable[..., Any], example_inputs: tuple[Any, ...],
     spec = dataclasses.replace(
         captured.spec.with_strides(lowered.input_strides), autograd=record
     ).with_kernels(sorted(kernels.values(), key=lambda k: k.key))
-    return CompiledVariant(spec, graphs)
+    return CompiledVariant(spec, graphs, origin or describe_callable(fn))
 
 
 def _with_backward(captured: Capture, lowered: LoweredGraph, options: BuildOptions,
@@ -418,7 +422,8 @@ def package(variants: Sequence[CompiledVariant], options: BuildOptions) -> Artif
     (options.progress or (lambda stage: None))("render")
     spec = variants[0].spec.with_variants([v.spec for v in variants[1:]])
     with progress.step("writing the artifact source"):
-        python_code, compiled = bytecode.seal(render(spec, [v.graphs for v in variants]))
+        python_code, compiled = bytecode.seal(render(spec, [v.graphs for v in variants],
+                                                     origin=variants[0].origin))
     payloads = [g.acceleration for v in variants for g in v.graphs.all
                 if g.acceleration is not None]
     acceleration = (payloads[0] if len(payloads) <= 1 else merged_payloads(payloads)

@@ -98,6 +98,7 @@ def module_pair(model: torch.nn.Module, example_inputs: tuple[Any, ...],
                 options: Any) -> tuple[str, bytes | None]:
     """Capture ``model`` called on the examples, once per mode asked for (each a variant)."""
     from torch_precompile.api import compile_variant, package
+    from torch_precompile.internals.origin import describe_callable
 
     if not isinstance(model, torch.nn.Module):
         raise PrecompileError(
@@ -111,6 +112,7 @@ def module_pair(model: torch.nn.Module, example_inputs: tuple[Any, ...],
             "example_kwargs must be a dict of keyword inputs, got "
             f"{type(example_kwargs).__name__}.")
     kwargs = dict(example_kwargs or {})
+    origin = describe_callable(type(model).forward)
     was_training = model.training
     variants = []
     try:
@@ -120,7 +122,7 @@ def module_pair(model: torch.nn.Module, example_inputs: tuple[Any, ...],
             grad = contextlib.nullcontext() if mode == "train" else torch.no_grad()
             with grad:
                 variants.append(compile_variant(call_module, (model, example_inputs, kwargs),
-                                                _with_grad_mode(options)))
+                                                _with_grad_mode(options), origin=origin))
     finally:
         model.train(was_training)
     code, cache = package(variants, options)

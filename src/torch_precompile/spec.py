@@ -191,8 +191,8 @@ class ReadValue:
 
     With ``submodule`` set it is the attribute ``path`` of ``submodules[submodule]``
     (``("scaling",)``, ``("config", "eps")``); otherwise the global ``path[0]`` of the Python
-    module named ``module``, whose file at capture was ``file``. ``where`` is the line that
-    read it.
+    module named ``module``; for ``__main__``, ``file`` is the base name of the script it was
+    at capture (no path of the build machine). ``where`` is the line that read it.
     """
 
     submodule: int | None

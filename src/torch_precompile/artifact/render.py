@@ -36,12 +36,12 @@ from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
 from torch_precompile.lower import LoweredGraph, VariantGraphs
 from torch_precompile.shipped import import_block, shipped_source
-from torch_precompile.spec import ArtifactSpec
+from torch_precompile.spec import ArtifactSpec, InputLeaf
 
 _RULE = "# " + "=" * 78
 
 _HEADER = '''\
-# A precompiled PyTorch computation: forward({call_example}).
+{origin}
 #
 {provenance}
 #
@@ -177,9 +177,11 @@ def _has_values(spec: ArtifactSpec) -> bool:
             or any(leaf.kind != "tensor" for leaf in spec.inputs))
 
 
-def render(spec: ArtifactSpec, graphs: Sequence[VariantGraphs], tracer: str = "make_fx") -> str:
+def render(spec: ArtifactSpec, graphs: Sequence[VariantGraphs], tracer: str = "make_fx",
+           origin: str | None = None) -> str:
     """Return the artifact's source: the graphs of each variant of ``spec`` (one, mostly); the
-    driver's modules are copied in (see ``shipped``)."""
+    driver's modules are copied in (see ``shipped``). ``origin`` names the captured function
+    and where it is defined."""
     variants = spec.all_variants
     if len(graphs) != len(variants):
         raise PrecompileError(f"internal: {len(variants)} variants and {len(graphs)} graphs")
@@ -192,6 +194,7 @@ def render(spec: ArtifactSpec, graphs: Sequence[VariantGraphs], tracer: str = "m
     all_named = [g for per_variant in named for g in per_variant]
     sections = [
         _HEADER.format(
+            origin=_origin(variants, call_example, origin),
             provenance=_provenance(spec, tracer), call_example=call_example,
             checks=_checks(variants), sections=_sections_line(all_named),
         ),
@@ -358,6 +361,30 @@ def _driver_source(modules: list[ModuleType], graph_source: str) -> str:
     for source in shipped:
         pieces += ["", "", source.comment, "", source.body.rstrip("\n")]
     return "\n".join(pieces) + "\n"
+
+
+def _origin(specs: Sequence[ArtifactSpec], call_example: str, origin: str | None) -> str:
+    """The header's first lines: what the artifact computes, captured from what, on which
+    inputs, and whether its results carry autograd history."""
+    text = f"A precompiled PyTorch computation: forward({call_example})"
+    if origin is not None:
+        text += f", captured from {origin}"
+    tensors = [f"{leaf.path} {_tensor_type(leaf)}" for leaf in specs[0].inputs
+               if leaf.kind == "tensor"]
+    if tensors:
+        text += " with " + ", ".join(tensors)
+        if len(specs) > 1:
+            text += f" (and {len(specs) - 1} other variant{'s' if len(specs) > 2 else ''})"
+    text += "."
+    unavailable = specs[0].autograd.unavailable if specs[0].autograd is not None else None
+    if unavailable:
+        text += f" Its {unavailable}."
+    return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
+
+
+def _tensor_type(leaf: InputLeaf) -> str:
+    dims = ", ".join("?" if d is None else str(d) for d in leaf.shape or ())
+    return f"{str(leaf.dtype).removeprefix('torch.')}[{dims}]"
 
 
 def _provenance(spec: ArtifactSpec, tracer: str) -> str:

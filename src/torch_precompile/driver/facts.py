@@ -83,11 +83,15 @@ class GlobalRead:
         module = sys.modules.get(self.record.module)
         if module is None:
             return None
-        if self.record.module == "__main__" and getattr(
-                module, "__file__", None) != self.record.file:
+        if self.record.module == "__main__" and _base_name(
+                getattr(module, "__file__", None)) != self.record.file:
             self.never_here = True
             return None
         return vars(module)
+
+
+def _base_name(file: Any) -> str | None:
+    return file.rsplit("/", 1)[-1].rsplit("\\", 1)[-1] if isinstance(file, str) else None
 
 
 def _compare(read: Any, shown: str, value: Any) -> None:

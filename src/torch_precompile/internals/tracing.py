@@ -30,6 +30,7 @@ from torch.nn.utils.stateless import _reparametrize_module as reparametrize_modu
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from torch_precompile.errors import PrecompileError
+from torch_precompile.internals.origin import shown_path
 
 __all__ = [
     "BAKED_READS",
@@ -204,7 +205,10 @@ def _innermost_user_frame(self: Any, stack: traceback.StackSummary) -> traceback
         return _TORCH_FRAME_FILTER(self, stack)
     for frame in reversed(stack):
         if not frame.filename.startswith(_NOT_USER_CODE):
-            return traceback.StackSummary.from_list([frame])
+            # Shown in the artifact: no absolute path of the build machine.
+            shown = traceback.FrameSummary(shown_path(frame.filename), frame.lineno, frame.name,
+                                           lookup_line=False, line=frame.line)
+            return traceback.StackSummary.from_list([shown])
     return traceback.StackSummary.from_list([])
 
 

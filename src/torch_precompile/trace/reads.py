@@ -17,6 +17,7 @@ from __future__ import annotations
 import dis
 import enum
 import gc
+import os
 import sys
 import sysconfig
 import types
@@ -135,7 +136,7 @@ class ReadRecorder:
         if encoded is not None:
             self.namespaces[module] = namespace
             self.reads[key] = ReadValue(None, module, (name,), encoded, where,
-                                        namespace.get("__file__"))
+                                        _script_name(module, namespace))
 
     def records(self) -> tuple[ReadValue, ...]:
         """Every read, modules' attributes first (in walk order), then globals."""
@@ -144,6 +145,13 @@ class ReadRecorder:
 
 
 _UNSEEN: Any = object()
+
+
+def _script_name(module: str, namespace: dict[str, Any]) -> str | None:
+    """For ``__main__``, the base name of its script: a later process whose ``__main__`` is
+    another script has none of these globals to compare."""
+    file = namespace.get("__file__")
+    return os.path.basename(file) if module == "__main__" and isinstance(file, str) else None
 
 
 def _code_reads(code: types.CodeType) -> _CodeReads | None:
