@@ -19,6 +19,7 @@ demo: $(BIN)/.installed
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check
+	$(BIN)/ruff format --check src tests benchmarks
 
 test: lint
 	$(BIN)/python -m pytest

@@ -54,8 +54,14 @@ print(json.dumps(rows))
 
 def measure(src: Path) -> list[dict[str, object]]:
     env = {**os.environ, "PYTHONPATH": str(src)}
-    done = subprocess.run([sys.executable, "-c", _MEASURE], env=env, capture_output=True,
-                          text=True, check=True, cwd="/tmp")
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/tmp",
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -67,8 +73,10 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for row in measure(args.src.resolve()):
         rest = int(row["lines"]) - int(row["generated_lines"])
-        print(f"| {row['artifact']} | {row['lines']} | {row['bytes']} | {row['driver_lines']} "
-              f"| {row['generated_lines']} | {rest} |")
+        print(
+            f"| {row['artifact']} | {row['lines']} | {row['bytes']} | {row['driver_lines']} "
+            f"| {row['generated_lines']} | {rest} |"
+        )
 
 
 if __name__ == "__main__":

@@ -96,13 +96,30 @@ print({marker!r} + json.dumps({{"seconds": seconds, "peak_mib": peak, "wrapper":
 def build_once(tool: str, depth: int, mode: str) -> dict[str, float | str]:
     """One cold build in a fresh process: its seconds, peak memory, and (ours) the wrapper."""
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"),
-               "TMPDIR": tmp, "PYTHONPATH": os.pathsep.join(
-                   [str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        script = _CHILD.format(benchmarks=str(HERE), tool=tool, depth=depth, mode=mode,
-                               out=str(Path(tmp) / "model"), marker=RESULT)
-        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                              text=True, timeout=3600, cwd=tmp)
+        env = {
+            **os.environ,
+            "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"),
+            "TMPDIR": tmp,
+            "PYTHONPATH": os.pathsep.join(
+                [str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+        }
+        script = _CHILD.format(
+            benchmarks=str(HERE),
+            tool=tool,
+            depth=depth,
+            mode=mode,
+            out=str(Path(tmp) / "model"),
+            marker=RESULT,
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            cwd=tmp,
+        )
     line = next((x for x in done.stdout.splitlines() if x.startswith(RESULT)), None)
     if done.returncode != 0 or line is None:
         raise RuntimeError(f"{tool} at depth {depth} ({mode}) failed:\n{done.stderr[-3000:]}")
@@ -118,12 +135,21 @@ def measure(tool: str, depth: int, mode: str, runs: int) -> dict[str, float | st
     return summary
 
 
-def table(rows: dict[tuple[str, int, str], dict[str, float | str]], depths: list[int],
-          modes: list[str], tools: list[str]) -> list[str]:
+def table(
+    rows: dict[tuple[str, int, str], dict[str, float | str]],
+    depths: list[int],
+    modes: list[str],
+    tools: list[str],
+) -> list[str]:
     """One row per mode and depth: each tool's seconds (and peak MiB), ours against peers."""
     shown = [t for t in tools if any(k[0] == t for k in rows)]
-    head = ["mode", "blocks", *(f"{t} s (peak MiB)" for t in shown),
-            "precompile / torch.compile", "precompile: trace + lower s"]
+    head = [
+        "mode",
+        "blocks",
+        *(f"{t} s (peak MiB)" for t in shown),
+        "precompile / torch.compile",
+        "precompile: trace + lower s",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(shown) + 2)]
     for mode in modes:
         for depth in depths:
@@ -131,14 +157,23 @@ def table(rows: dict[tuple[str, int, str], dict[str, float | str]], depths: list
             for tool in shown:
                 r = rows.get((tool, depth, mode))
                 wrapper = f", {r['wrapper']}" if r and r["wrapper"] else ""
-                cells.append("-" if r is None else
-                             f"{float(r['seconds']):.1f} ({float(r['peak_mib']):,.0f}{wrapper})")
-            ours, peer = rows.get(("precompile", depth, mode)), rows.get(
-                ("torch.compile", depth, mode))
-            ratio = (f"{float(ours['seconds']) / float(peer['seconds']):.2f}x"
-                     if ours and peer else "-")
-            split = (f"{float(ours['trace']):.1f} + {float(ours['lower']):.1f}"
-                     if ours and "trace" in ours and "lower" in ours else "-")
+                cells.append(
+                    "-"
+                    if r is None
+                    else f"{float(r['seconds']):.1f} ({float(r['peak_mib']):,.0f}{wrapper})"
+                )
+            ours, peer = (
+                rows.get(("precompile", depth, mode)),
+                rows.get(("torch.compile", depth, mode)),
+            )
+            ratio = (
+                f"{float(ours['seconds']) / float(peer['seconds']):.2f}x" if ours and peer else "-"
+            )
+            split = (
+                f"{float(ours['trace']):.1f} + {float(ours['lower']):.1f}"
+                if ours and "trace" in ours and "lower" in ours
+                else "-"
+            )
             lines.append(f"| {mode} | {depth} | " + " | ".join(cells) + f" | {ratio} | {split} |")
     return lines
 
@@ -147,8 +182,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depths", default="1,2,4,12,24")
     parser.add_argument("--modes", default="infer,train")
-    parser.add_argument("--tools", default="precompile,torch.compile,aoti",
-                        help=f"any of {', '.join(TOOLS)}")
+    parser.add_argument(
+        "--tools", default="precompile,torch.compile,aoti", help=f"any of {', '.join(TOOLS)}"
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "BUILD_TIME.md")
     args = parser.parse_args()

@@ -232,8 +232,9 @@ def _build(mode: str, workload: str, workdir: Path) -> dict[str, Any]:
         start = time.perf_counter()
         mark_dynamic_dims(workload, inputs)
         paths = workdir / "builtin.py", workdir / "builtin.cache"
-        with torch.compiler.precompile.capture(fn, artifact_path=paths[0],
-                                               cache_path=paths[1]) as cap:
+        with torch.compiler.precompile.capture(
+            fn, artifact_path=paths[0], cache_path=paths[1]
+        ) as cap:
             cap(model, *inputs)
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "bytes": sum(p.stat().st_size for p in paths)}
@@ -261,8 +262,13 @@ def _build(mode: str, workload: str, workdir: Path) -> dict[str, Any]:
     raise ValueError(f"unknown build mode {mode!r}")
 
 
-def _median_call_us(run: Callable[..., Any], model: nn.Module, inputs: tuple[torch.Tensor, ...],
-                    warmup: int, calls: int) -> float:
+def _median_call_us(
+    run: Callable[..., Any],
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    warmup: int,
+    calls: int,
+) -> float:
     for _ in range(warmup):
         run(model, *inputs)
     times = []
@@ -273,8 +279,9 @@ def _median_call_us(run: Callable[..., Any], model: nn.Module, inputs: tuple[tor
     return statistics.median(times) * 1e6
 
 
-def _median_graph_us(run: Any, model: nn.Module, inputs: tuple[torch.Tensor, ...], warmup: int,
-                     calls: int) -> float:
+def _median_graph_us(
+    run: Any, model: nn.Module, inputs: tuple[torch.Tensor, ...], warmup: int, calls: int
+) -> float:
     """Our artifact's compiled ``call`` alone, without the driver around it."""
     driver = run._forward  # the artifact's forward: a Driver over its spec and call
     state = type(driver).__call__.__globals__["model_tensors"](driver, [model])
@@ -304,8 +311,11 @@ def run_child(mode: str, workload: str, workdir: Path, warmup: int, calls: int) 
             sized = (torch.randn(batch, seq, inputs[0].shape[-1]),)
             by_size[f"{batch}x{seq}"] = _median_call_us(run, model, sized, warmup, calls)
         us = _median_call_us(run, model, inputs, warmup, calls)
-        graph_us = _median_graph_us(run, model, inputs, warmup, calls) if mode in (
-            "steady-ours", "steady-ours-cpp") else None
+        graph_us = (
+            _median_graph_us(run, model, inputs, warmup, calls)
+            if mode in ("steady-ours", "steady-ours-cpp")
+            else None
+        )
         _emit({"us_per_call": us, "calls": calls, "by_size": by_size, "graph_us": graph_us})
         return
     start = time.perf_counter()
@@ -685,22 +695,36 @@ def steady_table(res: WorkloadResults, inference: bool) -> list[list[str]]:
 
 def dynamic_table(res: WorkloadResults) -> list[list[str]]:
     """Rows: size, best per-process us/call of eager, torch.compile(dynamic=True), ours."""
+
     def best(mode: str, size: str) -> float:
         outs = [o for o in res.steady.get(mode, []) if o.payload and size in o.payload["by_size"]]
         return min((o.payload["by_size"][size] for o in outs), default=math.nan)
 
-    sizes = next((list(o.payload["by_size"]) for group in res.steady.values() for o in group
-                  if o.payload and o.payload.get("by_size")), [])
+    sizes = next(
+        (
+            list(o.payload["by_size"])
+            for group in res.steady.values()
+            for o in group
+            if o.payload and o.payload.get("by_size")
+        ),
+        [],
+    )
     rows = []
     for size in sizes:
-        eager, comp, ours = (best(m, size) for m in ("steady-eager", "steady-compile",
-                                                      "steady-ours"))
+        eager, comp, ours = (
+            best(m, size) for m in ("steady-eager", "steady-compile", "steady-ours")
+        )
         rows.append([size, f"{eager:.1f}", f"{comp:.1f}", f"{ours:.1f}", f"{ours / comp:.2f}x"])
     return rows
 
 
-DYNAMIC_HEADER = ["batch x seq", "eager us/call", "torch.compile(dynamic=True) us/call",
-                  "ours us/call", "ours vs torch.compile"]
+DYNAMIC_HEADER = [
+    "batch x seq",
+    "eager us/call",
+    "torch.compile(dynamic=True) us/call",
+    "ours us/call",
+    "ours vs torch.compile",
+]
 
 
 def build_table(res: WorkloadResults, inference: bool) -> list[list[str]]:
@@ -754,9 +778,9 @@ WORKLOAD_TITLES = {
     "block": "`block`: pre-norm transformer block forward (dim 64, 4 heads, seq 32, batch 4), eval",
     "block_train": "`block_train`: the same block's training step (forward, MSE, backward), train",
     "block_dyn": "`block_dyn`: the block's forward with dynamic batch and sequence length (ours: "
-                 "mark_unbacked, seq min 2; torch.compile(dynamic=True)), eval",
+    "mark_unbacked, seq min 2; torch.compile(dynamic=True)), eval",
     "deep": "`deep`: nn.Sequential of 100 x (Linear(8, 8), ReLU), 201 modules, batch 1, eval: "
-            "the per-call cost of checking a call shows",
+    "the per-call cost of checking a call shows",
 }
 
 EXPLANATION = """\
@@ -841,8 +865,14 @@ def report(
             ("Build time (once, empty caches)", BUILD_HEADER, build_table(res, inference)),
         ]  # fmt: skip
         if name in DYNAMIC_SIZES:
-            sections.insert(2, ("Steady state at several sizes, one artifact (microseconds per "
-                                "call)", DYNAMIC_HEADER, dynamic_table(res)))
+            sections.insert(
+                2,
+                (
+                    "Steady state at several sizes, one artifact (microseconds per call)",
+                    DYNAMIC_HEADER,
+                    dynamic_table(res),
+                ),
+            )
         md.append(f"## {WORKLOAD_TITLES[name]}\n")
         text.append(f"\n=== {name} ===")
         for title, header, rows in sections:

@@ -84,8 +84,11 @@ def _model(job: str, mode: str, args: argparse.Namespace) -> torch.nn.Module:
         for block in model if mode == "compile" else ():
             block.compile(dynamic=False)
         return DistributedDataParallel(model)
-    mesh = init_device_mesh("cpu", (2, world // 2) if job == "fsdp_tp" else (world,),
-                            mesh_dim_names=("dp", "tp") if job == "fsdp_tp" else ("dp",))
+    mesh = init_device_mesh(
+        "cpu",
+        (2, world // 2) if job == "fsdp_tp" else (world,),
+        mesh_dim_names=("dp", "tp") if job == "fsdp_tp" else ("dp",),
+    )
     dp = mesh["dp"] if job == "fsdp_tp" else mesh
     for block in model:
         if job == "fsdp_tp":
@@ -104,14 +107,20 @@ def _batch(job: str, rank: int, args: argparse.Namespace) -> torch.Tensor:
     return x.chunk(replicas)[replica]
 
 
-def child(job: str, mode: str, rank: int, port: int, t0: float, workdir: Path,
-          args: argparse.Namespace) -> None:
+def child(
+    job: str, mode: str, rank: int, port: int, t0: float, workdir: Path, args: argparse.Namespace
+) -> None:
     import torch.distributed as dist
 
     if mode in ("ours", "build"):
         import torch_precompile  # noqa: F401  (a script imports it at its top, with torch)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=JOBS[job], timeout=datetime.timedelta(seconds=900))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=JOBS[job],
+        timeout=datetime.timedelta(seconds=900),
+    )
     before = _rss_mb()
     model = _model(job, mode, args)
     x = _batch(job, rank, args)
@@ -160,26 +169,48 @@ def byte_compile_package() -> None:
     compileall.compile_dir(next(iter(spec.submodule_search_locations)), quiet=1)
 
 
-def launch(job: str, mode: str, workdir: Path, cache_dir: Path,
-           args: argparse.Namespace) -> list[dict[str, Any]]:
+def launch(
+    job: str, mode: str, workdir: Path, cache_dir: Path, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
+    }
     options = [f"--{k}={getattr(args, k)}" for k in ("dim", "blocks", "batch", "seq", "steps")]
     t0 = time.time()
-    procs = [subprocess.Popen(
-        [sys.executable, __file__, "--child", job, mode, str(rank), str(port), repr(t0),
-         str(workdir), *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-        text=True) for rank in range(JOBS[job])]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                job,
+                mode,
+                str(rank),
+                str(port),
+                repr(t0),
+                str(workdir),
+                *options,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+        )
+        for rank in range(JOBS[job])
+    ]
     results = []
     for proc in procs:
         out, _ = proc.communicate(timeout=CHILD_TIMEOUT_S)
         lines = [line for line in out.splitlines() if line.startswith(MARKER)]
         if proc.returncode != 0 or not lines:
             raise RuntimeError(f"{job} {mode} failed:\n{out[-3000:]}")
-        results.append(json.loads(lines[-1][len(MARKER):]))
+        results.append(json.loads(lines[-1][len(MARKER) :]))
     return results
 
 
@@ -201,9 +232,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     ranks = launch(job, mode, workdir, cache, args)
                     for key in ("first_s", "after_model_s", "steady_ms", "peak_mb"):
                         samples.setdefault(f"{job}/{mode}/{key}", []).append(
-                            max(r[key] for r in ranks))
+                            max(r[key] for r in ranks)
+                        )
                     samples.setdefault(f"{job}/{mode}/after_all_built_s", []).append(
-                        max(r["first_at"] for r in ranks) - max(r["built_at"] for r in ranks))
+                        max(r["first_at"] for r in ranks) - max(r["built_at"] for r in ranks)
+                    )
                     samples[f"{job}/{mode}/loss"] = ranks[0]["loss"]
     return samples
 
@@ -213,11 +246,15 @@ def report(samples: dict[str, Any], args: argparse.Namespace) -> str:
         return f"{statistics.median(samples[key]):,.{digits}f}"
 
     jobs = args.jobs.split(",")
-    names = {"ours": "torch_precompile, cache", "eager": "eager {title}",
-             "compile": "torch.compile per block, warm cache",
-             "replicated": "eager, model replicated (no sharding)"}
+    names = {
+        "ours": "torch_precompile, cache",
+        "eager": "eager {title}",
+        "compile": "torch.compile per block, warm cache",
+        "replicated": "eager, model replicated (no sharding)",
+    }
     lines = [
-        f"# Data parallelism: {', '.join(TITLES[job] for job in jobs)} training steps", "",
+        f"# Data parallelism: {', '.join(TITLES[job] for job in jobs)} training steps",
+        "",
         f"Written by `benchmarks/data_parallel.py --runs {args.runs} --jobs {args.jobs}`. "
         f"{args.blocks} "
         f"transformer blocks of width {args.dim} (4 heads, MLP 4x), per-replica batch "
@@ -225,16 +262,18 @@ def report(samples: dict[str, Any], args: argparse.Namespace) -> str:
         "DDP: the stack in `DistributedDataParallel` over 2 ranks. "
         "FSDP2: `fully_shard` on each block and the root over 2 ranks. FSDP2 x TP: each block "
         "tensor-parallel on `tp` and `fully_shard` on `dp` of a (2, 2) mesh, 4 ranks. Medians "
-        f"of {args.runs} fresh-process runs; each number is the slowest (largest) rank.", "",
+        f"of {args.runs} fresh-process runs; each number is the slowest (largest) rank.",
+        "",
         f"- torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} "
         f"CPUs ({platform.machine()}), OMP_NUM_THREADS=1 per rank",
-        f"- {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC", "",
+        f"- {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        "",
         "Peak memory counts everything a rank's resident set gains after the process group "
         "exists: tensors, and the code each mode loads on the way (FSDP2 and DTensor, torch's "
         "compiler stack, kernels). At this model size (3.2 M parameters, 12.6 MB in float32) "
         "that code is a large part of it; the replicated row loads neither FSDP2 nor DTensor.",
         "",
-        "\"After the built model\" is from the moment a rank has its model to its first loss; a "
+        '"After the built model" is from the moment a rank has its model to its first loss; a '
         "rank waits there, in its first collective, for the slowest rank to build its model, "
         "which takes the same code in every mode. \"After every rank's model\" is the job's "
         "view without that spread: from the moment the last rank has its model to the last "
@@ -245,15 +284,22 @@ def report(samples: dict[str, Any], args: argparse.Namespace) -> str:
         world = JOBS[job]
         losses = ", ".join(f"{m} {samples[f'{job}/{m}/loss']:.6f}" for m in MODES)
         lines += [
-            f"## {TITLES[job]}, {world} ranks", "",
+            f"## {TITLES[job]}, {world} ranks",
+            "",
             f"First losses (rank 0): {losses}. Building the pair (compile_on_one_rank): "
-            f"{samples[f'{job}/build_s'][0]:.1f} s.", "",
+            f"{samples[f'{job}/build_s'][0]:.1f} s.",
+            "",
             "| mode | first step, s | after the built model, s | after every rank's model, s | "
-            "steady step, ms | peak memory, MB |", "|---|---:|---:|---:|---:|---:|",
-            *(f"| {names[m].format(title=TITLES[job])} | {cell(f'{job}/{m}/first_s', 2)} | "
-              f"{cell(f'{job}/{m}/after_model_s', 3)} | "
-              f"{cell(f'{job}/{m}/after_all_built_s', 3)} | {cell(f'{job}/{m}/steady_ms', 1)} | "
-              f"{cell(f'{job}/{m}/peak_mb', 1)} |" for m in MODES), "",
+            "steady step, ms | peak memory, MB |",
+            "|---|---:|---:|---:|---:|---:|",
+            *(
+                f"| {names[m].format(title=TITLES[job])} | {cell(f'{job}/{m}/first_s', 2)} | "
+                f"{cell(f'{job}/{m}/after_model_s', 3)} | "
+                f"{cell(f'{job}/{m}/after_all_built_s', 3)} | {cell(f'{job}/{m}/steady_ms', 1)} | "
+                f"{cell(f'{job}/{m}/peak_mb', 1)} |"
+                for m in MODES
+            ),
+            "",
         ]
     return "\n".join(lines)
 

@@ -173,15 +173,19 @@ print({result!r} + json.dumps({{"module_s": module_s, "whole_step_s": time.perf_
 
 
 def _child(code: str, env_dir: Path) -> dict[str, float]:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(env_dir / "inductor"),
-           "TMPDIR": str(env_dir / "tmp")}
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(env_dir / "inductor"),
+        "TMPDIR": str(env_dir / "tmp"),
+    }
     (env_dir / "tmp").mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=3600)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=3600
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode or not lines:
         raise RuntimeError(done.stderr[-3000:])
-    return json.loads(lines[-1][len(RESULT):])
+    return json.loads(lines[-1][len(RESULT) :])
 
 
 def main() -> None:
@@ -194,22 +198,40 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         pairs = {"module": str(work / "module.py"), "whole-step": str(work / "step.py")}
-        build = _child(_BUILD.format(model=MODEL, module_path=pairs["module"],
-                                     step_path=pairs["whole-step"], result=RESULT),
-                       work / "build")
+        build = _child(
+            _BUILD.format(
+                model=MODEL,
+                module_path=pairs["module"],
+                step_path=pairs["whole-step"],
+                result=RESULT,
+            ),
+            work / "build",
+        )
         print(f"built: module {build['module_s']:.1f} s, whole-step {build['whole_step_s']:.1f} s")
         rows = {}
         for tool in args.tools.split(","):
-            runs = [_child(_CHILD.format(model=MODEL, tool=tool, pairs=pairs, steps=args.steps,
-                                         result=RESULT, timing=TIMING), work / f"{tool}{n}")
-                    for n in range(args.runs)]
+            runs = [
+                _child(
+                    _CHILD.format(
+                        model=MODEL,
+                        tool=tool,
+                        pairs=pairs,
+                        steps=args.steps,
+                        result=RESULT,
+                        timing=TIMING,
+                    ),
+                    work / f"{tool}{n}",
+                )
+                for n in range(args.runs)
+            ]
             rows[tool] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
             print(tool, json.dumps(rows[tool]))
     args.out.write_text(_table(rows, build, args))
 
 
-def _table(rows: dict[str, dict[str, float]], build: dict[str, float],
-           args: argparse.Namespace) -> str:
+def _table(
+    rows: dict[str, dict[str, float]], build: dict[str, float], args: argparse.Namespace
+) -> str:
     eager = rows.get("eager")
     lines = [
         "# Training loop with backward outside the artifact (4-block GPT)",
@@ -225,10 +247,16 @@ def _table(rows: dict[str, dict[str, float]], build: dict[str, float],
         memory = f"{row['peak_mib']:.0f}"
         if eager and tool != "eager":
             memory += f" ({row['peak_mib'] / eager['peak_mib']:.2f}x eager)"
-        lines.append(f"| {tool} | {row['first_s']:.2f} | {row['import_s']:.2f} | "
-                     f"{row['step_ms']:.1f} | {memory} |")
-    lines += ["", f"Build time (done once, before): module form {build['module_s']:.1f} s, "
-              f"whole-step form {build['whole_step_s']:.1f} s.", ""]
+        lines.append(
+            f"| {tool} | {row['first_s']:.2f} | {row['import_s']:.2f} | "
+            f"{row['step_ms']:.1f} | {memory} |"
+        )
+    lines += [
+        "",
+        f"Build time (done once, before): module form {build['module_s']:.1f} s, "
+        f"whole-step form {build['whole_step_s']:.1f} s.",
+        "",
+    ]
     return "\n".join(lines)
 
 

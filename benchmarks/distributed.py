@@ -65,8 +65,10 @@ class Block(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ln_attn(x)
         batch, seq, _ = x.shape
-        split = [p(h).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-                 for p in (self.wq, self.wk, self.wv)]  # local heads under tensor parallelism
+        split = [
+            p(h).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for p in (self.wq, self.wk, self.wv)
+        ]  # local heads under tensor parallelism
         attended = torch.nn.functional.scaled_dot_product_attention(*split, is_causal=True)
         x = x + self.wo(attended.transpose(1, 2).reshape(batch, seq, -1))
         return x + self.fc_out(torch.nn.functional.gelu(self.fc_in(self.ln_mlp(x))))
@@ -89,8 +91,14 @@ def tp_plan() -> dict[str, Any]:
     """The block's tensor-parallel plan: q, k, v, fc_in colwise; o, fc_out rowwise."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
-            "wo": RowwiseParallel(), "fc_in": ColwiseParallel(), "fc_out": RowwiseParallel()}
+    return {
+        "wq": ColwiseParallel(),
+        "wk": ColwiseParallel(),
+        "wv": ColwiseParallel(),
+        "wo": RowwiseParallel(),
+        "fc_in": ColwiseParallel(),
+        "fc_out": RowwiseParallel(),
+    }
 
 
 def _steady_ms(run: Any, model: torch.nn.Module, x: torch.Tensor, steps: int) -> float:
@@ -108,8 +116,13 @@ def child(mode: str, rank: int, port: int, t0: float, workdir: Path, steps: int)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=600),
+    )
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
     result: dict[str, Any] = {"rank": rank}
     if mode in SETUP_IMPORTS:
@@ -157,17 +170,37 @@ def launch(mode: str, workdir: Path, cache_dir: Path, steps: int) -> list[dict[s
     procs = []
     for rank in range(WORLD):
         t0 = time.time()
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--child", mode, "--rank", str(rank), "--port", str(port),
-             "--t0", repr(t0), "--workdir", str(workdir), "--steps", str(steps)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    mode,
+                    "--rank",
+                    str(rank),
+                    "--port",
+                    str(port),
+                    "--t0",
+                    repr(t0),
+                    "--workdir",
+                    str(workdir),
+                    "--steps",
+                    str(steps),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
         lines = [line for line in out.splitlines() if line.startswith(MARKER)]
         if proc.returncode or not lines:
             raise RuntimeError(f"{mode}: a rank failed:\n{err[-3000:]}")
-        results.append(json.loads(lines[-1][len(MARKER):]))
+        results.append(json.loads(lines[-1][len(MARKER) :]))
     return results
 
 
@@ -188,12 +221,17 @@ def measure(runs: int, steps: int) -> dict[str, list[float]]:
                 samples.setdefault(f"{mode}:first", []).append(max(r["first_s"] for r in ranks))
                 if mode not in SETUP_MODES:
                     samples.setdefault(f"{mode}:steady", []).append(
-                        max(r["steady_ms"] for r in ranks))
+                        max(r["steady_ms"] for r in ranks)
+                    )
                     samples.setdefault(f"{mode}:loss", []).append(ranks[0]["loss"])
                     samples.setdefault(f"{mode}:after_model", []).append(
-                        max(r["after_model_s"] for r in ranks))
-            print(f"run {run + 1}/{runs}: " + ", ".join(
-                f"{k} {v[-1]:.3f}" for k, v in samples.items()), flush=True)
+                        max(r["after_model_s"] for r in ranks)
+                    )
+            print(
+                f"run {run + 1}/{runs}: "
+                + ", ".join(f"{k} {v[-1]:.3f}" for k, v in samples.items()),
+                flush=True,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return samples
@@ -223,29 +261,50 @@ def report(samples: dict[str, list[float]], runs: int, steps: int) -> str:
         "| mode | seconds | x (import torch + process group) | x (... + model built) |",
         "|---|---:|---:|---:|",
     ]
-    names = {"baseline": "import torch + process group + mesh",
-             "imports": "... + DTensor and tensor-parallel imports",
-             "dynamo": "... + torch._dynamo (imported by the first distribute_tensor)",
-             "model": "... + model built and parallelized", "ours": "torch_precompile, cache",
-             "eager": "eager", "compile": "torch.compile, warm cache"}
+    names = {
+        "baseline": "import torch + process group + mesh",
+        "imports": "... + DTensor and tensor-parallel imports",
+        "dynamo": "... + torch._dynamo (imported by the first distribute_tensor)",
+        "model": "... + model built and parallelized",
+        "ours": "torch_precompile, cache",
+        "eager": "eager",
+        "compile": "torch.compile, warm cache",
+    }
     built = med["model:first"]
     for mode in FIRST_MODES:
-        lines.append(f"| {names[mode]} | {med[f'{mode}:first']:.2f} | "
-                     f"{med[f'{mode}:first'] / base:.2f} | {med[f'{mode}:first'] / built:.2f} |")
-    lines += ["", "From the built model to the first loss, inside the same processes (what each "
-              "mode itself adds: imports, loading, compiling, the first step):", "",
-              "| mode | seconds |", "|---|---:|"]
+        lines.append(
+            f"| {names[mode]} | {med[f'{mode}:first']:.2f} | "
+            f"{med[f'{mode}:first'] / base:.2f} | {med[f'{mode}:first'] / built:.2f} |"
+        )
+    lines += [
+        "",
+        "From the built model to the first loss, inside the same processes (what each "
+        "mode itself adds: imports, loading, compiling, the first step):",
+        "",
+        "| mode | seconds |",
+        "|---|---:|",
+    ]
     for mode in ("ours", "eager", "compile"):
         lines.append(f"| {names[mode]} | {med[f'{mode}:after_model']:.3f} |")
-    lines += ["", "## Build (wall time of the precompile call, slower rank)", "",
-              "| how | seconds |", "|---|---:|",
-              f"| every rank compiles | {med['build_every']:.1f} |",
-              f"| compile_on_one_rank | {med['build_one']:.1f} |",
-              "", "## Steady state per step", "", "| mode | ms | x torch.compile |",
-              "|---|---:|---:|"]
+    lines += [
+        "",
+        "## Build (wall time of the precompile call, slower rank)",
+        "",
+        "| how | seconds |",
+        "|---|---:|",
+        f"| every rank compiles | {med['build_every']:.1f} |",
+        f"| compile_on_one_rank | {med['build_one']:.1f} |",
+        "",
+        "## Steady state per step",
+        "",
+        "| mode | ms | x torch.compile |",
+        "|---|---:|---:|",
+    ]
     for mode in ("ours", "eager", "compile"):
-        lines.append(f"| {names[mode]} | {med[f'{mode}:steady']:.2f} | "
-                     f"{med[f'{mode}:steady'] / med['compile:steady']:.2f} |")
+        lines.append(
+            f"| {names[mode]} | {med[f'{mode}:steady']:.2f} | "
+            f"{med[f'{mode}:steady'] / med['compile:steady']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -62,8 +62,14 @@ print("RESULT", json.dumps([sorted(t)[len(t) // 2] * 1e6 for t in times]))
 
 def _run(script: str, src: Path) -> str:
     env = {**os.environ, "PYTHONPATH": str(src)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=900, cwd="/tmp")
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd="/tmp",
+    )
     if done.returncode != 0:
         raise RuntimeError(f"a child with {src} failed:\n{done.stderr[-2000:]}")
     return done.stdout
@@ -84,8 +90,16 @@ def main() -> None:
             paths = [str(Path(tmp) / f"{workload}-{side}") for side in ("this", "other")]
             for src, out in zip((here, args.src.resolve()), paths, strict=True):
                 _run(_BUILD.format(benchmarks=str(HERE), workload=workload, out=out), src)
-            output = _run(_MEASURE.format(benchmarks=str(HERE), workload=workload, paths=paths,
-                                          rounds=args.rounds, calls=args.calls), here)
+            output = _run(
+                _MEASURE.format(
+                    benchmarks=str(HERE),
+                    workload=workload,
+                    paths=paths,
+                    rounds=args.rounds,
+                    calls=args.calls,
+                ),
+                here,
+            )
             line = next(x for x in output.splitlines() if x.startswith("RESULT "))
             ours, other = json.loads(line.removeprefix("RESULT "))
             print(f"| {workload} | {ours:.1f} | {other:.1f} | {ours / other:.2f}x |", flush=True)

@@ -73,25 +73,28 @@ print({marker!r} + json.dumps({{"import_torch": imported - start, "load": loaded
 
 def _python(script: str, src: Path) -> str:
     env = {**os.environ, "PYTHONPATH": str(src)}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1800
+    )
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     return proc.stdout
 
 
 def _measure(path: Path, depth: int, src: Path) -> dict[str, float]:
-    out = _python(_LOAD.format(benchmarks=str(HERE), depth=depth, path=str(path),
-                               marker=MARKER), src)
+    out = _python(
+        _LOAD.format(benchmarks=str(HERE), depth=depth, path=str(path), marker=MARKER), src
+    )
     line = next(line for line in out.splitlines() if line.startswith(MARKER))
-    result = json.loads(line[len(MARKER):])
+    result = json.loads(line[len(MARKER) :])
     assert not result.pop("inductor_imported"), "a cached load imported Inductor"
     return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--depths", default="1,4,12,24")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--src", type=Path, help="another checkout's src/, measured alongside")
@@ -107,38 +110,43 @@ def main() -> None:
             for label, src in checkouts.items():
                 paths[label] = Path(work) / f"{label}_{depth}.py"
                 began = time.time()
-                _python(_BUILD.format(benchmarks=str(HERE), depth=depth,
-                                      out=str(paths[label])), src)
-                print(f"depth {depth}: {label} built in {time.time() - began:.0f} s",
-                      flush=True)
+                _python(
+                    _BUILD.format(benchmarks=str(HERE), depth=depth, out=str(paths[label])), src
+                )
+                print(f"depth {depth}: {label} built in {time.time() - began:.0f} s", flush=True)
             samples: dict[str, list[dict[str, float]]] = {label: [] for label in checkouts}
             for _ in range(args.runs):
                 for label, src in checkouts.items():
                     samples[label].append(_measure(paths[label], depth, src))
             for label in checkouts:
-                median = {key: statistics.median(s[key] for s in samples[label])
-                          for key in samples[label][0]}
+                median = {
+                    key: statistics.median(s[key] for s in samples[label])
+                    for key in samples[label][0]
+                }
                 size = paths[label].stat().st_size / 1024
                 rows.append((depth, label, size, median))
-                print(depth, label, {k: round(v * 1000, 1) for k, v in median.items()},
-                      flush=True)
+                print(depth, label, {k: round(v * 1000, 1) for k, v in median.items()}, flush=True)
     _write(args, rows)
 
 
 def _write(args: argparse.Namespace, rows: list) -> None:
-    header = ("| blocks | checkout | source, KiB | import torch, ms | load, ms | first call, ms "
-              "| steady step, ms |\n|---:|---|---:|---:|---:|---:|---:|\n")
+    header = (
+        "| blocks | checkout | source, KiB | import torch, ms | load, ms | first call, ms "
+        "| steady step, ms |\n|---:|---|---:|---:|---:|---:|---:|\n"
+    )
     body = "".join(
         f"| {depth} | {label} | {size:.0f} | {m['import_torch'] * 1e3:.0f} | "
         f"{m['load'] * 1e3:.1f} | {m['first_call'] * 1e3:.0f} | {m['steady'] * 1e3:.0f} |\n"
-        for depth, label, size, m in rows)
+        for depth, label, size, m in rows
+    )
     other = f" `other` is `{args.src}`." if args.src else ""
     args.out.write_text(
         "# Load time against depth\n\n"
         f"`python benchmarks/load_depth.py --depths {args.depths} --runs {args.runs}"
         f"{' --src OTHER/src' if args.src else ''}`: medians of {args.runs} fresh processes "
         f"per row, torch {_torch_version()}, {os.cpu_count()} CPUs.{other} `load` is "
-        "`precompile.load_file` on a saved inductor pair with its cache.\n\n" + header + body)
+        "`precompile.load_file` on a saved inductor pair with its cache.\n\n" + header + body
+    )
 
 
 def _torch_version() -> str:

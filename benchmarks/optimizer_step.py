@@ -45,8 +45,9 @@ MARKER = "OPTIMIZER_STEP_RESULT "
 MODES = ("import torch", "eager", "eager fused", "torch.compile", "ours", "ours, opt outside")
 
 
-def build(fused: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer,
-                                        torch.Tensor, torch.Tensor]:
+def build(
+    fused: bool = False,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = Block(64, 4).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=not fused, fused=fused)
@@ -54,8 +55,9 @@ def build(fused: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer,
     return model, opt, torch.randn(4, 32, 64, generator=g), torch.randn(4, 32, 64, generator=g)
 
 
-def step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-         target: torch.Tensor) -> torch.Tensor:
+def step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
     loss = F.mse_loss(model(x), target)
     loss.backward()
     opt.step()
@@ -63,8 +65,7 @@ def step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
     return loss.detach()
 
 
-def forward_backward(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor
-                     ) -> torch.Tensor:
+def forward_backward(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     loss = F.mse_loss(model(x), target)
     loss.backward()
     return loss.detach()
@@ -83,16 +84,20 @@ def _step_peak_mib(run: Any) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        events = [e["args"] for e in json.loads(trace.read_text())["traceEvents"]
-                  if e.get("name") == "[memory]"]
+        events = [
+            e["args"]
+            for e in json.loads(trace.read_text())["traceEvents"]
+            if e.get("name") == "[memory]"
+        ]
     if not events:
         return 0.0
     start = events[0]["Total Allocated"] - events[0]["Bytes"]
     return (max(e["Total Allocated"] for e in events) - start) / 2**20
 
 
-def _stepper(mode: str, workdir: Path) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer,
-                                                tuple[torch.Tensor, ...]]:
+def _stepper(
+    mode: str, workdir: Path
+) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, ...]]:
     model, opt, x, target = build(fused=mode in ("eager fused", "ours, opt outside"))
     if mode in ("eager", "eager fused"):
         return lambda: step(model, opt, x, target), model, opt, (x, target)
@@ -137,22 +142,48 @@ def child(mode: str, workdir: Path, warmup: int, steps: int, spawned: float) -> 
         times.append((time.perf_counter() - start) * 1e6)
     weights = [p.detach().flatten()[:8].tolist() for p in model.parameters()]
     step_mib = _step_peak_mib(run)
-    print(MARKER + json.dumps({"first": first, "setup": setup, "step_us": statistics.median(times),
-                               "peak_mib": _peak_mib(), "step_mib": step_mib,
-                               "weights": weights}))
+    print(
+        MARKER
+        + json.dumps(
+            {
+                "first": first,
+                "setup": setup,
+                "step_us": statistics.median(times),
+                "peak_mib": _peak_mib(),
+                "step_mib": step_mib,
+                "weights": weights,
+            }
+        )
+    )
 
 
 def _spawn(mode: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-")}
     spawned = time.time()
     done = subprocess.run(
-        [sys.executable, __file__, "--child", mode, "--workdir", str(workdir),
-         "--warmup", str(args.warmup), "--steps", str(args.steps), "--spawned", repr(spawned)],
-        capture_output=True, text=True, env=env, timeout=900)
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            mode,
+            "--workdir",
+            str(workdir),
+            "--warmup",
+            str(args.warmup),
+            "--steps",
+            str(args.steps),
+            "--spawned",
+            repr(spawned),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
     if done.returncode or not lines:
         raise RuntimeError(f"{mode} failed:\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len(MARKER):])
+    return json.loads(lines[-1][len(MARKER) :])
 
 
 def _build_pairs(workdir: Path) -> None:
@@ -168,8 +199,7 @@ def _build_pairs(workdir: Path) -> None:
 
 
 def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(u - v) for xs, ys in zip(a, b, strict=True)
-               for u, v in zip(xs, ys, strict=True))
+    return max(abs(u - v) for xs, ys in zip(a, b, strict=True) for u, v in zip(xs, ys, strict=True))
 
 
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> str:
@@ -186,42 +216,60 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
             rows.append([mode, f"{base:.2f}", "", "1.00x", "", "", "", "", ""])
             continue
         bare = med(mode, "first") - med(mode, "setup")
-        rows.append([
-            mode, f"{med(mode, 'first'):.2f}", f"{med(mode, 'setup'):.2f}", f"{bare / base:.2f}x",
-            f"{med(mode, 'step_us'):,.0f}", f"{med(mode, 'step_us') / compile_step:.2f}x",
-            f"{med(mode, 'peak_mib'):.0f}", f"{med(mode, 'step_mib'):.2f}",
-            f"{_max_diff(results[mode][0]['weights'], reference):.1e}"])
-    header = ["mode", "first step (s)", "of which setup (s)", "less setup, vs import torch",
-              "step (us)", "vs torch.compile", "peak RSS (MiB)", "step's peak tensors (MiB)",
-              "weights vs eager"]
-    return "\n".join([
-        "# A training step with AdamW inside fn",
-        "",
-        f"Made by `{' '.join([Path(sys.executable).name, *sys.argv])}` on "
-        f"{time.strftime('%Y-%m-%d')}; {machine_description()}.",
-        "",
-        "The transformer block of `coldstart.py` (dim 64, 4 heads, seq 32, batch 4): forward, "
-        "MSE, backward, `AdamW.step()`, `zero_grad()`. Each number is the median of "
-        f"{args.runs} fresh processes; a step is the median of {args.steps} steps after "
-        f"{args.warmup}. `torch.compile` compiles the whole step (optimizer included) with "
-        "empty caches; `ours` loads a pair built beforehand (optimizer inside fn, backend "
-        "inductor) with its cache. Setup is building the model and the optimizer (the "
-        "optimizer's first use imports torch._dynamo, in every mode). The step's peak tensors "
-        "are the most bytes the CPU allocator held during one steady step above what it held "
-        "before (torch.profiler memory events). Eager (foreach AdamW) is the reference for "
-        f"the weights after {1 + args.warmup + args.steps} steps.",
-        "",
-        md_table(header, rows),
-        "",
-        f"Per step: ours {med('ours', 'step_us') / compile_step:.2f}x torch.compile, "
-        f"{med('ours', 'step_us') / eager_step:.2f}x eager. First step: ours "
-        f"{med('ours', 'first') / base:.2f}x import torch, "
-        f"{(med('ours', 'first') - med('ours', 'setup')) / base:.2f}x without the setup every "
-        f"mode pays. Step's peak tensors: ours {med('ours', 'step_mib'):.2f} MiB, eager "
-        f"{med('eager', 'step_mib'):.2f} MiB, eager fused {med('eager fused', 'step_mib'):.2f} "
-        "MiB.",
-        "",
-    ])
+        rows.append(
+            [
+                mode,
+                f"{med(mode, 'first'):.2f}",
+                f"{med(mode, 'setup'):.2f}",
+                f"{bare / base:.2f}x",
+                f"{med(mode, 'step_us'):,.0f}",
+                f"{med(mode, 'step_us') / compile_step:.2f}x",
+                f"{med(mode, 'peak_mib'):.0f}",
+                f"{med(mode, 'step_mib'):.2f}",
+                f"{_max_diff(results[mode][0]['weights'], reference):.1e}",
+            ]
+        )
+    header = [
+        "mode",
+        "first step (s)",
+        "of which setup (s)",
+        "less setup, vs import torch",
+        "step (us)",
+        "vs torch.compile",
+        "peak RSS (MiB)",
+        "step's peak tensors (MiB)",
+        "weights vs eager",
+    ]
+    return "\n".join(
+        [
+            "# A training step with AdamW inside fn",
+            "",
+            f"Made by `{' '.join([Path(sys.executable).name, *sys.argv])}` on "
+            f"{time.strftime('%Y-%m-%d')}; {machine_description()}.",
+            "",
+            "The transformer block of `coldstart.py` (dim 64, 4 heads, seq 32, batch 4): forward, "
+            "MSE, backward, `AdamW.step()`, `zero_grad()`. Each number is the median of "
+            f"{args.runs} fresh processes; a step is the median of {args.steps} steps after "
+            f"{args.warmup}. `torch.compile` compiles the whole step (optimizer included) with "
+            "empty caches; `ours` loads a pair built beforehand (optimizer inside fn, backend "
+            "inductor) with its cache. Setup is building the model and the optimizer (the "
+            "optimizer's first use imports torch._dynamo, in every mode). The step's peak tensors "
+            "are the most bytes the CPU allocator held during one steady step above what it held "
+            "before (torch.profiler memory events). Eager (foreach AdamW) is the reference for "
+            f"the weights after {1 + args.warmup + args.steps} steps.",
+            "",
+            md_table(header, rows),
+            "",
+            f"Per step: ours {med('ours', 'step_us') / compile_step:.2f}x torch.compile, "
+            f"{med('ours', 'step_us') / eager_step:.2f}x eager. First step: ours "
+            f"{med('ours', 'first') / base:.2f}x import torch, "
+            f"{(med('ours', 'first') - med('ours', 'setup')) / base:.2f}x without the setup every "
+            f"mode pays. Step's peak tensors: ours {med('ours', 'step_mib'):.2f} MiB, eager "
+            f"{med('eager', 'step_mib'):.2f} MiB, eager fused {med('eager fused', 'step_mib'):.2f} "
+            "MiB.",
+            "",
+        ]
+    )
 
 
 def main() -> None:
@@ -244,8 +292,11 @@ def main() -> None:
         for run in range(args.runs):
             for mode in MODES:  # interleaved, so that drift hits every mode alike
                 results[mode].append(_spawn(mode, workdir, args))
-                print(f"run {run + 1}/{args.runs} {mode}: "
-                      f"{results[mode][-1].get('step_us', 0):,.0f} us/step", flush=True)
+                print(
+                    f"run {run + 1}/{args.runs} {mode}: "
+                    f"{results[mode][-1].get('step_us', 0):,.0f} us/step",
+                    flush=True,
+                )
     text = report(results, args)
     args.out.write_text(text)
     print(text)

@@ -35,9 +35,17 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = ("mlp", "block", "block_train", "deep")
-MODES = ("eager", "torch.compile", "AOTInductor", "AOTInductor, weights as inputs",
-         "torch.compiler.precompile", "ours (default)", "ours, wrapper='python'",
-         "ours, graph only", "ours, checks only")
+MODES = (
+    "eager",
+    "torch.compile",
+    "AOTInductor",
+    "AOTInductor, weights as inputs",
+    "torch.compiler.precompile",
+    "ours (default)",
+    "ours, wrapper='python'",
+    "ours, graph only",
+    "ours, checks only",
+)
 
 
 def build(workload: str, batch: int) -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
@@ -55,8 +63,7 @@ def build(workload: str, batch: int) -> tuple[Callable[..., Any], Any, tuple[Any
     if workload == "block":
         return infer, Block().eval(), (torch.randn(batch, 32, 64),)
     if workload == "block_train":
-        return train_step, Block().train(), (torch.randn(batch, 32, 64),
-                                             torch.randn(batch, 32, 64))
+        return train_step, Block().train(), (torch.randn(batch, 32, 64), torch.randn(batch, 32, 64))
     if workload == "deep":
         layers = [m for _ in range(100) for m in (nn.Linear(8, 8), nn.ReLU())]
         return infer, nn.Sequential(*layers).eval(), (torch.randn(batch, 8),)
@@ -102,8 +109,9 @@ def approaches(workload: str, batch: int, workdir: Path) -> dict[str, Callable[[
     return runs
 
 
-def _aoti_weights_as_inputs(model: Any, inputs: tuple[Any, ...], path: Path
-                            ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+def _aoti_weights_as_inputs(
+    model: Any, inputs: tuple[Any, ...], path: Path
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """AOTInductor on ``model`` with its parameters and buffers as leading inputs."""
     import torch
 
@@ -112,8 +120,8 @@ def _aoti_weights_as_inputs(model: Any, inputs: tuple[Any, ...], path: Path
 
     class Lifted(torch.nn.Module):
         def forward(self, *flat: Any) -> Any:
-            tensors = dict(zip(names, flat[:len(names)], strict=True))
-            return torch.func.functional_call(model, tensors, flat[len(names):])
+            tensors = dict(zip(names, flat[: len(names)], strict=True))
+            return torch.func.functional_call(model, tensors, flat[len(names) :])
 
     flat = (*[t.detach() for t in named.values()], *inputs)
     with torch.no_grad():
@@ -122,8 +130,9 @@ def _aoti_weights_as_inputs(model: Any, inputs: tuple[Any, ...], path: Path
     return torch._inductor.aoti_load_package(str(path)), flat
 
 
-def _builtin(fn: Callable[..., Any], model: Any, inputs: tuple[Any, ...], workdir: Path
-             ) -> Callable[..., Any] | None:
+def _builtin(
+    fn: Callable[..., Any], model: Any, inputs: tuple[Any, ...], workdir: Path
+) -> Callable[..., Any] | None:
     """torch's own precompile through its public API, where this torch has one: 2.15's
     file-based capture block, or 2.14's precompile(fn, *inputs)."""
     import torch
@@ -177,24 +186,38 @@ def child(workload: str, batch: int, rounds: int, calls: int) -> None:
 
 def measure(workload: str, batch: int, args: argparse.Namespace) -> dict[str, float]:
     """The median over ``args.processes`` children of each approach's time."""
-    runs = [_measure_once(workload, batch, args.rounds, args.calls)
-            for _ in range(args.processes)]
+    runs = [_measure_once(workload, batch, args.rounds, args.calls) for _ in range(args.processes)]
     return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
 
 
 def _measure_once(workload: str, batch: int, rounds: int, calls: int) -> dict[str, float]:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="per_call_"))
-    proc = subprocess.run([sys.executable, __file__, "--child", workload, str(batch),
-                           "--rounds", str(rounds), "--calls", str(calls)],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            workload,
+            str(batch),
+            "--rounds",
+            str(rounds),
+            "--calls",
+            str(calls),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{workload} batch {batch} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def table(results: dict[tuple[str, int], dict[str, float]]) -> str:
-    lines = ["| workload | batch | " + " | ".join(f"{m} us" for m in MODES) + " |",
-             "|---|---:|" + "---:|" * len(MODES)]
+    lines = [
+        "| workload | batch | " + " | ".join(f"{m} us" for m in MODES) + " |",
+        "|---|---:|" + "---:|" * len(MODES),
+    ]
     for (workload, batch), cells in results.items():
         shown = [f"{cells[m]:,.1f}" if m in cells else "-" for m in MODES]
         lines.append(f"| {workload} | {batch} | " + " | ".join(shown) + " |")
@@ -202,16 +225,16 @@ def table(results: dict[tuple[str, int], dict[str, float]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--out", type=Path, default=HERE / "PER_CALL.md")
-    parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "BATCH"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child[0], int(args.child[1]), args.rounds, args.calls)
@@ -226,17 +249,19 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             results[(workload, batch)] = measure(workload, batch, args)
             print(f"{workload} batch {batch}: {results[(workload, batch)]}", flush=True)
-    text = "\n".join([
-        "# Per call: eager, torch.compile, AOTInductor and ours",
-        "",
-        f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} cores, "
-        f"one thread; {args.rounds} rounds of {args.calls} calls per approach in each of "
-        f"{args.processes} processes. Rerun with `{interpreter()} benchmarks/per_call.py "
-        f"--processes {args.processes}`.",
-        "",
-        table(results),
-        "",
-    ])
+    text = "\n".join(
+        [
+            "# Per call: eager, torch.compile, AOTInductor and ours",
+            "",
+            f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} cores, "
+            f"one thread; {args.rounds} rounds of {args.calls} calls per approach in each of "
+            f"{args.processes} processes. Rerun with `{interpreter()} benchmarks/per_call.py "
+            f"--processes {args.processes}`.",
+            "",
+            table(results),
+            "",
+        ]
+    )
     args.out.write_text(text)
     print(text)
 

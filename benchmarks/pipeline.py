@@ -113,20 +113,38 @@ def _world(tool: str, steps: int, pairs: list[str], work: Path) -> list[dict[str
     for rank in range(2):
         env_dir = work / f"{tool}-{rank}"
         (env_dir / "tmp").mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo",
-               "TORCHINDUCTOR_CACHE_DIR": str(env_dir / "inductor"),
-               "TMPDIR": str(env_dir / "tmp")}
-        code = _RANK.format(model=MODEL, tool=tool, rank=rank, port=port, steps=steps,
-                            pairs=pairs, result=RESULT, timing=TIMING)
-        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=env))
+        env = {
+            **os.environ,
+            "GLOO_SOCKET_IFNAME": "lo",
+            "TORCHINDUCTOR_CACHE_DIR": str(env_dir / "inductor"),
+            "TMPDIR": str(env_dir / "tmp"),
+        }
+        code = _RANK.format(
+            model=MODEL,
+            tool=tool,
+            rank=rank,
+            port=port,
+            steps=steps,
+            pairs=pairs,
+            result=RESULT,
+            timing=TIMING,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=3600)
         lines = [line for line in out.splitlines() if line.startswith(RESULT)]
         if proc.returncode or not lines:
             raise RuntimeError(err[-3000:])
-        results.append(json.loads(lines[-1][len(RESULT):]))
+        results.append(json.loads(lines[-1][len(RESULT) :]))
     return results
 
 
@@ -143,20 +161,29 @@ def main() -> None:
         print(f"built both stages on rank 0 in {build:.1f} s")
         rows = {}
         for tool in TOOLS:
-            runs = [_world(tool, args.steps, pairs, work / f"{tool}{n}")
-                    for n in range(args.runs)]
-            rows[tool] = {key: statistics.median(max(r[key] for r in ranks) for ranks in runs)
-                          for key in ("first_s", "step_ms")}
+            runs = [_world(tool, args.steps, pairs, work / f"{tool}{n}") for n in range(args.runs)]
+            rows[tool] = {
+                key: statistics.median(max(r[key] for r in ranks) for ranks in runs)
+                for key in ("first_s", "step_ms")
+            }
             print(tool, json.dumps(rows[tool]))
     lines = [
-        "# Pipeline stages: 2 ranks, Schedule1F1B, 4 micro-batches (4-block GPT body)", "",
+        "# Pipeline stages: 2 ranks, Schedule1F1B, 4 micro-batches (4-block GPT body)",
+        "",
         f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}; medians of {args.runs} runs of the slower rank, "
-        f"{args.steps} steps each. Rerun: `.venv/bin/python benchmarks/pipeline.py`.", "",
-        "| stage module | first step (s) | per step (ms) |", "|---|---:|---:|",
-        *(f"| {tool} | {row['first_s']:.2f} | {row['step_ms']:.1f} |"
-          for tool, row in rows.items()),
-        "", f"Both stages built on rank 0 by `precompile.stages` beforehand: {build:.1f} s.", ""]
+        f"{args.steps} steps each. Rerun: `.venv/bin/python benchmarks/pipeline.py`.",
+        "",
+        "| stage module | first step (s) | per step (ms) |",
+        "|---|---:|---:|",
+        *(
+            f"| {tool} | {row['first_s']:.2f} | {row['step_ms']:.1f} |"
+            for tool, row in rows.items()
+        ),
+        "",
+        f"Both stages built on rank 0 by `precompile.stages` beforehand: {build:.1f} s.",
+        "",
+    ]
     args.out.write_text("\n".join(lines))
 
 

@@ -42,17 +42,22 @@ MARKER = "QUANTIZED_RESULT "
 BUILDS = ("build-ours", "build-ours-float", "build-aoti", "build-compile")
 COLD_MODES = ("ours", "ours-float", "compile", "aoti")
 STEADY_MODES = ("eager", "compile", "aoti", "ours", "ours-float")
-LABELS = {"eager": "eager (torchao)", "compile": "torch.compile (torchao)",
-          "aoti": "AOTInductor (torchao)", "ours": "ours (torchao, cached)",
-          "ours-float": "ours, float model (cached)"}
+LABELS = {
+    "eager": "eager (torchao)",
+    "compile": "torch.compile (torchao)",
+    "aoti": "AOTInductor (torchao)",
+    "ours": "ours (torchao, cached)",
+    "ours-float": "ours, float model (cached)",
+}
 
 
 def build_model(workload: str, batch: int, quantized: bool) -> tuple[nn.Module, torch.Tensor]:
     """The seeded model (int8 weight-only unless ``quantized`` is False) and its input."""
     torch.manual_seed(0)
     if workload == "mlp":
-        model: nn.Module = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512),
-                                         nn.ReLU(), nn.Linear(512, 10))
+        model: nn.Module = nn.Sequential(
+            nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+        )
         x = torch.randn(batch, 256)
     else:
         model, x = Block(), torch.randn(batch, 32, 64)
@@ -83,8 +88,7 @@ def _build(mode: str, workload: str, batch: int, workdir: Path) -> dict[str, Any
         (workdir / f"{stem}.cache").write_bytes(cache)
     elif mode == "build-aoti":
         exported = torch.export.export(model, (x,))
-        torch._inductor.aoti_compile_and_package(exported,
-                                                 package_path=str(workdir / "model.pt2"))
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(workdir / "model.pt2"))
     else:
         torch.compile(infer)(model, x)
         saved = torch.compiler.save_cache_artifacts()
@@ -107,12 +111,14 @@ def _prepare(mode: str, workdir: Path) -> Callable[..., Any]:
 
     logging.getLogger("torch_precompile").setLevel(logging.ERROR)
     stem = "ours" if mode == "ours" else "ours-float"
-    return precompile.load((workdir / f"{stem}.py").read_text(),
-                           (workdir / f"{stem}.cache").read_bytes())
+    return precompile.load(
+        (workdir / f"{stem}.py").read_text(), (workdir / f"{stem}.cache").read_bytes()
+    )
 
 
-def run_child(kind: str, mode: str, workload: str, batch: int, workdir: Path,
-              calls: int) -> dict[str, Any]:
+def run_child(
+    kind: str, mode: str, workload: str, batch: int, workdir: Path, calls: int
+) -> dict[str, Any]:
     if mode == "import":
         return {"t_first": _T_TORCH_IMPORTED}
     if mode == "import-torchao":
@@ -142,22 +148,40 @@ def run_child(kind: str, mode: str, workload: str, batch: int, workdir: Path,
 # --- parent side -----------------------------------------------------------------------------
 
 
-def child(kind: str, mode: str, workload: str, batch: int, workdir: Path,
-          calls: int) -> dict[str, Any]:
+def child(
+    kind: str, mode: str, workload: str, batch: int, workdir: Path, calls: int
+) -> dict[str, Any]:
     """Run one measurement in a fresh process with its own Inductor cache dir."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(workdir / f"inductor-{kind}-{mode}"),
-           "TMPDIR": str(workdir)}
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(workdir / f"inductor-{kind}-{mode}"),
+        "TMPDIR": str(workdir),
+    }
     if kind != "build":
         env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(dir=workdir)
     start = time.time()
     done = subprocess.run(
-        [sys.executable, __file__, "--child", kind, mode, workload, str(batch), str(workdir),
-         str(calls)], capture_output=True, text=True, env=env, timeout=900)
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            kind,
+            mode,
+            workload,
+            str(batch),
+            str(workdir),
+            str(calls),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return {"error": tail[:200]}
-    result = json.loads(lines[-1][len(MARKER):])
+    result = json.loads(lines[-1][len(MARKER) :])
     if "t_first" in result:
         result["cold_s"] = result["t_first"] - start
     return result
@@ -167,10 +191,14 @@ def measure(workload: str, batch: int, runs: int, calls: int, root: Path) -> dic
     workdir = root / f"{workload}-b{batch}"
     workdir.mkdir()
     builds = {m: child("build", m, workload, batch, workdir, calls) for m in BUILDS}
-    cold = {m: [child("cold", m, workload, batch, workdir, calls) for _ in range(runs)]
-            for m in COLD_MODES}
-    steady = {m: [child("steady", m, workload, batch, workdir, calls) for _ in range(runs)]
-              for m in STEADY_MODES}
+    cold = {
+        m: [child("cold", m, workload, batch, workdir, calls) for _ in range(runs)]
+        for m in COLD_MODES
+    }
+    steady = {
+        m: [child("steady", m, workload, batch, workdir, calls) for _ in range(runs)]
+        for m in STEADY_MODES
+    }
     return {"builds": builds, "cold": cold, "steady": steady}
 
 
@@ -183,19 +211,28 @@ def _error(results: list[dict[str, Any]]) -> str:
     return next((r["error"] for r in results if "error" in r), "")
 
 
-def report(measured: dict[tuple[str, int], dict[str, Any]], imports: dict[str, float],
-           args: argparse.Namespace) -> str:
-    lines = ["# int8-quantized models (torchao): per call and cold start", "",
-             f"Made by `benchmarks/quantized.py --runs {args.runs} --calls {args.calls}` on "
-             f"{time.strftime('%Y-%m-%d')}: torch {torch.__version__}, torchao "
-             f"{_torchao_version()}, Python {platform.python_version()}, "
-             f"{os.cpu_count()} CPUs ({platform.machine()}). Medians over {args.runs} fresh "
-             "processes per cell. Inference under no_grad, int8 weight-only "
-             "(`Int8WeightOnlyConfig`).", "",
-             "## Per call (us)", "",
-             "| workload | batch | " + " | ".join(LABELS[m] for m in STEADY_MODES)
-             + " | ours / torch.compile |",
-             "|---|---:|" + "---:|" * (len(STEADY_MODES) + 1)]
+def report(
+    measured: dict[tuple[str, int], dict[str, Any]],
+    imports: dict[str, float],
+    args: argparse.Namespace,
+) -> str:
+    lines = [
+        "# int8-quantized models (torchao): per call and cold start",
+        "",
+        f"Made by `benchmarks/quantized.py --runs {args.runs} --calls {args.calls}` on "
+        f"{time.strftime('%Y-%m-%d')}: torch {torch.__version__}, torchao "
+        f"{_torchao_version()}, Python {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs ({platform.machine()}). Medians over {args.runs} fresh "
+        "processes per cell. Inference under no_grad, int8 weight-only "
+        "(`Int8WeightOnlyConfig`).",
+        "",
+        "## Per call (us)",
+        "",
+        "| workload | batch | "
+        + " | ".join(LABELS[m] for m in STEADY_MODES)
+        + " | ours / torch.compile |",
+        "|---|---:|" + "---:|" * (len(STEADY_MODES) + 1),
+    ]
     for (workload, batch), m in measured.items():
         cells = []
         for mode in STEADY_MODES:
@@ -205,14 +242,20 @@ def report(measured: dict[tuple[str, int], dict[str, Any]], imports: dict[str, f
         ratio = f"{ours / peer:.2f}x" if ours and peer else "-"
         lines.append(f"| {workload} | {batch} | " + " | ".join(cells) + f" | {ratio} |")
     torch_s, ao_s = imports["import"], imports["import-torchao"]
-    lines += ["", "## Cold start to the first result (s)", "",
-              f"`import torch`: {torch_s:.2f} s; `import torch` then `import torchao."
-              f"quantization`: {ao_s:.2f} s (torchao's own import: {ao_s - torch_s:.2f} s, "
-              "most of it `torch._dynamo`, which torchao imports). Every quantized mode pays "
-              "it: its model is built with torchao.", "",
-              "| workload | batch | " + " | ".join(LABELS[m] for m in COLD_MODES)
-              + " | ours / import torch | ours / import torch + torchao |",
-              "|---|---:|" + "---:|" * (len(COLD_MODES) + 2)]
+    lines += [
+        "",
+        "## Cold start to the first result (s)",
+        "",
+        f"`import torch`: {torch_s:.2f} s; `import torch` then `import torchao."
+        f"quantization`: {ao_s:.2f} s (torchao's own import: {ao_s - torch_s:.2f} s, "
+        "most of it `torch._dynamo`, which torchao imports). Every quantized mode pays "
+        "it: its model is built with torchao.",
+        "",
+        "| workload | batch | "
+        + " | ".join(LABELS[m] for m in COLD_MODES)
+        + " | ours / import torch | ours / import torch + torchao |",
+        "|---|---:|" + "---:|" * (len(COLD_MODES) + 2),
+    ]
     for (workload, batch), m in measured.items():
         cells = []
         for mode in COLD_MODES:
@@ -226,11 +269,20 @@ def report(measured: dict[tuple[str, int], dict[str, Any]], imports: dict[str, f
         errors = {mode: _median(m["cold"][mode], "max_error") for mode in COLD_MODES}
         shown = ", ".join(f"{LABELS[k]} {v:.1e}" for k, v in errors.items() if v is not None)
         lines.append(f"- {workload}, batch {batch}: {shown}")
-    lines += ["", "Build times (s, one each): " + "; ".join(
-        f"{w} b{b}: " + ", ".join(f"{k.removeprefix('build-')} "
-                                  + (f"{v['seconds']:.1f}" if "seconds" in v else "failed")
-                                  for k, v in m["builds"].items())
-        for (w, b), m in measured.items()), ""]
+    lines += [
+        "",
+        "Build times (s, one each): "
+        + "; ".join(
+            f"{w} b{b}: "
+            + ", ".join(
+                f"{k.removeprefix('build-')} "
+                + (f"{v['seconds']:.1f}" if "seconds" in v else "failed")
+                for k, v in m["builds"].items()
+            )
+            for (w, b), m in measured.items()
+        ),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -243,8 +295,10 @@ def _torchao_version() -> str:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         kind, mode, workload, batch, workdir, calls = sys.argv[2:8]
-        print(MARKER + json.dumps(run_child(kind, mode, workload, int(batch), Path(workdir),
-                                            int(calls))))
+        print(
+            MARKER
+            + json.dumps(run_child(kind, mode, workload, int(batch), Path(workdir), int(calls)))
+        )
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -255,15 +309,17 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        imports = {mode: statistics.median(
-            child("cold", mode, "mlp", 1, root, 0)["cold_s"] for _ in range(args.runs))
-            for mode in ("import", "import-torchao")}
+        imports = {
+            mode: statistics.median(
+                child("cold", mode, "mlp", 1, root, 0)["cold_s"] for _ in range(args.runs)
+            )
+            for mode in ("import", "import-torchao")
+        }
         measured = {}
         for workload in args.workloads.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
                 print(f"measuring {workload} batch {batch}", file=sys.stderr)
-                measured[(workload, batch)] = measure(workload, batch, args.runs, args.calls,
-                                                      root)
+                measured[(workload, batch)] = measure(workload, batch, args.runs, args.calls, root)
         text = report(measured, imports, args)
     args.out.write_text(text)
     print(text)

@@ -53,10 +53,20 @@ def worker(mode: str, out: Path, dim: int, blocks: int) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=900)
     hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not hosted_by_agent and rank == 0, timeout=timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not hosted_by_agent and rank == 0,
+        timeout=timeout,
+    )
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"attempt{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
     options = argparse.Namespace(dim=dim, blocks=blocks, batch=4, seq=64)
     model = _model("fsdp", "compile" if mode == "compile" else "eager", options)
     x = _batch("fsdp", rank, options)
@@ -86,10 +96,15 @@ def worker(mode: str, out: Path, dim: int, blocks: int) -> None:
                 p.grad = None
         if index == start and attempt:
             (out / f"{mode}-resumed{rank}.json").write_text(
-                json.dumps({"seconds": time.perf_counter() - STARTED}))
-        torch.save({"done": index + 1,
-                    "shards": {n: p.to_local().clone() for n, p in model.named_parameters()}},
-                   checkpoint)
+                json.dumps({"seconds": time.perf_counter() - STARTED})
+            )
+        torch.save(
+            {
+                "done": index + 1,
+                "shards": {n: p.to_local().clone() for n, p in model.named_parameters()},
+            },
+            checkpoint,
+        )
         if mode == "compile" and index == 0 and not attempt:
             artifacts.write_bytes(torch.compiler.save_cache_artifacts()[0])
         if not attempt and index + 1 == KILLED_AFTER:
@@ -102,34 +117,64 @@ def worker(mode: str, out: Path, dim: int, blocks: int) -> None:
 
 def _env(cache: Path) -> dict[str, str]:
     here = str(Path(__file__).parent)
-    return {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-            "TORCHINDUCTOR_CACHE_DIR": str(cache),
-            "PYTHONPATH": os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "TORCHINDUCTOR_CACHE_DIR": str(cache),
+        "PYTHONPATH": os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
 
 
 def _build_two_ranks(out: Path, args: argparse.Namespace) -> None:
     """The pair, built once before the jobs (``data_parallel.py``'s build: fsdp.py + cache)."""
     from data_parallel import launch
 
-    launch("fsdp", "build", out, out / "build-cache", argparse.Namespace(
-        dim=args.dim, blocks=args.blocks, batch=4, seq=64, steps=1))
+    launch(
+        "fsdp",
+        "build",
+        out,
+        out / "build-cache",
+        argparse.Namespace(dim=args.dim, blocks=args.blocks, batch=4, seq=64, steps=1),
+    )
 
 
 def job(mode: str, out: Path, args: argparse.Namespace) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-               "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1", __file__,
-               "--worker", mode, str(out), str(args.dim), str(args.blocks)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--local-addr",
+        "127.0.0.1",
+        __file__,
+        "--worker",
+        mode,
+        str(out),
+        str(args.dim),
+        str(args.blocks),
+    ]
     cache = out / f"{mode}-inductor-cache"
-    done = subprocess.run(command, env=_env(cache), capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT_S)
+    done = subprocess.run(
+        command, env=_env(cache), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{mode} job failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
-    return max(json.loads((out / f"{mode}-resumed{r}.json").read_text())["seconds"]
-               for r in range(2))
+    return max(
+        json.loads((out / f"{mode}-resumed{r}.json").read_text())["seconds"] for r in range(2)
+    )
 
 
 def main() -> None:
@@ -157,20 +202,32 @@ def main() -> None:
                 samples[mode].append(job(mode, out, args))
     import torch
 
-    names = {"ours": "torch_precompile, saved pair", "eager": "eager FSDP2",
-             "compile": "torch.compile per block, saved cache artifacts"}
-    lines = ["# Restart: from a restarted worker's start to its first resumed step", "",
-             f"Written by `benchmarks/restart.py --runs {args.runs}`. A 2-rank FSDP2 job "
-             f"({args.blocks} transformer blocks of width {args.dim}) under `torchrun "
-             f"--max-restarts 1`; rank 1 dies after {KILLED_AFTER} steps and both workers "
-             "restart from the checkpoint. Each number is the slower rank, median of "
-             f"{args.runs} jobs.", "",
-             f"- torch {torch.__version__}, Python {platform.python_version()}, "
-             f"{os.cpu_count()} CPUs, OMP_NUM_THREADS=1 per rank",
-             f"- {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC", "",
-             "| mode | seconds to the first resumed step | runs |", "|---|---:|---|",
-             *(f"| {names[m]} | {statistics.median(samples[m]):.2f} | "
-               f"{', '.join(f'{v:.2f}' for v in samples[m])} |" for m in MODES)]
+    names = {
+        "ours": "torch_precompile, saved pair",
+        "eager": "eager FSDP2",
+        "compile": "torch.compile per block, saved cache artifacts",
+    }
+    lines = [
+        "# Restart: from a restarted worker's start to its first resumed step",
+        "",
+        f"Written by `benchmarks/restart.py --runs {args.runs}`. A 2-rank FSDP2 job "
+        f"({args.blocks} transformer blocks of width {args.dim}) under `torchrun "
+        f"--max-restarts 1`; rank 1 dies after {KILLED_AFTER} steps and both workers "
+        "restart from the checkpoint. Each number is the slower rank, median of "
+        f"{args.runs} jobs.",
+        "",
+        f"- torch {torch.__version__}, Python {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs, OMP_NUM_THREADS=1 per rank",
+        f"- {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        "",
+        "| mode | seconds to the first resumed step | runs |",
+        "|---|---:|---|",
+        *(
+            f"| {names[m]} | {statistics.median(samples[m]):.2f} | "
+            f"{', '.join(f'{v:.2f}' for v in samples[m])} |"
+            for m in MODES
+        ),
+    ]
     text = "\n".join(lines)
     Path(__file__).with_name("RESTART.md").write_text(text + "\n")
     print(text)

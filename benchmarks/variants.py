@@ -77,8 +77,10 @@ def child(workload: str, rounds: int, calls: int) -> None:
         cells: dict[tuple[str, int], list[float]] = {}
         for _ in range(rounds):
             for batch, args in arguments.items():
-                for mode, run in (("1 variant", single[batch]),
-                                  ("3 variants, same batch", variants)):
+                for mode, run in (
+                    ("1 variant", single[batch]),
+                    ("3 variants, same batch", variants),
+                ):
                     for _ in range(calls // 5):
                         run(*args)
                     times = [_timed(run, args) for _ in range(calls)]
@@ -91,15 +93,30 @@ def child(workload: str, rounds: int, calls: int) -> None:
                         times[batch].append(_timed(run, args))
                 for batch in BATCHES:
                     cells.setdefault((mode, batch), []).append(statistics.median(times[batch]))
-    print(json.dumps({f"{mode}|{batch}": statistics.median(v) * 1e6
-                      for (mode, batch), v in cells.items()}))
+    print(
+        json.dumps(
+            {f"{mode}|{batch}": statistics.median(v) * 1e6 for (mode, batch), v in cells.items()}
+        )
+    )
 
 
 def measure(workload: str, rounds: int, calls: int) -> dict[tuple[str, int], float]:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="variants_"))
-    proc = subprocess.run([sys.executable, __file__, "--child", workload, "--rounds",
-                           str(rounds), "--calls", str(calls)],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            workload,
+            "--rounds",
+            str(rounds),
+            "--calls",
+            str(calls),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{workload} failed:\n{proc.stderr[-3000:]}")
     cells = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -107,8 +124,9 @@ def measure(workload: str, rounds: int, calls: int) -> dict[tuple[str, int], flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=200)
@@ -123,24 +141,31 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from coldstart import interpreter
 
-    lines = ["| workload | batch | " + " | ".join(f"{m} us" for m in MODES) + " |",
-             "|---|---:|" + "---:|" * len(MODES)]
+    lines = [
+        "| workload | batch | " + " | ".join(f"{m} us" for m in MODES) + " |",
+        "|---|---:|" + "---:|" * len(MODES),
+    ]
     for workload in args.workloads.split(","):
         cells = measure(workload, args.rounds, args.calls)
         print(workload, cells, flush=True)
         for batch in BATCHES:
-            lines.append(f"| {workload} | {batch} | "
-                         + " | ".join(f"{cells[(m, batch)]:,.1f}" for m in MODES) + " |")
-    text = "\n".join([
-        "# Per call: one artifact with 3 variants against single-variant artifacts",
-        "",
-        f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} cores, "
-        f"one thread; {args.rounds} rounds of {args.calls} calls. Rerun with "
-        f"`{interpreter()} benchmarks/variants.py`.",
-        "",
-        *lines,
-        "",
-    ])
+            lines.append(
+                f"| {workload} | {batch} | "
+                + " | ".join(f"{cells[(m, batch)]:,.1f}" for m in MODES)
+                + " |"
+            )
+    text = "\n".join(
+        [
+            "# Per call: one artifact with 3 variants against single-variant artifacts",
+            "",
+            f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} cores, "
+            f"one thread; {args.rounds} rounds of {args.calls} calls. Rerun with "
+            f"`{interpreter()} benchmarks/variants.py`.",
+            "",
+            *lines,
+            "",
+        ]
+    )
     args.out.write_text(text)
     print(text)
 

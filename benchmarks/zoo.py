@@ -113,7 +113,7 @@ def padding_mask(g: torch.Generator, *, left: bool, length: int = SEQ) -> torch.
     if left:
         mask[1, :pad] = 0
     else:
-        mask[1, length - pad:] = 0
+        mask[1, length - pad :] = 0
     return mask
 
 
@@ -131,15 +131,17 @@ def labels(g: torch.Generator, classes: int, *shape: int) -> torch.Tensor:
 
 
 def float_leaves(out: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(out)
-            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return [
+        t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
 
 
 def mean_square(out: Any) -> torch.Tensor:
     """The default training loss: the mean square of every floating output, added up (in
     float32 at least)."""
-    return sum((t if t.dtype == torch.float64 else t.float()).pow(2).mean()
-               for t in float_leaves(out))
+    return sum(
+        (t if t.dtype == torch.float64 else t.float()).pow(2).mean() for t in float_leaves(out)
+    )
 
 
 @dataclass(frozen=True)
@@ -190,15 +192,29 @@ def lm_loss(m: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return m(input_ids=ids, attention_mask=mask, labels=ids).loss
 
 
-@case("gpt2", "transformers",
-      "GPT-2 LM head, use_cache=False, left padding, tied embeddings; train: LM loss",
-      inputs=lm_inputs_left, forward=lm_logits, loss=lm_loss)
+@case(
+    "gpt2",
+    "transformers",
+    "GPT-2 LM head, use_cache=False, left padding, tied embeddings; train: LM loss",
+    inputs=lm_inputs_left,
+    forward=lm_logits,
+    loss=lm_loss,
+)
 def gpt2() -> nn.Module:
     import transformers
 
     config = transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=32, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        vocab_size=VOCAB,
+        n_positions=32,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -207,16 +223,26 @@ def llama_config() -> Any:
     import transformers
 
     return transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
         attention_dropout=0.0,
     )
 
 
-@case("llama", "transformers",
-      "Llama causal LM, use_cache=True (default: a DynamicCache is built inside), GQA, RoPE, "
-      "left padding; train: LM loss",
-      inputs=lm_inputs_left, forward=lm_logits, loss=lm_loss)
+@case(
+    "llama",
+    "transformers",
+    "Llama causal LM, use_cache=True (default: a DynamicCache is built inside), GQA, RoPE, "
+    "left padding; train: LM loss",
+    inputs=lm_inputs_left,
+    forward=lm_logits,
+    loss=lm_loss,
+)
 def llama() -> nn.Module:
     import transformers
 
@@ -228,9 +254,13 @@ def llama_decode_inputs(g: torch.Generator) -> tuple[Any, ...]:
     each layer (as a plain list of tensors), the mask over past and new tokens."""
     config = llama_config()
     heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
-    past = [(torch.randn(BATCH, heads, SEQ, dim, generator=g),
-             torch.randn(BATCH, heads, SEQ, dim, generator=g))
-            for _ in range(config.num_hidden_layers)]
+    past = [
+        (
+            torch.randn(BATCH, heads, SEQ, dim, generator=g),
+            torch.randn(BATCH, heads, SEQ, dim, generator=g),
+        )
+        for _ in range(config.num_hidden_layers)
+    ]
     return token_ids(g, 1), past, padding_mask(g, left=True, length=SEQ + 1)
 
 
@@ -241,10 +271,15 @@ def llama_decode(m: nn.Module, ids: torch.Tensor, past: list, mask: torch.Tensor
     return out.logits, [(layer.keys, layer.values) for layer in out.cache.layers]
 
 
-@case("llama_decode", "transformers",
-      "Llama decode step: past keys/values in, a DynamicCache built from them, logits and the "
-      "updated keys/values out",
-      inputs=llama_decode_inputs, forward=llama_decode, modes=("infer",))
+@case(
+    "llama_decode",
+    "transformers",
+    "Llama decode step: past keys/values in, a DynamicCache built from them, logits and the "
+    "updated keys/values out",
+    inputs=llama_decode_inputs,
+    forward=llama_decode,
+    modes=("infer",),
+)
 def llama_kv() -> nn.Module:
     import transformers
 
@@ -255,7 +290,7 @@ def bert_inputs(g: torch.Generator) -> tuple[torch.Tensor, ...]:
     mask = padding_mask(g, left=False)
     ids = token_ids(g) * mask
     token_types = torch.zeros_like(ids)
-    token_types[:, SEQ // 2:] = 1
+    token_types[:, SEQ // 2 :] = 1
     return ids, mask, token_types, labels(g, 3)
 
 
@@ -267,17 +302,28 @@ def bert_loss(m: nn.Module, ids: Any, mask: Any, token_types: Any, target: Any) 
     return m(input_ids=ids, attention_mask=mask, token_type_ids=token_types, labels=target).loss
 
 
-@case("bert", "transformers",
-      "BERT sequence classifier, attention mask with right padding, token types; "
-      "train: cross-entropy",
-      inputs=bert_inputs, forward=bert_logits, loss=bert_loss)
+@case(
+    "bert",
+    "transformers",
+    "BERT sequence classifier, attention mask with right padding, token types; "
+    "train: cross-entropy",
+    inputs=bert_inputs,
+    forward=bert_logits,
+    loss=bert_loss,
+)
 def bert() -> nn.Module:
     import transformers
 
     config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, num_labels=3,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
     )
     return transformers.BertForSequenceClassification(config)
 
@@ -294,16 +340,29 @@ def seq2seq_loss(m: nn.Module, ids: torch.Tensor, target: torch.Tensor) -> torch
     return m(input_ids=ids, labels=target).loss
 
 
-@case("t5", "transformers",
-      "T5 encoder-decoder, relative position bias, decoder inputs shifted from labels; "
-      "train: LM loss",
-      inputs=seq2seq_inputs, forward=seq2seq_logits, loss=seq2seq_loss)
+@case(
+    "t5",
+    "transformers",
+    "T5 encoder-decoder, relative position bias, decoder inputs shifted from labels; "
+    "train: LM loss",
+    inputs=seq2seq_inputs,
+    forward=seq2seq_logits,
+    loss=seq2seq_loss,
+)
 def t5() -> nn.Module:
     import transformers
 
     config = transformers.T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-        num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
     )
     return transformers.T5ForConditionalGeneration(config)
 
@@ -320,14 +379,26 @@ def hf_image_loss(m: nn.Module, pixels: torch.Tensor, target: torch.Tensor) -> t
     return m(pixel_values=pixels, labels=target).loss
 
 
-@case("vit", "transformers", "ViT image classifier, 32x32, patch 8; train: cross-entropy",
-      inputs=image_inputs, forward=hf_image_logits, loss=hf_image_loss)
+@case(
+    "vit",
+    "transformers",
+    "ViT image classifier, 32x32, patch 8; train: cross-entropy",
+    inputs=image_inputs,
+    forward=hf_image_logits,
+    loss=hf_image_loss,
+)
 def vit() -> nn.Module:
     import transformers
 
     config = transformers.ViTConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        image_size=IMAGE, patch_size=8, num_labels=10, hidden_dropout_prob=0.0,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=IMAGE,
+        patch_size=8,
+        num_labels=10,
+        hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
     return transformers.ViTForImageClassification(config)
@@ -337,8 +408,7 @@ WHISPER_MELS, WHISPER_FRAMES = 16, 32
 
 
 def whisper_inputs(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.randn(BATCH, WHISPER_MELS, WHISPER_FRAMES, generator=g),
-            token_ids(g, SEQ // 2))
+    return (torch.randn(BATCH, WHISPER_MELS, WHISPER_FRAMES, generator=g), token_ids(g, SEQ // 2))
 
 
 def whisper_logits(m: nn.Module, features: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -349,19 +419,37 @@ def whisper_loss(m: nn.Module, features: torch.Tensor, target: torch.Tensor) -> 
     return m(input_features=features, labels=target).loss
 
 
-@case("whisper", "transformers",
-      "Whisper speech encoder-decoder (conv front end on log-mel features, use_cache default); "
-      "train: LM loss",
-      inputs=whisper_inputs, forward=whisper_logits, loss=whisper_loss)
+@case(
+    "whisper",
+    "transformers",
+    "Whisper speech encoder-decoder (conv front end on log-mel features, use_cache default); "
+    "train: LM loss",
+    inputs=whisper_inputs,
+    forward=whisper_logits,
+    loss=whisper_loss,
+)
 def whisper() -> nn.Module:
     import transformers
 
     config = transformers.WhisperConfig(
-        vocab_size=VOCAB, num_mel_bins=WHISPER_MELS, encoder_layers=1, decoder_layers=1,
-        encoder_attention_heads=2, decoder_attention_heads=2, d_model=32, encoder_ffn_dim=64,
-        decoder_ffn_dim=64, max_source_positions=WHISPER_FRAMES // 2, max_target_positions=32,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        vocab_size=VOCAB,
+        num_mel_bins=WHISPER_MELS,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        d_model=32,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_source_positions=WHISPER_FRAMES // 2,
+        max_target_positions=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
     )
     return transformers.WhisperForConditionalGeneration(config)
 
@@ -374,20 +462,36 @@ def wav2vec2_logits(m: nn.Module, audio: torch.Tensor) -> torch.Tensor:
     return m(input_values=audio).logits
 
 
-@case("wav2vec2", "transformers",
-      "Wav2Vec2 CTC head on raw audio: conv feature encoder with GroupNorm, weight-normed "
-      "positional conv; train: mean square of logits",
-      inputs=wav2vec2_inputs, forward=wav2vec2_logits)
+@case(
+    "wav2vec2",
+    "transformers",
+    "Wav2Vec2 CTC head on raw audio: conv feature encoder with GroupNorm, weight-normed "
+    "positional conv; train: mean square of logits",
+    inputs=wav2vec2_inputs,
+    forward=wav2vec2_logits,
+)
 def wav2vec2() -> nn.Module:
     import transformers
 
     # mask_time_prob and layerdrop draw random decisions in train mode: off, to compare.
     config = transformers.Wav2Vec2Config(
-        vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
-        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
-        layerdrop=0.0, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        feat_proj_dropout=0.0, final_dropout=0.0,
+        vocab_size=16,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        mask_time_prob=0.0,
+        layerdrop=0.0,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        feat_proj_dropout=0.0,
+        final_dropout=0.0,
     )
     return transformers.Wav2Vec2ForCTC(config)
 
@@ -413,19 +517,38 @@ def clip_loss(m: nn.Module, ids: Any, mask: Any, pixels: Any) -> Any:
     return m(input_ids=ids, attention_mask=mask, pixel_values=pixels, return_loss=True).loss
 
 
-@case("clip", "transformers",
-      "CLIP text and vision towers, padded text pooled at its end-of-text token; "
-      "train: its contrastive loss",
-      inputs=clip_inputs, forward=clip_logits, loss=clip_loss)
+@case(
+    "clip",
+    "transformers",
+    "CLIP text and vision towers, padded text pooled at its end-of-text token; "
+    "train: its contrastive loss",
+    inputs=clip_inputs,
+    forward=clip_logits,
+    loss=clip_loss,
+)
 def clip() -> nn.Module:
     import transformers
 
     config = transformers.CLIPConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=16,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=CLIP_EOS),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=IMAGE, patch_size=8),
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=CLIP_EOS,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=IMAGE,
+            patch_size=8,
+        ),
         projection_dim=16,
     )
     return transformers.CLIPModel(config)
@@ -461,30 +584,47 @@ def timm_model(name: str, **kwargs: Any) -> nn.Module:
     return timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
 
 
-@case("timm_resnet18", "timm", "resnet18 (BatchNorm, max pool), 64x64; train: cross-entropy",
-      **CLASSIFIER_64)
+@case(
+    "timm_resnet18",
+    "timm",
+    "resnet18 (BatchNorm, max pool), 64x64; train: cross-entropy",
+    **CLASSIFIER_64,
+)
 def timm_resnet18() -> nn.Module:
     return timm_model("resnet18")
 
 
-@case("timm_mobilenetv3", "timm",
-      "mobilenetv3_small_050 (depthwise convs, squeeze-excite, hard-swish), 64x64; "
-      "train: cross-entropy", **CLASSIFIER_64)
+@case(
+    "timm_mobilenetv3",
+    "timm",
+    "mobilenetv3_small_050 (depthwise convs, squeeze-excite, hard-swish), 64x64; "
+    "train: cross-entropy",
+    **CLASSIFIER_64,
+)
 def timm_mobilenetv3() -> nn.Module:
     return timm_model("mobilenetv3_small_050")
 
 
-@case("timm_vit", "timm",
-      "vit_tiny_patch16_224 shrunk: 32x32, patch 8, width 64, depth 2 (fused SDPA); "
-      "train: cross-entropy", **CLASSIFIER)
+@case(
+    "timm_vit",
+    "timm",
+    "vit_tiny_patch16_224 shrunk: 32x32, patch 8, width 64, depth 2 (fused SDPA); "
+    "train: cross-entropy",
+    **CLASSIFIER,
+)
 def timm_vit() -> nn.Module:
-    return timm_model("vit_tiny_patch16_224", img_size=IMAGE, patch_size=8, embed_dim=64,
-                      depth=2, num_heads=2)
+    return timm_model(
+        "vit_tiny_patch16_224", img_size=IMAGE, patch_size=8, embed_dim=64, depth=2, num_heads=2
+    )
 
 
-@case("timm_convnext", "timm",
-      "convnext_atto shrunk: depths 1-1-1-1, widths 16-64 (depthwise 7x7, LayerNorm2d, layer "
-      "scale), 32x32; train: cross-entropy", **CLASSIFIER)
+@case(
+    "timm_convnext",
+    "timm",
+    "convnext_atto shrunk: depths 1-1-1-1, widths 16-64 (depthwise 7x7, LayerNorm2d, layer "
+    "scale), 32x32; train: cross-entropy",
+    **CLASSIFIER,
+)
 def timm_convnext() -> nn.Module:
     return timm_model("convnext_atto", depths=(1, 1, 1, 1), dims=(16, 32, 48, 64))
 
@@ -499,9 +639,12 @@ def tv_resnet18() -> nn.Module:
     return models.resnet18(weights=None, num_classes=10)
 
 
-@case("tv_mobilenet_v3_small", "torchvision",
-      "mobilenet_v3_small, 64x64, classifier dropout 0; train: cross-entropy",
-      **CLASSIFIER_64)
+@case(
+    "tv_mobilenet_v3_small",
+    "torchvision",
+    "mobilenet_v3_small, 64x64, classifier dropout 0; train: cross-entropy",
+    **CLASSIFIER_64,
+)
 def tv_mobilenet_v3_small() -> nn.Module:
     from torchvision import models
 
@@ -523,15 +666,21 @@ def segmentation_loss(m: nn.Module, pixels: torch.Tensor, target: torch.Tensor) 
     return F.cross_entropy(m(pixels)["out"], target)
 
 
-@case("tv_lraspp", "torchvision",
-      "segmentation: lraspp_mobilenet_v3_large (dilated backbone, bilinear upsampling, dict "
-      "output), 64x64; train: per-pixel cross-entropy",
-      inputs=segmentation_inputs, forward=segmentation_out, loss=segmentation_loss)
+@case(
+    "tv_lraspp",
+    "torchvision",
+    "segmentation: lraspp_mobilenet_v3_large (dilated backbone, bilinear upsampling, dict "
+    "output), 64x64; train: per-pixel cross-entropy",
+    inputs=segmentation_inputs,
+    forward=segmentation_out,
+    loss=segmentation_loss,
+)
 def tv_lraspp() -> nn.Module:
     from torchvision.models import segmentation
 
     return segmentation.lraspp_mobilenet_v3_large(
-        weights=None, weights_backbone=None, num_classes=SEG_CLASSES)
+        weights=None, weights_backbone=None, num_classes=SEG_CLASSES
+    )
 
 
 # torch.nn built-ins ------------------------------------------------------------------------
@@ -560,24 +709,38 @@ def sequence(g: torch.Generator, *, batch_first: bool = True) -> torch.Tensor:
     return torch.randn(*shape, generator=g)
 
 
-@case("nn_lstm", "torch.nn", "LSTM, 2 layers, batch-first, zero initial state",
-      inputs=lambda g: (sequence(g),), forward=call)
+@case(
+    "nn_lstm",
+    "torch.nn",
+    "LSTM, 2 layers, batch-first, zero initial state",
+    inputs=lambda g: (sequence(g),),
+    forward=call,
+)
 def nn_lstm() -> nn.Module:
     return RNNHead(nn.LSTM(16, 32, num_layers=2, batch_first=True))
 
 
-@case("nn_lstm_bi", "torch.nn",
-      "LSTM, 2 layers, bidirectional, sequence-first, given (h0, c0)",
-      inputs=lambda g: (sequence(g, batch_first=False),
-                        (torch.randn(4, BATCH, 32, generator=g),
-                         torch.randn(4, BATCH, 32, generator=g))),
-      forward=call)
+@case(
+    "nn_lstm_bi",
+    "torch.nn",
+    "LSTM, 2 layers, bidirectional, sequence-first, given (h0, c0)",
+    inputs=lambda g: (
+        sequence(g, batch_first=False),
+        (torch.randn(4, BATCH, 32, generator=g), torch.randn(4, BATCH, 32, generator=g)),
+    ),
+    forward=call,
+)
 def nn_lstm_bi() -> nn.Module:
     return RNNHead(nn.LSTM(16, 32, num_layers=2, bidirectional=True))
 
 
-@case("nn_gru", "torch.nn", "GRU, 2 layers, batch-first, given h0",
-      inputs=lambda g: (sequence(g), torch.randn(2, BATCH, 32, generator=g)), forward=call)
+@case(
+    "nn_gru",
+    "torch.nn",
+    "GRU, 2 layers, batch-first, given h0",
+    inputs=lambda g: (sequence(g), torch.randn(2, BATCH, 32, generator=g)),
+    forward=call,
+)
 def nn_gru() -> nn.Module:
     return RNNHead(nn.GRU(16, 32, num_layers=2, batch_first=True))
 
@@ -593,31 +756,54 @@ def encoder_forward(m: nn.Module, x: torch.Tensor, pad: torch.Tensor) -> torch.T
 
 def transformer_forward(m: nn.Module, src: Any, tgt: Any, pad: Any) -> torch.Tensor:
     causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
-    return m(src, tgt, tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad,
-             tgt_is_causal=True)
+    return m(
+        src,
+        tgt,
+        tgt_mask=causal,
+        src_key_padding_mask=pad,
+        memory_key_padding_mask=pad,
+        tgt_is_causal=True,
+    )
 
 
 # Both outputs are layer-normed, so their mean square is about 1 whatever the weights: the
 # training loss is the mean square of a few features instead.
-@case("nn_transformer_encoder", "torch.nn",
-      "TransformerEncoder, 2 post-norm layers, src_key_padding_mask",
-      inputs=lambda g: (torch.randn(BATCH, SEQ, 32, generator=g), key_padding(g)),
-      forward=encoder_forward,
-      loss=lambda m, *inputs: encoder_forward(m, *inputs)[..., :4].pow(2).mean())
+@case(
+    "nn_transformer_encoder",
+    "torch.nn",
+    "TransformerEncoder, 2 post-norm layers, src_key_padding_mask",
+    inputs=lambda g: (torch.randn(BATCH, SEQ, 32, generator=g), key_padding(g)),
+    forward=encoder_forward,
+    loss=lambda m, *inputs: encoder_forward(m, *inputs)[..., :4].pow(2).mean(),
+)
 def nn_transformer_encoder() -> nn.Module:
     layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
     return nn.TransformerEncoder(layer, num_layers=2)
 
 
-@case("nn_transformer", "torch.nn",
-      "nn.Transformer encoder-decoder, 1+1 pre-norm layers, causal target mask, key padding",
-      inputs=lambda g: (torch.randn(BATCH, SEQ, 32, generator=g),
-                        torch.randn(BATCH, SEQ // 2, 32, generator=g), key_padding(g)),
-      forward=transformer_forward,
-      loss=lambda m, *inputs: transformer_forward(m, *inputs)[..., :4].pow(2).mean())
+@case(
+    "nn_transformer",
+    "torch.nn",
+    "nn.Transformer encoder-decoder, 1+1 pre-norm layers, causal target mask, key padding",
+    inputs=lambda g: (
+        torch.randn(BATCH, SEQ, 32, generator=g),
+        torch.randn(BATCH, SEQ // 2, 32, generator=g),
+        key_padding(g),
+    ),
+    forward=transformer_forward,
+    loss=lambda m, *inputs: transformer_forward(m, *inputs)[..., :4].pow(2).mean(),
+)
 def nn_transformer() -> nn.Module:
-    return nn.Transformer(d_model=32, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
-                          dim_feedforward=64, dropout=0.0, batch_first=True, norm_first=True)
+    return nn.Transformer(
+        d_model=32,
+        nhead=2,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        dim_feedforward=64,
+        dropout=0.0,
+        batch_first=True,
+        norm_first=True,
+    )
 
 
 class BagClassifier(nn.Module):
@@ -639,21 +825,37 @@ def bag_inputs(g: torch.Generator) -> tuple[torch.Tensor, ...]:
     return ids, torch.tensor([0, split]), torch.rand(2 * SEQ, generator=g)
 
 
-@case("nn_embeddingbag", "torch.nn",
-      "EmbeddingBag mean and weighted sum over 2 bags of varying offsets, linear head",
-      inputs=bag_inputs, forward=call)
+@case(
+    "nn_embeddingbag",
+    "torch.nn",
+    "EmbeddingBag mean and weighted sum over 2 bags of varying offsets, linear head",
+    inputs=bag_inputs,
+    forward=call,
+)
 def nn_embeddingbag() -> nn.Module:
     return BagClassifier()
 
 
-@case("nn_cnn", "torch.nn",
-      "Conv2d + BatchNorm2d + ReLU + MaxPool2d twice, global average pool, linear; "
-      "train: cross-entropy (running stats update)", **CLASSIFIER)
+@case(
+    "nn_cnn",
+    "torch.nn",
+    "Conv2d + BatchNorm2d + ReLU + MaxPool2d twice, global average pool, linear; "
+    "train: cross-entropy (running stats update)",
+    **CLASSIFIER,
+)
 def nn_cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
     )
 
 
@@ -670,8 +872,9 @@ class SDPABlock(nn.Module):
     def attend(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), **kwargs)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs
+        )
         return self.out(y.transpose(1, 2).reshape(b, s, d))
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -679,18 +882,24 @@ class SDPABlock(nn.Module):
         return x + self.attend(x, attn_mask=keep[:, None, None, :])
 
 
-@case("nn_sdpa", "torch.nn",
-      "scaled_dot_product_attention: causal, then with a boolean key mask",
-      inputs=lambda g: (torch.randn(BATCH, SEQ, 32, generator=g), ~key_padding(g)),
-      forward=call)
+@case(
+    "nn_sdpa",
+    "torch.nn",
+    "scaled_dot_product_attention: causal, then with a boolean key mask",
+    inputs=lambda g: (torch.randn(BATCH, SEQ, 32, generator=g), ~key_padding(g)),
+    forward=call,
+)
 def nn_sdpa() -> nn.Module:
     return SDPABlock()
 
 
-@case("nn_mha", "torch.nn",
-      "MultiheadAttention, batch-first, key_padding_mask, averaged attention weights returned",
-      inputs=lambda g: (torch.randn(BATCH, SEQ, 32, generator=g), key_padding(g)),
-      forward=lambda m, x, pad: m(x, x, x, key_padding_mask=pad))
+@case(
+    "nn_mha",
+    "torch.nn",
+    "MultiheadAttention, batch-first, key_padding_mask, averaged attention weights returned",
+    inputs=lambda g: (torch.randn(BATCH, SEQ, 32, generator=g), key_padding(g)),
+    forward=lambda m, x, pad: m(x, x, x, key_padding_mask=pad),
+)
 def nn_mha() -> nn.Module:
     return nn.MultiheadAttention(32, 4, batch_first=True)
 
@@ -715,7 +924,8 @@ def seeded_inputs(c: Case, seed: int, dtype: torch.dtype | None = None) -> tuple
         return inputs
     return pytree.tree_map(
         lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
-        inputs)
+        inputs,
+    )
 
 
 def second_checkpoint(c: Case) -> dict[str, torch.Tensor]:
@@ -751,11 +961,11 @@ class Compare:
     widen: bool = False
 
     def __call__(self, where: str, actual: Any, expected: Any) -> None:
-        differences(where, actual, expected, self.c.rtol, self.c.atol, self.found,
-                    widen=self.widen)
+        differences(where, actual, expected, self.c.rtol, self.c.atol, self.found, widen=self.widen)
 
-    def state(self, where: str, model: nn.Module, expected: nn.Module, *,
-              grads: bool = True) -> None:
+    def state(
+        self, where: str, model: nn.Module, expected: nn.Module, *, grads: bool = True
+    ) -> None:
         """Parameters, buffers and (with ``grads``) gradients of two models, name by name."""
         actual, wanted = model_state(model, grads=grads), model_state(expected, grads=grads)
         if actual.keys() != wanted.keys():
@@ -765,8 +975,16 @@ class Compare:
             self(f"{where}{name}", actual[name], wanted[name])
 
 
-def differences(where: str, actual: Any, expected: Any, rtol: float, atol: float,
-                found: Found, *, widen: bool = False) -> None:
+def differences(
+    where: str,
+    actual: Any,
+    expected: Any,
+    rtol: float,
+    atol: float,
+    found: Found,
+    *,
+    widen: bool = False,
+) -> None:
     """Append (where, max abs diff, detail) for every place ``actual`` and ``expected`` differ."""
     a_leaves, a_spec = pytree.tree_flatten_with_path(actual)
     e_leaves, e_spec = pytree.tree_flatten_with_path(expected)
@@ -780,10 +998,12 @@ def differences(where: str, actual: Any, expected: Any, rtol: float, atol: float
                 found.append((at, float("inf"), f"{short(a)} vs {short(e)}"))
             continue
         same_dtype = a.dtype == e.dtype or (
-            widen and a.is_floating_point() and e.is_floating_point())
+            widen and a.is_floating_point() and e.is_floating_point()
+        )
         if a.shape != e.shape or not same_dtype:
-            found.append((at, float("inf"),
-                          f"{a.dtype}{list(a.shape)} vs {e.dtype}{list(e.shape)}"))
+            found.append(
+                (at, float("inf"), f"{a.dtype}{list(a.shape)} vs {e.dtype}{list(e.shape)}")
+            )
             continue
         if a.numel() == 0:
             continue
@@ -794,9 +1014,14 @@ def differences(where: str, actual: Any, expected: Any, rtol: float, atol: float
         diff = (a64 - e64).abs().nan_to_num(nan=float("inf"))
         excess = (diff - (atol + rtol * e64.abs())).masked_fill(close, -float("inf"))
         index = tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
-        found.append((at, float(diff.max()),
-                      f"{int((~close).sum())}/{a.numel()} elements; at {list(index)}: "
-                      f"{a64[index].item():.6g} vs {e64[index].item():.6g}"))
+        found.append(
+            (
+                at,
+                float(diff.max()),
+                f"{int((~close).sum())}/{a.numel()} elements; at {list(index)}: "
+                f"{a64[index].item():.6g} vs {e64[index].item():.6g}",
+            )
+        )
 
 
 def short(value: Any) -> str:
@@ -806,9 +1031,16 @@ def short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def compare_infer(c: Case, model: nn.Module, call: Callable[..., Any], reference: nn.Module,
-                  check: Compare, result: dict[str, Any], *,
-                  reference_dtype: torch.dtype | None = None) -> None:
+def compare_infer(
+    c: Case,
+    model: nn.Module,
+    call: Callable[..., Any],
+    reference: nn.Module,
+    check: Compare,
+    result: dict[str, Any],
+    *,
+    reference_dtype: torch.dtype | None = None,
+) -> None:
     """``call(model, ...)`` against ``c.forward(reference, ...)``: on new inputs, then on other
     new inputs after both load a second checkpoint; then the models' state."""
     for i, seed in enumerate(INFER_SEEDS):
@@ -835,9 +1067,17 @@ def training_step(c: Case) -> Callable[..., torch.Tensor]:
     return step
 
 
-def compare_train(c: Case, model: nn.Module, call: Callable[..., Any], reference: nn.Module,
-                  check: Compare, result: dict[str, Any], *,
-                  reference_dtype: torch.dtype | None = None, resync: bool = False) -> None:
+def compare_train(
+    c: Case,
+    model: nn.Module,
+    call: Callable[..., Any],
+    reference: nn.Module,
+    check: Compare,
+    result: dict[str, Any],
+    *,
+    reference_dtype: torch.dtype | None = None,
+    resync: bool = False,
+) -> None:
     """TRAIN_STEPS SGD steps of ``call`` on ``model`` and of the eager step on ``reference``,
     each on new inputs: every step's loss and gradients, then the parameters and buffers.
     With ``resync``, each step starts with ``model`` set to ``reference``'s values: every step
@@ -848,8 +1088,9 @@ def compare_train(c: Case, model: nn.Module, call: Callable[..., Any], reference
     for i in range(TRAIN_STEPS):
         if resync:
             with torch.no_grad():
-                for mine, theirs in zip(model.state_dict().values(),
-                                        reference.state_dict().values(), strict=True):
+                for mine, theirs in zip(
+                    model.state_dict().values(), reference.state_dict().values(), strict=True
+                ):
                     mine.copy_(theirs)
         result["phase"] = f"call (step {i + 1})"
         opt.zero_grad()
@@ -884,10 +1125,17 @@ def optimizer_state(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, A
     return state
 
 
-def compare_train_adamw(c: Case, model: nn.Module, call: Callable[..., Any],
-                        reference: nn.Module, check: Compare, result: dict[str, Any], *,
-                        reference_dtype: torch.dtype | None = None,
-                        resync: bool = False) -> None:
+def compare_train_adamw(
+    c: Case,
+    model: nn.Module,
+    call: Callable[..., Any],
+    reference: nn.Module,
+    check: Compare,
+    result: dict[str, Any],
+    *,
+    reference_dtype: torch.dtype | None = None,
+    resync: bool = False,
+) -> None:
     """TRAIN_STEPS calls of ``call(model, opt, ...)`` and of the eager AdamW step on
     ``reference``, each from a fresh AdamW: losses, parameters, buffers, optimizer state.
     With ``resync``, each step starts from ``reference``'s weights and optimizer state."""
@@ -901,12 +1149,16 @@ def compare_train_adamw(c: Case, model: nn.Module, call: Callable[..., Any],
         result["phase"] = f"call (step {i + 1})"
         loss = call(model, opt, *seeded_inputs(c, TRAIN_SEED + i))
         result["phase"] = f"eager reference (step {i + 1})"
-        expected = step(reference, reference_opt, *seeded_inputs(c, TRAIN_SEED + i,
-                                                                 reference_dtype))
+        expected = step(
+            reference, reference_opt, *seeded_inputs(c, TRAIN_SEED + i, reference_dtype)
+        )
         check(f"step {i + 1}: loss", loss, expected)
         check.state(f"step {i + 1}: ", model, reference, grads=False)
-        check(f"step {i + 1}: optimizer state", optimizer_state(opt, model),
-              optimizer_state(reference_opt, reference))
+        check(
+            f"step {i + 1}: optimizer state",
+            optimizer_state(opt, model),
+            optimizer_state(reference_opt, reference),
+        )
 
 
 @dataclass(frozen=True)
@@ -926,16 +1178,20 @@ PROCEDURES = {
 }
 
 
-def run_case(c: Case, mode: str, backend: str, path: Path, result: dict[str, Any],
-             found: Found) -> Callable[..., Any]:
+def run_case(
+    c: Case, mode: str, backend: str, path: Path, result: dict[str, Any], found: Found
+) -> Callable[..., Any]:
     from torch_precompile import precompile
 
     procedure = PROCEDURES[mode]
     model = seeded_model(c, MODEL_SEED).train(procedure.training)
     eager = copy.deepcopy(model)
     check = Compare(c, found)
-    passed = (model, torch.optim.AdamW(model.parameters(), **ADAMW)) if (
-        procedure.with_optimizer) else (model,)
+    passed = (
+        (model, torch.optim.AdamW(model.parameters(), **ADAMW))
+        if (procedure.with_optimizer)
+        else (model,)
+    )
     capture(result, procedure.fn(c), passed, seeded_inputs(c, EXAMPLE_SEED), backend, path)
     check.state("after capture: ", model, eager)
     result["phase"] = "load"
@@ -947,8 +1203,10 @@ def run_case(c: Case, mode: str, backend: str, path: Path, result: dict[str, Any
 def describe(found: Found) -> str:
     where, diff, detail = found[0]
     worst = max(d for _, d, _ in found)
-    return (f"{where}: max abs diff {diff:.3g} ({detail}); {len(found)} place(s) differ, "
-            f"worst {worst:.3g}")
+    return (
+        f"{where}: max abs diff {diff:.3g} ({detail}); {len(found)} place(s) differ, "
+        f"worst {worst:.3g}"
+    )
 
 
 def float64_drift(c: Case, mode: str) -> Found:
@@ -958,8 +1216,15 @@ def float64_drift(c: Case, mode: str) -> Found:
     model = seeded_model(c, MODEL_SEED).train(procedure.training)
     wide = copy.deepcopy(model).double()
     found: Found = []
-    procedure.compare(c, model, procedure.fn(c), wide, Compare(c, found, widen=True), {},
-                      reference_dtype=torch.float64)
+    procedure.compare(
+        c,
+        model,
+        procedure.fn(c),
+        wide,
+        Compare(c, found, widen=True),
+        {},
+        reference_dtype=torch.float64,
+    )
     return found
 
 
@@ -977,8 +1242,11 @@ def judge(c: Case, mode: str, run: Callable[..., Any], found: Found) -> tuple[st
         return "wrong", message + " (capturing changed the model)"
     drift = float64_drift(c, mode)
     there = [d for w, d, _ in drift if w == where]
-    note = (f"eager float32 vs float64 there: {there[0]:.3g}" if there
-            else "eager float32 vs float64 agree there")
+    note = (
+        f"eager float32 vs float64 there: {there[0]:.3g}"
+        if there
+        else "eager float32 vs float64 agree there"
+    )
     if mode == "train":
         model = seeded_model(c, MODEL_SEED).train()
         synced: Found = []
@@ -986,37 +1254,56 @@ def judge(c: Case, mode: str, run: Callable[..., Any], found: Found) -> tuple[st
         if synced:
             return "wrong", f"{describe(synced)}; also from eager's state at each step; {note}"
         if drift:
-            return "ok", (f"trajectories drift ({message}); each step from eager's state "
-                          f"agrees; eager float32 vs float64 drift too ({describe(drift)})")
-        return "wrong", (f"{message}; each step from eager's state agrees, yet eager float32 "
-                         f"vs float64 do not drift")
+            return "ok", (
+                f"trajectories drift ({message}); each step from eager's state "
+                f"agrees; eager float32 vs float64 drift too ({describe(drift)})"
+            )
+        return "wrong", (
+            f"{message}; each step from eager's state agrees, yet eager float32 "
+            f"vs float64 do not drift"
+        )
     drifts = {w: d for w, d, _ in drift}
     if mode == "train_adamw" and all(drifts.get(w, 0.0) >= d for w, d, _ in found):
-        return "ok", (f"within eager's float32 error ({message}; eager float32 vs float64 "
-                      f"differ at least as much at each of those places)")
+        return "ok", (
+            f"within eager's float32 error ({message}; eager float32 vs float64 "
+            f"differ at least as much at each of those places)"
+        )
     if mode == "train_adamw":
         model = seeded_model(c, MODEL_SEED).train()
         synced = []
-        compare_train_adamw(c, model, run, copy.deepcopy(model), Compare(c, synced), {},
-                            resync=True)
+        compare_train_adamw(
+            c, model, run, copy.deepcopy(model), Compare(c, synced), {}, resync=True
+        )
         if synced and all(drifts.get(w, 0.0) >= d for w, d, _ in synced):
-            return "ok", (f"trajectories drift ({message}); each step from eager's weights and "
-                          f"optimizer state agrees within eager's float32 error "
-                          f"({describe(synced)}; eager float32 vs float64 differ at least as "
-                          "much there)")
+            return "ok", (
+                f"trajectories drift ({message}); each step from eager's weights and "
+                f"optimizer state agrees within eager's float32 error "
+                f"({describe(synced)}; eager float32 vs float64 differ at least as "
+                "much there)"
+            )
         if synced:
             return "wrong", f"{describe(synced)}; also from eager's state at each step; {note}"
         if drift:
-            return "ok", (f"trajectories drift ({message}); each step from eager's weights "
-                          "and optimizer state agrees; eager float32 vs float64 drift too "
-                          f"({describe(drift)})")
-        return "wrong", (f"{message}; each step from eager's state agrees, yet eager float32 "
-                         "vs float64 do not drift")
+            return "ok", (
+                f"trajectories drift ({message}); each step from eager's weights "
+                "and optimizer state agrees; eager float32 vs float64 drift too "
+                f"({describe(drift)})"
+            )
+        return "wrong", (
+            f"{message}; each step from eager's state agrees, yet eager float32 "
+            "vs float64 do not drift"
+        )
     return "wrong", f"{message}; {note}"
 
 
-def capture(result: dict[str, Any], fn: Callable[..., Any], passed: tuple[Any, ...],
-            example: tuple[Any, ...], backend: str, path: Path) -> None:
+def capture(
+    result: dict[str, Any],
+    fn: Callable[..., Any],
+    passed: tuple[Any, ...],
+    example: tuple[Any, ...],
+    backend: str,
+    path: Path,
+) -> None:
     """Precompile ``fn(*passed, *example)`` (``passed``: the model, and an optimizer)."""
     from torch_precompile import precompile
 
@@ -1133,11 +1420,26 @@ def run_child(run: Run, timeout: float, threads: int | None, keep: Path | None) 
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     result_path = workdir / "result.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", run.case, run.mode,
-           run.backend, str(workdir), str(result_path)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        run.case,
+        run.mode,
+        run.backend,
+        str(workdir),
+        str(result_path),
+    ]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     LIVE.add(proc)
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -1168,8 +1470,11 @@ def run_child(run: Run, timeout: float, threads: int | None, keep: Path | None) 
     if keep is not None:
         dest = keep / f"{run.case}_{run.mode}_{run.backend}"
         shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(workdir, dest, ignore=shutil.ignore_patterns(
-            "tmpdir", "torchinductor_cache_dir", "triton_cache_dir"))
+        shutil.copytree(
+            workdir,
+            dest,
+            ignore=shutil.ignore_patterns("tmpdir", "torchinductor_cache_dir", "triton_cache_dir"),
+        )
         (dest / "output.txt").write_text(output)
         (dest / "wall_s.txt").write_text(f"{run.wall_s:.3f}\n")
     shutil.rmtree(workdir, ignore_errors=True)
@@ -1189,15 +1494,18 @@ def kept_runs(folders: list[Path]) -> list[Run]:
             wall = result_path.parent / "wall_s.txt"
             run.wall_s = float(wall.read_text()) if wall.exists() else math.nan
             found[(case, mode, backend)] = run
-    return [found[key] for key in ((c, m, b) for c in CASES for m in MODES for b in BACKENDS)
-            if key in found]
+    return [
+        found[key]
+        for key in ((c, m, b) for c in CASES for m in MODES for b in BACKENDS)
+        if key in found
+    ]
 
 
 def _run_key(folder: str) -> tuple[str, str, str]:
     """(case, mode, backend) of a kept folder ``{case}_{mode}_{backend}``; modes may hold '_'."""
     rest, backend = folder.rsplit("_", 1)
     mode = max((m for m in MODES if rest.endswith("_" + m)), key=len)
-    return rest[:-len(mode) - 1], mode, backend
+    return rest[: -len(mode) - 1], mode, backend
 
 
 def fmt(value: float | None, digits: int = 1) -> str:
@@ -1205,8 +1513,9 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 
 def summary_line(run: Run, done: int, total: int) -> str:
-    parts = [f"[{done:>{len(str(total))}}/{total}] {run.case} {run.mode} {run.backend}: "
-             f"{run.status}"]
+    parts = [
+        f"[{done:>{len(str(total))}}/{total}] {run.case} {run.mode} {run.backend}: {run.status}"
+    ]
     if run.build_s is not None:
         parts.append(f"build {run.build_s:.1f} s")
     if run.source_kib is not None:
@@ -1236,8 +1545,9 @@ def versions() -> str:
     return ", ".join(parts)
 
 
-def write_table(out: Path, runs: list[Run], command: str, started: datetime.datetime,
-                elapsed: float) -> None:
+def write_table(
+    out: Path, runs: list[Run], command: str, started: datetime.datetime, elapsed: float
+) -> None:
     cases = {run.case: CASES[run.case] for run in runs}
     lines = [
         "# Model zoo",
@@ -1287,7 +1597,8 @@ def write_table(out: Path, runs: list[Run], command: str, started: datetime.date
         lines.append(
             f"| {r.case} | {cases[r.case].library} | {r.mode} | {r.backend} | {status} | "
             f"{fmt(r.build_s)} | {fmt(r.source_kib, 0)} | {fmt(r.cache_kib, 0)} | "
-            f"{fmt(r.wall_s)} | {cell(r.message)} |")
+            f"{fmt(r.wall_s)} | {cell(r.message)} |"
+        )
     lines += ["", "## Cases", "", "| case | library | what |", "|---|---|---|"]
     for c in cases.values():
         lines.append(f"| {c.name} | {c.library} | {cell(c.what)} |")
@@ -1298,8 +1609,9 @@ def split(value: str, allowed: tuple[str, ...] | list[str], what: str) -> list[s
     items = [v.strip() for v in value.split(",") if v.strip()]
     unknown = [v for v in items if v not in allowed]
     if unknown:
-        raise SystemExit(f"zoo: unknown {what} {', '.join(unknown)}; "
-                         f"choose from {', '.join(allowed)}")
+        raise SystemExit(
+            f"zoo: unknown {what} {', '.join(unknown)}; choose from {', '.join(allowed)}"
+        )
     return items
 
 
@@ -1313,20 +1625,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--out", default=str(DEFAULT_OUT),
-                        help="the Markdown table to write ('-' for none)")
+    parser.add_argument(
+        "--out", default=str(DEFAULT_OUT), help="the Markdown table to write ('-' for none)"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="children at once")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="OMP_NUM_THREADS of each child (default: CPUs / jobs when jobs > 1, "
-                        "else torch's default)")
-    parser.add_argument("--timeout", type=float, default=CHILD_TIMEOUT_S,
-                        help="seconds per child before it counts as a crash")
-    parser.add_argument("--keep", default=None,
-                        help="copy each child's artifact pair and output into this folder")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS of each child (default: CPUs / jobs when jobs > 1, "
+        "else torch's default)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=CHILD_TIMEOUT_S,
+        help="seconds per child before it counts as a crash",
+    )
+    parser.add_argument(
+        "--keep", default=None, help="copy each child's artifact pair and output into this folder"
+    )
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
-    parser.add_argument("--from-kept", default=None, metavar="DIRS",
-                        help="write the table from comma-separated --keep folders of earlier "
-                        "runs (merging backends run separately) and run nothing")
+    parser.add_argument(
+        "--from-kept",
+        default=None,
+        metavar="DIRS",
+        help="write the table from comma-separated --keep folders of earlier "
+        "runs (merging backends run separately) and run nothing",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for c in CASES.values():
@@ -1335,16 +1661,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_kept:
         kept = kept_runs([Path(d) for d in args.from_kept.split(",")])
         stamp = min(Path(d).stat().st_mtime for d in args.from_kept.split(","))
-        write_table(Path(args.out), kept, shlex.join(["benchmarks/zoo.py", *argv]),
-                    datetime.datetime.fromtimestamp(stamp, datetime.UTC),
-                    sum(r.wall_s for r in kept if not math.isnan(r.wall_s)))
+        write_table(
+            Path(args.out),
+            kept,
+            shlex.join(["benchmarks/zoo.py", *argv]),
+            datetime.datetime.fromtimestamp(stamp, datetime.UTC),
+            sum(r.wall_s for r in kept if not math.isnan(r.wall_s)),
+        )
         print(f"zoo: wrote {args.out} from {len(kept)} kept runs")
         return 0
     names = split(args.cases, list(CASES), "case")
     backends = split(args.backends, BACKENDS, "backend")
     modes = split(args.modes, MODES, "mode")
-    runs = [Run(name, mode, backend) for name in names for mode in modes
-            for backend in backends if mode in CASES[name].modes]
+    runs = [
+        Run(name, mode, backend)
+        for name in names
+        for mode in modes
+        for backend in backends
+        if mode in CASES[name].modes
+    ]
     keep = Path(args.keep).resolve() if args.keep else None
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
@@ -1353,8 +1688,9 @@ def main(argv: list[str] | None = None) -> int:
     if threads is None and jobs > 1:
         threads = max(1, (os.cpu_count() or 1) // jobs)
     python = os.path.relpath(sys.executable)
-    command = shlex.join([python if not python.startswith("..") else "python",
-                          "benchmarks/zoo.py", *argv])
+    command = shlex.join(
+        [python if not python.startswith("..") else "python", "benchmarks/zoo.py", *argv]
+    )
     started = datetime.datetime.now(datetime.UTC)
     start = time.perf_counter()
     print(f"zoo: {len(runs)} runs, {jobs} at a time; {versions()}", flush=True)
@@ -1381,8 +1717,10 @@ def main(argv: list[str] | None = None) -> int:
     pool.shutdown()
     elapsed = time.perf_counter() - start
     counts = {s: sum(r.status == s for r in runs) for s in STATUSES}
-    print("zoo: " + ", ".join(f"{n} {s}" for s, n in counts.items()) +
-          f" in {elapsed / 60:.1f} min", flush=True)
+    print(
+        "zoo: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + f" in {elapsed / 60:.1f} min",
+        flush=True,
+    )
     if args.out != "-":
         write_table(Path(args.out), runs, command, started, elapsed)
         print(f"zoo: wrote {args.out}")

@@ -31,11 +31,15 @@ TESTS_DIR = Path(__file__).parent
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "release_independent: exercises only the package's own file handling; "
-        ".ci/matrix leaves it to the default release's run")
+        "markers",
+        "release_independent: exercises only the package's own file handling; "
+        ".ci/matrix leaves it to the default release's run",
+    )
     config.addinivalue_line(
-        "markers", "soak: a long run (many steps, loads or threads); .ci/matrix leaves it to "
-        "the default release's run")
+        "markers",
+        "soak: a long run (many steps, loads or threads); .ci/matrix leaves it to "
+        "the default release's run",
+    )
 
 
 @pytest.fixture(params=BACKENDS)
@@ -49,20 +53,23 @@ class Artifacts:
     def __init__(self) -> None:
         self._built: dict[tuple[str, str, str, bool], tuple[str, bytes]] = {}
 
-    def pair(self, name: str, backend: str, wrapper: str = "auto", inference: bool = False
-             ) -> tuple[str, bytes]:
+    def pair(
+        self, name: str, backend: str, wrapper: str = "auto", inference: bool = False
+    ) -> tuple[str, bytes]:
         """``inference``: built under no_grad, as a server builds (no backward graphs)."""
         key = (name, backend, wrapper, inference)
         if key not in self._built:
             workload = WORKLOADS[name]
             options = {"wrapper": wrapper} if wrapper != "auto" else {}
             with torch.no_grad() if inference else contextlib.nullcontext():
-                self._built[key] = precompile(workload.fn, *workload.args(), backend=backend,
-                                              **options)
+                self._built[key] = precompile(
+                    workload.fn, *workload.args(), backend=backend, **options
+                )
         return self._built[key]
 
-    def load(self, name: str, backend: str, wrapper: str = "auto", inference: bool = False
-             ) -> Callable[..., Any]:
+    def load(
+        self, name: str, backend: str, wrapper: str = "auto", inference: bool = False
+    ) -> Callable[..., Any]:
         return precompile.load(*self.pair(name, backend, wrapper, inference))
 
 
@@ -124,8 +131,13 @@ def assert_runs_like_eager(run: Callable[..., Any], name: str, calls: int = 1) -
     assert_same(model_state(*modules_in(compiled_args)), model_state(*modules_in(eager_args)))
 
 
-def run_python(script: str, *, block_package: bool = False, timeout: float = 300,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_python(
+    script: str,
+    *,
+    block_package: bool = False,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     """Run ``script`` in a fresh interpreter; with ``block_package``, torch_precompile
     cannot be imported there. An existing PYTHONPATH (a checkout under test) comes first,
     then this directory (for ``workloads``)."""
@@ -136,7 +148,10 @@ def run_python(script: str, *, block_package: bool = False, timeout: float = 300
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), **(env or {})}
     return subprocess.run(
         [sys.executable, "-c", prologue + textwrap.dedent(script)],
-        capture_output=True, text=True, timeout=timeout, env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
     )
 
 
@@ -169,7 +184,7 @@ def poisoned_toolchain(tmp_path: Path) -> tuple[dict[str, str], Path]:
     marker = tmp_path / "compiler-was-called"
     for name in COMPILERS:
         tool = bin_dir / name
-        tool.write_text(f"#!/bin/sh\necho \"$0 $@\" >> {marker}\nexit 1\n")
+        tool.write_text(f'#!/bin/sh\necho "$0 $@" >> {marker}\nexit 1\n')
         tool.chmod(0o755)
     cache_dir, tmp_dir = tmp_path / "inductor-cache", tmp_path / "tmp"
     cache_dir.mkdir()
@@ -189,8 +204,11 @@ def write_pair(tmp_path: Path, name: str, code: str, cache: bytes) -> dict[str, 
     inputs), as files for a fresh process."""
     workload = WORKLOADS[name]
     expected = workload.fn(*workload.args(FRESH_SEED))
-    paths = {"code": tmp_path / "a.py", "cache": tmp_path / "a.cache",
-             "expected": tmp_path / "expected.pt"}
+    paths = {
+        "code": tmp_path / "a.py",
+        "cache": tmp_path / "a.cache",
+        "expected": tmp_path / "expected.pt",
+    }
     paths["code"].write_text(code)
     paths["cache"].write_bytes(cache)
     torch.save(expected, paths["expected"])
@@ -232,8 +250,9 @@ def in_threads(work: Callable[[int], Any], count: int) -> list[BaseException]:
         thread.start()
     for thread in threads:
         thread.join(timeout=600)
-    errors.extend(TimeoutError(f"{t.name} still running after 600 s")
-                  for t in threads if t.is_alive())
+    errors.extend(
+        TimeoutError(f"{t.name} still running after 600 s") for t in threads if t.is_alive()
+    )
     return errors
 
 
@@ -274,15 +293,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, cases: list[str], out: Path,
-              worker: str = "distributed_worker.py") -> list[dict[str, Any]]:
+def run_ranks(
+    world: int, cases: list[str], out: Path, worker: str = "distributed_worker.py"
+) -> list[dict[str, Any]]:
     """Run ``worker`` (``RANK WORLD PORT OUT CASES``) on ``world`` ranks; each rank's report."""
     import json
 
     port = free_port()
-    launch([[sys.executable, str(TESTS_DIR / worker), str(rank), str(world), str(port),
-             str(out), ",".join(cases)] for rank in range(world)],
-           [out / f"log{rank}" for rank in range(world)], distributed_env(), WORKER_TIMEOUT_S)
+    launch(
+        [
+            [
+                sys.executable,
+                str(TESTS_DIR / worker),
+                str(rank),
+                str(world),
+                str(port),
+                str(out),
+                ",".join(cases),
+            ]
+            for rank in range(world)
+        ],
+        [out / f"log{rank}" for rank in range(world)],
+        distributed_env(),
+        WORKER_TIMEOUT_S,
+    )
     reports = []
     for rank in range(world):
         path = out / f"rank{rank}.json"
@@ -293,17 +327,26 @@ def run_ranks(world: int, cases: list[str], out: Path,
 
 def distributed_env(**extra: str) -> dict[str, str]:
     """The environment of a rank: gloo on the loopback device, this directory importable."""
-    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **extra, "PYTHONPATH": os.pathsep.join(
-        [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        **extra,
+        "PYTHONPATH": os.pathsep.join(
+            [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    }
 
 
-def launch(commands: list[list[str]], logs: list[Path], env: dict[str, str],
-           timeout: float) -> list[int]:
+def launch(
+    commands: list[list[str]], logs: list[Path], env: dict[str, str], timeout: float
+) -> list[int]:
     """Run ``commands`` at once, each writing to its log; wait for all (killing any left after
     ``timeout``); their exit statuses."""
     files = [open(log, "w") for log in logs]  # noqa: SIM115
-    procs = [subprocess.Popen(command, stdout=file, stderr=subprocess.STDOUT, env=env)
-             for command, file in zip(commands, files, strict=True)]
+    procs = [
+        subprocess.Popen(command, stdout=file, stderr=subprocess.STDOUT, env=env)
+        for command, file in zip(commands, files, strict=True)
+    ]
     try:
         for proc in procs:
             proc.wait(timeout=timeout)

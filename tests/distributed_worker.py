@@ -71,7 +71,8 @@ class Block(torch.nn.Module):
             return t.view(b, s, self.heads_here(t), -1).transpose(1, 2)
 
         attn = torch.nn.functional.scaled_dot_product_attention(
-            heads(q), heads(k), heads(v), is_causal=True)
+            heads(q), heads(k), heads(v), is_causal=True
+        )
         x = x + self.o(attn.transpose(1, 2).reshape(b, s, width))
         return x + self.mlp(self.norm2(x))
 
@@ -86,16 +87,24 @@ def tp_plan_mlp() -> dict[str, Any]:
 
 def tp_plan_block(sequence_parallel: bool) -> dict[str, Any]:
     if not sequence_parallel:
-        return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
-                "o": RowwiseParallel(), "mlp.up": ColwiseParallel(),
-                "mlp.down": RowwiseParallel()}
-    return {"norm1": SequenceParallel(), "norm2": SequenceParallel(),
-            "q": ColwiseParallel(input_layouts=Shard(1)),
-            "k": ColwiseParallel(input_layouts=Shard(1)),
-            "v": ColwiseParallel(input_layouts=Shard(1)),
-            "o": RowwiseParallel(output_layouts=Shard(1)),
-            "mlp.up": ColwiseParallel(input_layouts=Shard(1)),
-            "mlp.down": RowwiseParallel(output_layouts=Shard(1))}
+        return {
+            "q": ColwiseParallel(),
+            "k": ColwiseParallel(),
+            "v": ColwiseParallel(),
+            "o": RowwiseParallel(),
+            "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel(),
+        }
+    return {
+        "norm1": SequenceParallel(),
+        "norm2": SequenceParallel(),
+        "q": ColwiseParallel(input_layouts=Shard(1)),
+        "k": ColwiseParallel(input_layouts=Shard(1)),
+        "v": ColwiseParallel(input_layouts=Shard(1)),
+        "o": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp.up": ColwiseParallel(input_layouts=Shard(1)),
+        "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+    }
 
 
 def train_step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -119,9 +128,11 @@ def max_diff(a: Any, b: Any) -> float:
     return float((full(a).detach() - full(b).detach()).abs().max())
 
 
-def eager_reference(make: Callable[[], torch.nn.Module], batches: list[torch.Tensor],
-                    accumulate: int = 1,
-                    ) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, Any]]:
+def eager_reference(
+    make: Callable[[], torch.nn.Module],
+    batches: list[torch.Tensor],
+    accumulate: int = 1,
+) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, Any]]:
     """Eager on ``make()``: the loss and the .grad after each batch; an SGD step after every
     ``accumulate`` batches, whose gradients add up in .grad until then."""
     model = make()
@@ -134,18 +145,21 @@ def eager_reference(make: Callable[[], torch.nn.Module], batches: list[torch.Ten
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def compare_training(step: Callable[..., Any], model: torch.nn.Module,
-                     make: Callable[[], torch.nn.Module], batches: list[torch.Tensor],
-                     wrap: Callable[[torch.Tensor], Any],
-                     loss_of: Callable[[Any], float] = lambda loss: float(full(loss)),
-                     accumulate: int = 1) -> dict[str, float]:
+def compare_training(
+    step: Callable[..., Any],
+    model: torch.nn.Module,
+    make: Callable[[], torch.nn.Module],
+    batches: list[torch.Tensor],
+    wrap: Callable[[torch.Tensor], Any],
+    loss_of: Callable[[Any], float] = lambda loss: float(full(loss)),
+    accumulate: int = 1,
+) -> dict[str, float]:
     """SGD steps of ``step`` on the sharded ``model`` against eager on ``make()``, one per
     ``accumulate`` batches. ``accumulating_calls`` counts the calls that found every .grad
     already set (and so had to add to it)."""
     ref_losses, ref_grads, ref_params = eager_reference(make, batches, accumulate)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "accumulating_calls": 0.0}
-    for i, (x, ref_loss, ref_grad) in enumerate(zip(batches, ref_losses, ref_grads,
-                                                    strict=True)):
+    for i, (x, ref_loss, ref_grad) in enumerate(zip(batches, ref_losses, ref_grads, strict=True)):
         if all(p.grad is not None for p in model.parameters()):
             worst["accumulating_calls"] += 1
         loss = step(model, wrap(x))
@@ -215,7 +229,8 @@ def linear_dtensor(backend: str) -> dict[str, Any]:
     step(model, wrap(data[0]))
     step(model, wrap(data[1]))  # the placements of an accumulated gradient
     result["grad_placements_after"] = [
-        [repr(q) for q in p.grad.placements] for p in model.parameters()]
+        [repr(q) for q in p.grad.placements] for p in model.parameters()
+    ]
     result["param_placements"] = [[repr(q) for q in p.placements] for p in model.parameters()]
     return result
 
@@ -244,8 +259,13 @@ def dtensor_buffers(backend: str) -> dict[str, Any]:
 
     model, reference = make(), make()
     for name in ("weight", "bias"):
-        setattr(model.linear, name, torch.nn.Parameter(
-            distribute_tensor(getattr(model.linear, name).detach(), mesh, [Shard(0)])))
+        setattr(
+            model.linear,
+            name,
+            torch.nn.Parameter(
+                distribute_tensor(getattr(model.linear, name).detach(), mesh, [Shard(0)])
+            ),
+        )
     for name in ("scale", "calls"):
         setattr(model, name, distribute_tensor(getattr(model, name), mesh, [Replicate()]))
     data = batches(2, 8)
@@ -254,11 +274,14 @@ def dtensor_buffers(backend: str) -> dict[str, Any]:
         return distribute_tensor(x, mesh, [Replicate()])
 
     with torch.no_grad():
-        run = precompile.load(*precompile(lambda m, x: m(x), model, wrap(data[0]),
-                                          backend=backend))
+        run = precompile.load(*precompile(lambda m, x: m(x), model, wrap(data[0]), backend=backend))
         out = max(max_diff(run(model, wrap(x)), reference(x)) for x in data)
-    return {"out": out, "calls": float(full(model.calls)), "ref_calls": float(reference.calls),
-            "buffer_type": type(model.calls).__name__}
+    return {
+        "out": out,
+        "calls": float(full(model.calls)),
+        "ref_calls": float(reference.calls),
+        "buffer_type": type(model.calls).__name__,
+    }
 
 
 def tp_mlp(backend: str, one_rank: bool = False) -> dict[str, Any]:
@@ -268,9 +291,9 @@ def tp_mlp(backend: str, one_rank: bool = False) -> dict[str, Any]:
     pair = precompile(train_step, model, data[0], backend=backend, compile_on_one_rank=one_rank)
     result = compare_training(precompile.load(*pair), model, make_mlp, data, lambda x: x)
     result["digest"] = digest(pair)
-    result["build_modules"] = sorted(m for m in sys.modules
-                                     if m.startswith(("torch_precompile.trace",
-                                                      "torch_precompile.lower")))
+    result["build_modules"] = sorted(
+        m for m in sys.modules if m.startswith(("torch_precompile.trace", "torch_precompile.lower"))
+    )
     spec = precompile.inspect(pair[0])
     result["meshes"] = [(m.shape, m.dim_names, m.coordinate) for m in spec.meshes]
     result["placements"] = [d.placements for d in spec.distributed]
@@ -293,6 +316,7 @@ def tp_block(backend: str, sequence_parallel: bool, one_rank: bool = True) -> di
     mesh, world, rank = mesh_1d(), dist.get_world_size(), dist.get_rank()
     data = batches(2, 4, 8)
     if sequence_parallel:
+
         def wrap(x: torch.Tensor) -> torch.Tensor:
             return x.chunk(world, dim=1)[rank]
 
@@ -308,16 +332,21 @@ def tp_block(backend: str, sequence_parallel: bool, one_rank: bool = True) -> di
     else:
         wrap, step_fn, loss_of = (lambda x: x), train_step, (lambda loss: float(full(loss)))
     model = parallelize_module(make_block(), mesh, tp_plan_block(sequence_parallel))
-    pair = precompile(step_fn, model, wrap(data[0]), backend=backend,
-                      compile_on_one_rank=one_rank)
+    pair = precompile(step_fn, model, wrap(data[0]), backend=backend, compile_on_one_rank=one_rank)
     result = compare_training(precompile.load(*pair), model, make_block, data, wrap, loss_of)
     fresh = parallelize_module(make_block(), mesh, tp_plan_block(sequence_parallel)).eval()
     reference = make_block().eval()
     with torch.no_grad():
-        infer = precompile.load(*precompile(lambda m, x: m(x), fresh, wrap(data[0]),
-                                            backend=backend, compile_on_one_rank=one_rank))
-        result["infer"] = max(max_diff(infer(fresh, wrap(x)), wrap(reference(x)))
-                              for x in data)
+        infer = precompile.load(
+            *precompile(
+                lambda m, x: m(x),
+                fresh,
+                wrap(data[0]),
+                backend=backend,
+                compile_on_one_rank=one_rank,
+            )
+        )
+        result["infer"] = max(max_diff(infer(fresh, wrap(x)), wrap(reference(x))) for x in data)
     return result
 
 
@@ -333,8 +362,9 @@ class Head(torch.nn.Module):
         return self.head(self.body(x))
 
 
-def parallel_loss_step(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor
-                       ) -> torch.Tensor:
+def parallel_loss_step(
+    model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
     from torch.distributed.tensor.parallel import loss_parallel
 
     with loss_parallel():
@@ -351,13 +381,17 @@ def loss_parallel_case(backend: str) -> dict[str, Any]:
         torch.manual_seed(0)
         return Head()
 
-    plan = {"body.up": ColwiseParallel(), "body.down": RowwiseParallel(),
-            "head": ColwiseParallel(use_local_output=False)}
+    plan = {
+        "body.up": ColwiseParallel(),
+        "body.down": RowwiseParallel(),
+        "head": ColwiseParallel(use_local_output=False),
+    }
     model = parallelize_module(make(), mesh, plan)
     data = batches(4, 8)
     targets = [torch.arange(4) * 3 % 12 + i for i in range(STEPS)]
-    step = precompile.load(*precompile(parallel_loss_step, model, data[0], targets[0],
-                                       backend=backend))
+    step = precompile.load(
+        *precompile(parallel_loss_step, model, data[0], targets[0], backend=backend)
+    )
     reference = make()
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for x, target in zip(data, targets, strict=True):
@@ -369,8 +403,9 @@ def loss_parallel_case(backend: str) -> dict[str, Any]:
             worst["grad"] = max(worst["grad"], max_diff(p.grad, q.grad))
         sgd(model)
         sgd(reference)
-    worst["param"] = max(max_diff(p, q) for p, q in zip(model.parameters(),
-                                                         reference.parameters(), strict=True))
+    worst["param"] = max(
+        max_diff(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    )
     return worst
 
 
@@ -379,8 +414,9 @@ def data_parallel(backend: str) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     model = make_mlp()
     data = batches(4 * world, 8)
-    step = precompile.load(*precompile(train_step, model, data[0].chunk(world)[rank],
-                                       backend=backend))
+    step = precompile.load(
+        *precompile(train_step, model, data[0].chunk(world)[rank], backend=backend)
+    )
     ref_losses, ref_grads, ref_params = eager_reference(make_mlp, data)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for x, ref_loss, ref_grad in zip(data, ref_losses, ref_grads, strict=True):
@@ -402,12 +438,17 @@ def ddp_case(backend: str, one_rank: bool = False) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     model = DistributedDataParallel(make_mlp())
     data = batches(4 * world, 8)
-    code, cache = precompile(train_step, model, data[0].chunk(world)[rank], backend=backend,
-                             compile_on_one_rank=one_rank)
+    code, cache = precompile(
+        train_step, model, data[0].chunk(world)[rank], backend=backend, compile_on_one_rank=one_rank
+    )
     step = precompile.load(code, cache)
     ref_losses, ref_grads, ref_params = eager_reference(make_mlp, data)
-    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0,
-             "all_reduces": len(re.findall(r"\ball_reduce_?\.default\(", code))}
+    worst = {
+        "loss": 0.0,
+        "grad": 0.0,
+        "param": 0.0,
+        "all_reduces": len(re.findall(r"\ball_reduce_?\.default\(", code)),
+    }
     for x, ref_loss, ref_grad in zip(data, ref_losses, ref_grads, strict=True):
         loss = step(model, x.chunk(world)[rank]).detach().clone()
         dist.all_reduce(loss)
@@ -427,11 +468,13 @@ def ddp_no_sync(backend: str) -> dict[str, Any]:
     model = DistributedDataParallel(make_mlp())
     data = batches(4 * world, 8, count=2 * STEPS)
     first = data[0].chunk(world)[rank]
-    sync = precompile.load(*precompile(train_step, model, first, backend=backend,
-                                       compile_on_one_rank=True))
+    sync = precompile.load(
+        *precompile(train_step, model, first, backend=backend, compile_on_one_rank=True)
+    )
     with model.no_sync():
-        local = precompile.load(*precompile(train_step, model, first, backend=backend,
-                                            compile_on_one_rank=True))
+        local = precompile.load(
+            *precompile(train_step, model, first, backend=backend, compile_on_one_rank=True)
+        )
     _, ref_grads, ref_params = eager_reference(make_mlp, data, accumulate=2)
     worst: dict[str, Any] = {"grad": 0.0, "param": 0.0}
     for i, x in enumerate(data):
@@ -454,8 +497,13 @@ def ddp_adamw(backend: str, one_rank: bool = False) -> dict[str, Any]:
     """A whole DDP training step inside fn: zero_grad, forward, backward, AdamW step; the LR
     follows a schedule outside. Parameters equal single-process eager's on the full batch."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    result = adamw_training(DistributedDataParallel(make_mlp()), backend, one_rank,
-                            lambda x: x.chunk(world)[rank], world)
+    result = adamw_training(
+        DistributedDataParallel(make_mlp()),
+        backend,
+        one_rank,
+        lambda x: x.chunk(world)[rank],
+        world,
+    )
     del result["opt"]
     return result
 
@@ -475,24 +523,39 @@ def fsdp_adamw(backend: str, one_rank: bool, two_d: bool) -> dict[str, Any]:
         fully_shard(child, mesh=dp)
     fully_shard(model, mesh=dp)
     replicas, replica = dp.size(), dp.get_local_rank()
-    result = adamw_training(model, backend, one_rank, lambda x: x.chunk(replicas)[replica],
-                            replicas, dp.get_group())
-    result["state"] = sorted({type(t).__name__ for s in result.pop("opt").state.values()
-                              for k, t in s.items() if k != "step"})
+    result = adamw_training(
+        model, backend, one_rank, lambda x: x.chunk(replicas)[replica], replicas, dp.get_group()
+    )
+    result["state"] = sorted(
+        {
+            type(t).__name__
+            for s in result.pop("opt").state.values()
+            for k, t in s.items()
+            if k != "step"
+        }
+    )
     return result
 
 
-def adamw_training(model: torch.nn.Module, backend: str, one_rank: bool,
-                   mine: Callable[[torch.Tensor], torch.Tensor], replicas: int,
-                   group: Any = None) -> dict[str, Any]:
+def adamw_training(
+    model: torch.nn.Module,
+    backend: str,
+    one_rank: bool,
+    mine: Callable[[torch.Tensor], torch.Tensor],
+    replicas: int,
+    group: Any = None,
+) -> dict[str, Any]:
     """Three AdamW steps inside fn under a StepLR schedule, against single-process eager."""
     reference = make_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
     schedules = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (opt, ref_opt)]
     data = batches(4 * replicas, 8)
-    step = precompile.load(*precompile(adamw_step, model, opt, mine(data[0]), backend=backend,
-                                       compile_on_one_rank=one_rank))
+    step = precompile.load(
+        *precompile(
+            adamw_step, model, opt, mine(data[0]), backend=backend, compile_on_one_rank=one_rank
+        )
+    )
     worst: dict[str, Any] = {"loss": 0.0, "param": 0.0}
     for x in data:
         loss = step(model, opt, mine(x)).detach().clone()
@@ -502,14 +565,14 @@ def adamw_training(model: torch.nn.Module, backend: str, one_rank: bool,
         for schedule in schedules:
             schedule.step()
     own = model.module if isinstance(model, DistributedDataParallel) else model
-    worst["param"] = max(max_diff(p, q) for p, q in zip(own.parameters(),
-                                                         reference.parameters(), strict=True))
+    worst["param"] = max(
+        max_diff(p, q) for p, q in zip(own.parameters(), reference.parameters(), strict=True)
+    )
     worst["opt"] = opt
     return worst
 
 
-def adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
-               ) -> torch.Tensor:
+def adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
     opt.zero_grad()
     loss = model(x).square().mean()
     loss.backward()
@@ -542,20 +605,34 @@ def ddp_buffers(backend: str) -> dict[str, Any]:
     data = batches(4 * world, 8)
     pair = precompile(train_step, model, data[0].chunk(world)[rank], backend=backend)
     step = precompile.load(*pair)
-    worst: dict[str, Any] = {"loss": 0.0, "grad": 0.0, "param": 0.0, "buffer": 0.0,
-                             "inspect": _inspected(pair)}
+    worst: dict[str, Any] = {
+        "loss": 0.0,
+        "grad": 0.0,
+        "param": 0.0,
+        "buffer": 0.0,
+        "inspect": _inspected(pair),
+    }
     for x in data:
         mine = x.chunk(world)[rank]
-        worst["loss"] = max(worst["loss"], abs(float(step(model, mine))
-                                               - float(train_step(reference, mine))))
-        worst["grad"] = max(worst["grad"], *(max_diff(p.grad, q.grad) for p, q in zip(
-            model.parameters(), reference.parameters(), strict=True)))
+        worst["loss"] = max(
+            worst["loss"], abs(float(step(model, mine)) - float(train_step(reference, mine)))
+        )
+        worst["grad"] = max(
+            worst["grad"],
+            *(
+                max_diff(p.grad, q.grad)
+                for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+            ),
+        )
         sgd(model)
         sgd(reference)
-    worst["param"] = max(max_diff(p, q) for p, q in zip(model.parameters(),
-                                                         reference.parameters(), strict=True))
-    worst["buffer"] = max(max_diff(b.float(), c.float()) for b, c in zip(
-        model.buffers(), reference.buffers(), strict=True))
+    worst["param"] = max(
+        max_diff(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+    worst["buffer"] = max(
+        max_diff(b.float(), c.float())
+        for b, c in zip(model.buffers(), reference.buffers(), strict=True)
+    )
     return worst
 
 
@@ -565,11 +642,12 @@ def ddp_refusals(backend: str) -> dict[str, Any]:
 
     x = batches(4, 8)[0]
     messages: dict[str, Any] = {}
-    for option, kwargs in (("find_unused_parameters", {"find_unused_parameters": True}),
-                           ("static_graph", {"static_graph": True})):
+    for option, kwargs in (
+        ("find_unused_parameters", {"find_unused_parameters": True}),
+        ("static_graph", {"static_graph": True}),
+    ):
         wrapped = DistributedDataParallel(make_mlp(), **kwargs)
-        messages[option] = _message(lambda m=wrapped: precompile(train_step, m, x,
-                                                                 backend=backend))
+        messages[option] = _message(lambda m=wrapped: precompile(train_step, m, x, backend=backend))
     hooked = DistributedDataParallel(make_mlp())
     hooked.register_comm_hook(None, default_hooks.allreduce_hook)
     messages["comm_hook"] = _message(lambda: precompile(train_step, hooked, x, backend=backend))
@@ -579,24 +657,27 @@ def ddp_refusals(backend: str) -> dict[str, Any]:
         with m.no_sync():
             return train_step(m, x)
 
-    messages["no_sync_inside_fn"] = _message(lambda: precompile(no_sync_inside, model, x,
-                                                                backend=backend))
+    messages["no_sync_inside_fn"] = _message(
+        lambda: precompile(no_sync_inside, model, x, backend=backend)
+    )
 
     def down_only(m: Any, x: torch.Tensor) -> torch.Tensor:
         loss = m.module.down(x.repeat(1, 2)).square().mean()  # up gets no gradient
         loss.backward()
         return loss
 
-    messages["partial_backward"] = _message(lambda: precompile(down_only, model, x,
-                                                               backend=backend))
+    messages["partial_backward"] = _message(
+        lambda: precompile(down_only, model, x, backend=backend)
+    )
     step = precompile.load(*precompile(train_step, model, x, backend=backend))
     messages["plain_module"] = _message(lambda: step(model.module, x))
     messages["after_refusals"] = _message(lambda: step(model, x))
     return messages
 
 
-def fully_sharded(make: Callable[[], torch.nn.Module], mesh: Any,
-                  **options: Any) -> torch.nn.Module:
+def fully_sharded(
+    make: Callable[[], torch.nn.Module], mesh: Any, **options: Any
+) -> torch.nn.Module:
     """``make()`` with fully_shard on each Linear child, then on the root."""
     from torch.distributed.fsdp import fully_shard
 
@@ -624,16 +705,19 @@ def fsdp_case(backend: str, one_rank: bool = False, reshard: bool = True) -> dic
     def mine(x: torch.Tensor) -> torch.Tensor:
         return x.chunk(world)[rank]
 
-    step = precompile.load(*precompile(train_step, model, mine(data[0]), backend=backend,
-                                       compile_on_one_rank=one_rank))
-    result: dict[str, Any] = compare_training(step, model, make_mlp, data, mine,
-                                              loss_of=mean_over_ranks, accumulate=2)
+    step = precompile.load(
+        *precompile(train_step, model, mine(data[0]), backend=backend, compile_on_one_rank=one_rank)
+    )
+    result: dict[str, Any] = compare_training(
+        step, model, make_mlp, data, mine, loss_of=mean_over_ranks, accumulate=2
+    )
     step(model, mine(data[0]))
     result["grad_placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
     result["local_shapes"] = [list(p.to_local().shape) for p in model.parameters()]
     if backend == "eager" and not one_rank:
-        result["inspect"] = _inspected(precompile(train_step, model, mine(data[0]),
-                                                  backend=backend))
+        result["inspect"] = _inspected(
+            precompile(train_step, model, mine(data[0]), backend=backend)
+        )
     return result
 
 
@@ -661,20 +745,32 @@ def fsdp_mixed_precision(backend: str) -> dict[str, Any]:
     step = precompile.load(*precompile(train_step, model, data[0], backend=backend))
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for x in data:
-        worst["loss"] = max(worst["loss"], abs(float(step(model, x))
-                                               - float(train_step(reference, x))))
-        worst["grad"] = max(worst["grad"], *(max_diff(p.grad, q.grad) for p, q in zip(
-            model.parameters(), reference.parameters(), strict=True)))
+        worst["loss"] = max(
+            worst["loss"], abs(float(step(model, x)) - float(train_step(reference, x)))
+        )
+        worst["grad"] = max(
+            worst["grad"],
+            *(
+                max_diff(p.grad, q.grad)
+                for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+            ),
+        )
         worst["grad_dtype"] = str(next(model.parameters()).grad.dtype)
         sgd(model)
         sgd(reference)
-    worst["param"] = max(max_diff(p, q) for p, q in zip(model.parameters(),
-                                                         reference.parameters(), strict=True))
-    for name, other_policy in (("no_policy", None),
-                               ("fp16_gathers", MixedPrecisionPolicy(param_dtype=torch.float16,
-                                                                     reduce_dtype=torch.float32))):
-        other = fully_sharded(make_mlp, mesh, **({"mp_policy": other_policy}
-                                                  if other_policy else {}))
+    worst["param"] = max(
+        max_diff(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+    for name, other_policy in (
+        ("no_policy", None),
+        (
+            "fp16_gathers",
+            MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
+        ),
+    ):
+        other = fully_sharded(
+            make_mlp, mesh, **({"mp_policy": other_policy} if other_policy else {})
+        )
         before = [p.detach().clone() for p in other.parameters()]
         try:
             step(other, data[0])
@@ -683,7 +779,8 @@ def fsdp_mixed_precision(backend: str) -> dict[str, Any]:
             worst[name] = f"PrecompileError: {e}"
         worst[f"{name}_untouched"] = all(
             torch.equal(p, q) and p.grad is None
-            for p, q in zip(other.parameters(), before, strict=True))
+            for p, q in zip(other.parameters(), before, strict=True)
+        )
     return worst
 
 
@@ -700,9 +797,12 @@ def fsdp_divide_factor(backend: str) -> dict[str, Any]:
     step = precompile.load(*precompile(train_step, model, mine, backend=backend))
     step(model, mine)
     _, ref_grads, _ = eager_reference(make_mlp, data[:1])
-    result: dict[str, Any] = {"grad": max(
-        max_diff(p.grad, ref_grads[0][n] * (world / 3 if n.startswith("up.") else 1))
-        for n, p in model.named_parameters())}
+    result: dict[str, Any] = {
+        "grad": max(
+            max_diff(p.grad, ref_grads[0][n] * (world / 3 if n.startswith("up.") else 1))
+            for n, p in model.named_parameters()
+        )
+    }
     model.up.set_gradient_divide_factor(2.0)
     result["other_factor"] = _message(lambda: step(model, mine))
     return result
@@ -716,12 +816,14 @@ def fsdp_refusals(backend: str) -> dict[str, Any]:
     messages: dict[str, Any] = {}
     unsynced = fully_sharded(make_mlp, mesh)
     unsynced.set_requires_gradient_sync(False)
-    messages["no_gradient_sync"] = _message(lambda: precompile(train_step, unsynced, x,
-                                                               backend=backend))
+    messages["no_gradient_sync"] = _message(
+        lambda: precompile(train_step, unsynced, x, backend=backend)
+    )
     hooked = fully_sharded(make_mlp, mesh)
     hooked.up.set_all_reduce_hook(lambda grad: None)
-    messages["all_reduce_hook"] = _message(lambda: precompile(train_step, hooked, x,
-                                                              backend=backend))
+    messages["all_reduce_hook"] = _message(
+        lambda: precompile(train_step, hooked, x, backend=backend)
+    )
     if world == 4:
         hybrid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         hsdp = fully_sharded(make_mlp, hybrid)
@@ -744,8 +846,9 @@ def fsdp_tp_2d(backend: str, one_rank: bool = False) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
     replica = mesh.get_local_rank("dp")
-    model = parallelize_module(make_normed_mlp(), mesh["tp"],
-                               {"1.up": ColwiseParallel(), "1.down": RowwiseParallel()})
+    model = parallelize_module(
+        make_normed_mlp(), mesh["tp"], {"1.up": ColwiseParallel(), "1.down": RowwiseParallel()}
+    )
     fully_shard(model[1].up, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])  # the norm (on dp) and the row-wise down (on dp, tp)
     data = batches(4, 8, count=2 * STEPS)
@@ -758,16 +861,21 @@ def fsdp_tp_2d(backend: str, one_rank: bool = False) -> dict[str, Any]:
         dist.all_reduce(loss, group=mesh.get_group("dp"))
         return float(loss) / 2
 
-    code, cache = precompile(train_step, model, mine(data[0]), backend=backend,
-                             compile_on_one_rank=one_rank)
+    code, cache = precompile(
+        train_step, model, mine(data[0]), backend=backend, compile_on_one_rank=one_rank
+    )
     step = precompile.load(code, cache)
-    result: dict[str, Any] = compare_training(step, model, make_normed_mlp, data, mine,
-                                              loss_of=mean_over_replicas, accumulate=2)
+    result: dict[str, Any] = compare_training(
+        step, model, make_normed_mlp, data, mine, loss_of=mean_over_replicas, accumulate=2
+    )
     result["gathers"] = code.count("all_gather_into_tensor.default(")
     step(model, mine(data[0]))
     result["placements"] = sorted({str(p.grad.placements) for p in model.parameters()})
-    infer = precompile.load(*precompile(lambda m, x: m(x), model, mine(data[0]),
-                                        backend=backend, compile_on_one_rank=one_rank))
+    infer = precompile.load(
+        *precompile(
+            lambda m, x: m(x), model, mine(data[0]), backend=backend, compile_on_one_rank=one_rank
+        )
+    )
     reference = make_normed_mlp()
     with torch.no_grad():
         for p, q in zip(reference.parameters(), model.parameters(), strict=True):
@@ -793,8 +901,15 @@ def tp_dp_2d(backend: str) -> dict[str, Any]:
     replicas, replica = mesh["dp"].size(), mesh.get_local_rank("dp")
     model = parallelize_module(make_mlp(), mesh["tp"], tp_plan_mlp())
     data = batches(8, 8)
-    step = precompile.load(*precompile(train_step, model, data[0].chunk(replicas)[replica],
-                                       backend=backend, compile_on_one_rank=True))
+    step = precompile.load(
+        *precompile(
+            train_step,
+            model,
+            data[0].chunk(replicas)[replica],
+            backend=backend,
+            compile_on_one_rank=True,
+        )
+    )
     ref_losses, ref_grads, ref_params = eager_reference(make_mlp, data)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for x, ref_loss, ref_grad in zip(data, ref_losses, ref_grads, strict=True):
@@ -832,12 +947,14 @@ def refusals(backend: str) -> dict[str, Any]:
     step = precompile.load(*precompile(train_step, model, x, backend=backend))
     plain = make_mlp()
     messages["plain_model"] = message(lambda: step(plain, x))
-    rowwise = parallelize_module(make_mlp(), mesh, {"up": RowwiseParallel(),
-                                                    "down": ColwiseParallel()})
+    rowwise = parallelize_module(
+        make_mlp(), mesh, {"up": RowwiseParallel(), "down": ColwiseParallel()}
+    )
     messages["other_placements"] = message(lambda: step(rowwise, x))
     if dist.get_world_size() % 2 == 0 and dist.get_world_size() > 2:
-        other_mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
-                                      mesh_dim_names=("dp", "tp"))
+        other_mesh = init_device_mesh(
+            "cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp")
+        )
         sub = parallelize_module(make_mlp(), other_mesh["tp"], tp_plan_mlp())
         messages["other_mesh"] = message(lambda: step(sub, x))
     from torch.distributed.device_mesh import DeviceMesh
@@ -845,23 +962,28 @@ def refusals(backend: str) -> dict[str, Any]:
     only_rank_zero = DeviceMesh("cpu", [0])  # every rank creates it; rank 0 alone is in it
     outside = torch.nn.Linear(8, 4)
     outside.weight = torch.nn.Parameter(
-        distribute_tensor(outside.weight.detach(), only_rank_zero, [Replicate()]))
-    messages["outside_mesh"] = message(lambda: precompile(
-        lambda m, x: m.weight.sum(), outside, x, backend=backend))
+        distribute_tensor(outside.weight.detach(), only_rank_zero, [Replicate()])
+    )
+    messages["outside_mesh"] = message(
+        lambda: precompile(lambda m, x: m.weight.sum(), outside, x, backend=backend)
+    )
     closed = torch.ones(8)
     messages["closed_over"] = message(
-        lambda: precompile(lambda m, x: train_step(m, x + closed), model, x, backend=backend))
+        lambda: precompile(lambda m, x: train_step(m, x + closed), model, x, backend=backend)
+    )
     messages["in_place_collective"] = message(
-        lambda: precompile(lambda m, x: dist.all_reduce(m(x)), model, x, backend=backend))
+        lambda: precompile(lambda m, x: dist.all_reduce(m(x)), model, x, backend=backend)
+    )
     messages["dynamic"] = message(lambda: _dynamic(model, x, backend))
     from torch.testing._internal.two_tensor import TwoTensor
 
     pair = TwoTensor(torch.ones(4, 8), torch.ones(4, 8))
     messages["beside_dtensors"] = message(
-        lambda: precompile(lambda m, x, y: train_step(m, x + y), model, x, pair,
-                           backend=backend))
-    nested = DTensor.from_local(TwoTensor(torch.ones(4, 8), torch.ones(4, 8)), mesh,
-                                [Replicate()], run_check=False)
+        lambda: precompile(lambda m, x, y: train_step(m, x + y), model, x, pair, backend=backend)
+    )
+    nested = DTensor.from_local(
+        TwoTensor(torch.ones(4, 8), torch.ones(4, 8)), mesh, [Replicate()], run_check=False
+    )
     messages["nested"] = message(lambda: precompile(lambda x: x * 2, nested, backend=backend))
     return messages
 
@@ -879,8 +1001,9 @@ def uneven_one_rank(backend: str) -> dict[str, Any]:
     model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))
     model.bias = torch.nn.Parameter(distribute_tensor(model.bias.detach(), mesh, [Shard(0)]))
     x = distribute_tensor(batches(4, 8)[0], mesh, [Replicate()])
-    step = precompile.load(*precompile(train_step, model, x, backend=backend,
-                                       compile_on_one_rank=True))
+    step = precompile.load(
+        *precompile(train_step, model, x, backend=backend, compile_on_one_rank=True)
+    )
     try:
         step(model, x)  # no collective on the result: other ranks may have been refused
         return {"outcome": "ran"}
@@ -914,10 +1037,18 @@ def save_and_inspect(backend: str, folder: str) -> dict[str, Any]:
     reference = make_mlp()
     loss, ref = step(model, x), train_step(reference, x)
     spec = precompile.inspect(path.read_text())
-    cli = subprocess.run([sys.executable, "-m", "torch_precompile", "inspect", str(path)],
-                         capture_output=True, text=True, timeout=120)
-    return {"loss": abs(float(full(loss)) - float(ref)), "path": str(path),
-            "meshes": [m.dim_names for m in spec.meshes], "cli": cli.stdout + cli.stderr}
+    cli = subprocess.run(
+        [sys.executable, "-m", "torch_precompile", "inspect", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return {
+        "loss": abs(float(full(loss)) - float(ref)),
+        "path": str(path),
+        "meshes": [m.dim_names for m in spec.meshes],
+        "cli": cli.stdout + cli.stderr,
+    }
 
 
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
@@ -946,8 +1077,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "fsdp_adamw_eager": lambda: fsdp_adamw("eager", one_rank=False, two_d=False),
     "fsdp_adamw_inductor_one_rank": lambda: fsdp_adamw("inductor", one_rank=True, two_d=False),
     "fsdp_tp_2d_adamw_eager": lambda: fsdp_adamw("eager", one_rank=False, two_d=True),
-    "fsdp_tp_2d_adamw_inductor_one_rank": lambda: fsdp_adamw("inductor", one_rank=True,
-                                                             two_d=True),
+    "fsdp_tp_2d_adamw_inductor_one_rank": lambda: fsdp_adamw("inductor", one_rank=True, two_d=True),
     "ddp_buffers_eager": lambda: ddp_buffers("eager"),
     "ddp_buffers_inductor": lambda: ddp_buffers("inductor"),
     "ddp_refusals": lambda: ddp_refusals("eager"),
@@ -974,8 +1104,13 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
 
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=180))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=180),
+    )
     report: dict[str, Any] = {}
     for name in sys.argv[5].split(","):
         try:
@@ -984,8 +1119,10 @@ def main() -> None:
             else:
                 report[name] = CASES[name]()
         except Exception as e:
-            report[name] = {"error": f"{type(e).__name__}: {e}",
-                            "traceback": traceback.format_exc()}
+            report[name] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+            }
         dist.barrier()
     Path(out, f"rank{rank}.json").write_text(json.dumps(report, indent=1, default=str))
     dist.destroy_process_group()

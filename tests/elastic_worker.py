@@ -40,8 +40,12 @@ def _poison_compilers(out: Path) -> Path:
         tool.chmod(0o755)
     cache = out / f"restart-inductor-cache-{os.environ.get('RANK')}"
     cache.mkdir(exist_ok=True)
-    os.environ.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CXX=str(bin_dir / "g++"),
-                      CC=str(bin_dir / "gcc"), TORCHINDUCTOR_CACHE_DIR=str(cache))
+    os.environ.update(
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        CXX=str(bin_dir / "g++"),
+        CC=str(bin_dir / "gcc"),
+        TORCHINDUCTOR_CACHE_DIR=str(cache),
+    )
     return marker
 
 
@@ -111,17 +115,24 @@ def two_nodes(out: Path) -> dict[str, object]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     model = sharded(mesh)
     data = batches(world, STEPS)
-    pair = precompile(train_step, model, data[0].chunk(world)[rank], backend="eager",
-                      compile_on_one_rank=True)
+    pair = precompile(
+        train_step, model, data[0].chunk(world)[rank], backend="eager", compile_on_one_rank=True
+    )
     step = precompile.load(*pair)
     for x in data:
         step(model, x.chunk(world)[rank])
         sgd(model)
     reference = eager_final(world)
-    worst = max(float((p.detach().full_tensor() - reference[n].detach()).abs().max())
-                for n, p in model.named_parameters())
-    return {"digest": hashlib.sha256(pair[0].encode() + pair[1]).hexdigest(), "param": worst,
-            "node": os.environ.get("GROUP_RANK"), "local_rank": os.environ.get("LOCAL_RANK")}
+    worst = max(
+        float((p.detach().full_tensor() - reference[n].detach()).abs().max())
+        for n, p in model.named_parameters()
+    )
+    return {
+        "digest": hashlib.sha256(pair[0].encode() + pair[1]).hexdigest(),
+        "param": worst,
+        "node": os.environ.get("GROUP_RANK"),
+        "local_rank": os.environ.get("LOCAL_RANK"),
+    }
 
 
 def restart(out: Path) -> dict[str, object]:
@@ -132,8 +143,13 @@ def restart(out: Path) -> dict[str, object]:
     data = batches(world, STEPS)
     artifact = out / "step.py"
     if attempt == 0:
-        pair = precompile(train_step, model, data[0].chunk(world)[rank], backend="inductor",
-                          compile_on_one_rank=True)
+        pair = precompile(
+            train_step,
+            model,
+            data[0].chunk(world)[rank],
+            backend="inductor",
+            compile_on_one_rank=True,
+        )
         if rank == 0:
             precompile.save(*pair, artifact)
         dist.barrier()
@@ -154,9 +170,13 @@ def restart(out: Path) -> dict[str, object]:
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     reference = eager_final(world)
     worst = max(float((full[n] - reference[n]).detach().abs().max()) for n in full)
-    return {"attempt": attempt, "resumed_from": start, "param": worst,
-            "seconds_to_first_resumed_step": first_resumed,
-            "compiler_called": (out / "compiler-was-called").exists()}
+    return {
+        "attempt": attempt,
+        "resumed_from": start,
+        "param": worst,
+        "seconds_to_first_resumed_step": first_resumed,
+        "compiler_called": (out / "compiler-was-called").exists(),
+    }
 
 
 def _checkpoint(model: torch.nn.Module, steps_done: int, path: Path) -> None:
@@ -182,11 +202,21 @@ def _join_process_group() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=120)
     hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not hosted_by_agent and rank == 0, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not hosted_by_agent and rank == 0,
+        timeout=timeout,
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"attempt{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
 
 
 def main() -> None:
@@ -194,8 +224,7 @@ def main() -> None:
     _join_process_group()
     result = {"two_nodes": two_nodes, "restart": restart}[mode](out)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    Path(out, f"{mode}-rank{dist.get_rank()}-attempt{attempt}.json").write_text(
-        json.dumps(result))
+    Path(out, f"{mode}-rank{dist.get_rank()}-attempt{attempt}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -40,8 +40,9 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 def make_model() -> torch.nn.Sequential:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Tanh())
-                                 for _ in range(4)))
+    return torch.nn.Sequential(
+        *(torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Tanh()) for _ in range(4))
+    )
 
 
 def batches(replicas: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -78,9 +79,16 @@ def stage_of(whole: torch.nn.Sequential, rank: int, world: int) -> torch.nn.Sequ
     return torch.nn.Sequential(*(copy.deepcopy(whole[i]) for i in stage_blocks(rank, world)))
 
 
-def train(wrapped: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, world: int,
-          schedule: str, steps: range, data: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-          group: dist.ProcessGroup | None = None) -> None:
+def train(
+    wrapped: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    rank: int,
+    world: int,
+    schedule: str,
+    steps: range,
+    data: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """``steps`` of the pipeline schedule over stage ``rank`` of ``world`` (ranks of ``group``)."""
     stage = PipelineStage(wrapped, rank, world, torch.device("cpu"), group=group)
     runner = SCHEDULES[schedule](stage, MICRO_BATCHES, loss_fn=loss_fn)
@@ -96,16 +104,24 @@ def train(wrapped: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, world
         opt.step()
 
 
-def compared(stage_module: torch.nn.Module, rank: int, world: int,
-             replicas: int = 1) -> dict[str, float]:
+def compared(
+    stage_module: torch.nn.Module, rank: int, world: int, replicas: int = 1
+) -> dict[str, float]:
     """The stage's largest difference from eager's whole model, and how far it moved."""
     blocks, whole, reference = stage_blocks(rank, world), make_model(), eager_reference(replicas)
-    ours = {name: p.full_tensor() if isinstance(p, DTensor) else p
-            for name, p in stage_module.named_parameters()}
-    pairs = [(ours[f"{n}.{name}"], reference[i].get_parameter(name), whole[i].get_parameter(name))
-             for n, i in enumerate(blocks) for name, _ in whole[i].named_parameters()]
-    return {"max_diff": max((p - r).abs().max().item() for p, r, _ in pairs),
-            "moved": max((p - w).abs().max().item() for p, _, w in pairs)}
+    ours = {
+        name: p.full_tensor() if isinstance(p, DTensor) else p
+        for name, p in stage_module.named_parameters()
+    }
+    pairs = [
+        (ours[f"{n}.{name}"], reference[i].get_parameter(name), whole[i].get_parameter(name))
+        for n, i in enumerate(blocks)
+        for name, _ in whole[i].named_parameters()
+    ]
+    return {
+        "max_diff": max((p - r).abs().max().item() for p, r, _ in pairs),
+        "moved": max((p - w).abs().max().item() for p, _, w in pairs),
+    }
 
 
 def pipeline_case(rank: int, world: int, schedule: str, backend: str) -> dict[str, Any]:
@@ -115,8 +131,10 @@ def pipeline_case(rank: int, world: int, schedule: str, backend: str) -> dict[st
     wrapped = precompile.module(stage_module, example, backend=backend)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=0.05)
     train(wrapped, opt, rank, world, schedule, range(STEPS))
-    return {**compared(stage_module, rank, world),
-            "differentiable": precompile.inspect(wrapped.pair[0]).autograd.outputs == (0,)}
+    return {
+        **compared(stage_module, rank, world),
+        "differentiable": precompile.inspect(wrapped.pair[0]).autograd.outputs == (0,),
+    }
 
 
 def fsdp_case(rank: int, world: int, backend: str) -> dict[str, Any]:
@@ -135,16 +153,17 @@ def fsdp_case(rank: int, world: int, backend: str) -> dict[str, Any]:
     rows = slice(replica * BATCH, (replica + 1) * BATCH)
     data = [(x[rows], t[rows]) for x, t in batches(REPLICAS)]
     train(wrapped, opt, stage, stages, "1f1b", range(STEPS), data, mesh["pp"].get_group())
-    return {**compared(wrapped.model, stage, stages, REPLICAS),
-            "sharded": isinstance(next(wrapped.parameters()), DTensor),
-            "differentiable": precompile.inspect(wrapped.pair[0]).autograd.outputs == (0,)}
+    return {
+        **compared(wrapped.model, stage, stages, REPLICAS),
+        "sharded": isinstance(next(wrapped.parameters()), DTensor),
+        "differentiable": precompile.inspect(wrapped.pair[0]).autograd.outputs == (0,),
+    }
 
 
 def inner_shard_case(rank: int, world: int, backend: str) -> dict[str, Any]:
     """A block sharded after capture: the artifact never runs its hooks, so it refuses."""
     mesh = init_device_mesh("cpu", (world,))
-    wrapped = precompile.module(stage_of(make_model(), 0, 1), torch.randn(2, DIM),
-                                backend=backend)
+    wrapped = precompile.module(stage_of(make_model(), 0, 1), torch.randn(2, DIM), backend=backend)
     fully_shard(wrapped.model[0], mesh=mesh)
     try:
         wrapped(torch.randn(2, DIM))
@@ -161,23 +180,28 @@ def save_case(rank: int, world: int, backend: str, out: Path) -> dict[str, Any]:
     opt = torch.optim.AdamW(wrapped.parameters(), lr=0.05)
     train(wrapped, opt, rank, world, "1f1b", range(STEPS - 1))
     wrapped.save(out / f"stage{rank}_{backend}.py")
-    torch.save({"model": wrapped.state_dict(), "opt": opt.state_dict()},
-               out / f"stage{rank}_{backend}.pt")
+    torch.save(
+        {"model": wrapped.state_dict(), "opt": opt.state_dict()}, out / f"stage{rank}_{backend}.pt"
+    )
     return {}
 
 
 def resume_case(rank: int, world: int, backend: str, out: Path) -> dict[str, Any]:
     """A restarted rank: its saved pair, weights and optimizer state, then the last step."""
     stage_module = stage_of(make_model(), rank, world)
-    wrapped = precompile.module(stage_module,
-                                artifact=precompile.load(out / f"stage{rank}_{backend}.py"))
+    wrapped = precompile.module(
+        stage_module, artifact=precompile.load(out / f"stage{rank}_{backend}.py")
+    )
     opt = torch.optim.AdamW(wrapped.parameters(), lr=0.05)
     state = torch.load(out / f"stage{rank}_{backend}.pt")
     wrapped.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     train(wrapped, opt, rank, world, "1f1b", range(STEPS - 1, STEPS))
-    built = [name for name in sys.modules
-             if name.startswith(("torch_precompile.trace", "torch_precompile.lower"))]
+    built = [
+        name
+        for name in sys.modules
+        if name.startswith(("torch_precompile.trace", "torch_precompile.lower"))
+    ]
     return {**compared(stage_module, rank, world), "build_modules": built}
 
 
@@ -189,8 +213,11 @@ def one_rank_case(rank: int, world: int, backend: str) -> dict[str, Any]:
         return stage_of(make_model(), index, world), (example,)
 
     wrapped = precompile.stages(make_stage, world, rank, backend=backend)
-    built = [name for name in sys.modules
-             if name.startswith(("torch_precompile.trace", "torch_precompile.lower"))]
+    built = [
+        name
+        for name in sys.modules
+        if name.startswith(("torch_precompile.trace", "torch_precompile.lower"))
+    ]
     opt = torch.optim.AdamW(wrapped.parameters(), lr=0.05)
     train(wrapped, opt, rank, world, "1f1b", range(STEPS))
     return {**compared(wrapped.model, rank, world), "build_modules": built}
@@ -212,18 +239,30 @@ def run_case(case: str, rank: int, world: int, out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    rank, world, port, out, cases = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
-                                     Path(sys.argv[4]), sys.argv[5].split(","))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    rank, world, port, out, cases = (
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        sys.argv[3],
+        Path(sys.argv[4]),
+        sys.argv[5].split(","),
+    )
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
     report: dict[str, Any] = {}
     try:
         for case in cases:
             try:
                 report[case] = run_case(case, rank, world, out)
             except Exception as e:
-                report[case] = {"error": f"{type(e).__name__}: {e}",
-                                "traceback": traceback.format_exc()[-3000:]}
+                report[case] = {
+                    "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc()[-3000:],
+                }
             dist.barrier()
     finally:
         (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -32,21 +32,37 @@ class ScaledTensor(torch.Tensor):
     """``qdata * scale`` (row-wise), behaving as that float tensor in every operation."""
 
     @staticmethod
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, blocks: Blocks,
-                dtype: torch.dtype = torch.float32) -> ScaledTensor:
+    def __new__(
+        cls,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        blocks: Blocks,
+        dtype: torch.dtype = torch.float32,
+    ) -> ScaledTensor:
         return torch.Tensor._make_wrapper_subclass(
-            cls, qdata.shape, dtype=dtype, device=qdata.device, requires_grad=False)
+            cls, qdata.shape, dtype=dtype, device=qdata.device, requires_grad=False
+        )
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, blocks: Blocks,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        blocks: Blocks,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.qdata, self.scale, self.blocks = qdata, scale, blocks
 
     def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
         return ["qdata", "scale"], {"blocks": self.blocks, "dtype": self.dtype}
 
     @classmethod
-    def __tensor_unflatten__(cls, inner: dict[str, torch.Tensor], context: dict[str, Any],
-                             outer_size: Any, outer_stride: Any) -> ScaledTensor:
+    def __tensor_unflatten__(
+        cls,
+        inner: dict[str, torch.Tensor],
+        context: dict[str, Any],
+        outer_size: Any,
+        outer_stride: Any,
+    ) -> ScaledTensor:
         return cls(inner["qdata"], inner["scale"], context["blocks"], context["dtype"])
 
     @classmethod
@@ -66,8 +82,7 @@ class ScaledTensor(torch.Tensor):
         return f"ScaledTensor(shape={tuple(self.shape)}, blocks={self.blocks})"
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in (aten.detach.default, aten.alias.default):  # nn.Parameter(...) detaches
             self = args[0]
             return cls(self.qdata, self.scale, self.blocks, self.dtype)
@@ -79,6 +94,7 @@ def quantized_linear(model: torch.nn.Module, rows: int = 1) -> torch.nn.Module:
     """``model`` with every Linear weight a frozen ScaledTensor parameter."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            module.weight = torch.nn.Parameter(ScaledTensor.quantize(module.weight, rows),
-                                               requires_grad=False)
+            module.weight = torch.nn.Parameter(
+                ScaledTensor.quantize(module.weight, rows), requires_grad=False
+            )
     return model

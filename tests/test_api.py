@@ -20,8 +20,13 @@ from workloads import WORKLOADS
 
 
 def test_public_names() -> None:
-    assert torch_precompile.__all__ == ["PrecompileError", "__version__", "capture", "load",
-                                        "precompile"]
+    assert torch_precompile.__all__ == [
+        "PrecompileError",
+        "__version__",
+        "capture",
+        "load",
+        "precompile",
+    ]
     assert torch_precompile.capture.__module__ == "torch_precompile.capture_session"
     assert precompile.PrecompileError is PrecompileError
     assert issubclass(PrecompileError, RuntimeError)
@@ -37,15 +42,28 @@ def test_object_identity_and_introspection() -> None:
     assert PrecompileError.__module__ == "torch_precompile"
     parameters = inspect.signature(precompile).parameters
     assert {name: p.default for name, p in parameters.items() if p.default is not p.empty} == {
-        "backend": "inductor", "tracer": "make_fx", "decompositions": None, "sign_key": None,
-        "progress": None, "compile_on_one_rank": False, "wrapper": "auto"}
+        "backend": "inductor",
+        "tracer": "make_fx",
+        "decompositions": None,
+        "sign_key": None,
+        "progress": None,
+        "compile_on_one_rank": False,
+        "wrapper": "auto",
+    }
     for method in (precompile.load, precompile.save, precompile.load_file, precompile.inspect):
         assert method.__doc__ and len(method.__doc__.split()) > 8, method
     # Pickled in one process, it is the same object in another.
     proc = subprocess.run(
-        [sys.executable, "-c", "import pickle, sys, torch_precompile; "
-         "print(pickle.loads(sys.stdin.buffer.read()) is torch_precompile.precompile)"],
-        input=pickle.dumps(precompile), capture_output=True, timeout=120)
+        [
+            sys.executable,
+            "-c",
+            "import pickle, sys, torch_precompile; "
+            "print(pickle.loads(sys.stdin.buffer.read()) is torch_precompile.precompile)",
+        ],
+        input=pickle.dumps(precompile),
+        capture_output=True,
+        timeout=120,
+    )
     assert proc.stdout.strip() == b"True", proc.stderr
 
 
@@ -97,8 +115,13 @@ def test_concurrent_captures_from_threads(backend: str) -> None:
 
     def work(i: int) -> None:
         scale = float(i + 1)
-        results[i] = precompile(lambda m, x, t: (m(x) * scale - t).square().mean(),
-                                copy.deepcopy(model), x, t, backend=backend)
+        results[i] = precompile(
+            lambda m, x, t: (m(x) * scale - t).square().mean(),
+            copy.deepcopy(model),
+            x,
+            t,
+            backend=backend,
+        )
 
     errors = in_threads(work, 4)
     assert not errors, errors
@@ -116,8 +139,9 @@ def test_nested_precompile_does_not_deadlock() -> None:
     def fn(m, x):
         nonlocal inner
         if not inner:  # a Python side effect, but not a container capture watches
-            inner += "def captured_graph" in precompile(lambda m, x: m(x) * 2, m, x,
-                                                        backend="eager")[0]
+            inner += (
+                "def captured_graph" in precompile(lambda m, x: m(x) * 2, m, x, backend="eager")[0]
+            )
         return m(x)
 
     precompile(fn, model, x, backend="eager")
@@ -152,4 +176,3 @@ def test_computation_without_models(backend: str) -> None:
     x = torch.randn(3)
     code, cache = precompile(lambda a, b: {"sum": a + b, "n": 2}, x, x * 2, backend=backend)
     assert_same(precompile.load(code, cache)(x, x * 2), {"sum": x * 3, "n": 2})
-

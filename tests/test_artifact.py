@@ -52,9 +52,9 @@ FRESH_CHECK = """
 LOADERS = {
     "standalone": 'namespace = {{}}\n    exec(code, namespace)\n    run = namespace["forward"]',
     "load-with-cache": "from torch_precompile import precompile\n    run = precompile.load("
-                       "code, open({cache!r}, 'rb').read())",
+    "code, open({cache!r}, 'rb').read())",
     "load-without-cache": "from torch_precompile import precompile\n    run = precompile.load("
-                          "code, None)",
+    "code, None)",
 }
 
 
@@ -70,23 +70,28 @@ def test_runs_in_a_fresh_process(name: str, how: str, backend: str, artifacts, t
     (tmp_path / "a.cache").write_bytes(cache)
     torch.save({"result": result, "grads": grads}, tmp_path / "expected.pt")
     load = LOADERS[how].format(cache=str(tmp_path / "a.cache"))
-    script = FRESH_CHECK.format(expected=str(tmp_path / "expected.pt"), name=name,
-                                code=str(tmp_path / "a.py"), load=load)
+    script = FRESH_CHECK.format(
+        expected=str(tmp_path / "expected.pt"), name=name, code=str(tmp_path / "a.py"), load=load
+    )
     proc = run_python(script, block_package=how == "standalone")
     assert proc.returncode == 0 and "FRESH-OK" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_standalone_artifact_imports_nothing_from_the_package(backend: str, artifacts,
-                                                              tmp_path) -> None:
+def test_standalone_artifact_imports_nothing_from_the_package(
+    backend: str, artifacts, tmp_path
+) -> None:
     code, _ = artifacts.pair("mlp_infer", backend)
     assert "torch_precompile import" not in code and "import torch_precompile" not in code
     path = tmp_path / "artifact.py"
     path.write_text(code)
-    proc = run_python(f"""
+    proc = run_python(
+        f"""
         import runpy
         runpy.run_path({str(path)!r}, run_name="__main__")
         assert "torch_precompile" not in sys.modules or sys.modules["torch_precompile"] is None
-    """, block_package=True)
+    """,
+        block_package=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "call forward(m, x)" in proc.stdout
 
@@ -95,18 +100,24 @@ def test_sections_in_order(backend: str, artifacts) -> None:
     """Meaning first: what it is and how to call it, the spec, the graph, then the driver."""
     code, _ = artifacts.pair("mlp_train", backend)
     first = " ".join(line.removeprefix("# ") for line in code.split("\n#\n")[0].splitlines())
-    assert first.startswith("A precompiled PyTorch computation: forward(m, x, t), captured from "
-                            f"mse_step ({WORKLOADS_FILE}, line ")
+    assert first.startswith(
+        "A precompiled PyTorch computation: forward(m, x, t), captured from "
+        f"mse_step ({WORKLOADS_FILE}, line "
+    )
     assert "No weights are inside" in code[:2000]
     positions = [code.index(f"=\n# {n}. ") for n in (1, 2, 3)]
     assert positions == sorted(positions)
-    spec_section = code[positions[0]:positions[1]]
+    spec_section = code[positions[0] : positions[1]]
     assert f"\n{SPEC_NAME} = {{\n    'schema_version': {SCHEMA_VERSION},\n" in spec_section
     assert code.count(f"\n{SPEC_NAME} = ") == 1
     assert positions[1] < code.index("\ndef call(") < positions[2]
-    driver = code[positions[2]:]
-    assert driver.index("class Driver:") < driver.index("def check_arguments(") < driver.index(
-        "def walk_models(") < driver.index("class ModelMemo:")
+    driver = code[positions[2] :]
+    assert (
+        driver.index("class Driver:")
+        < driver.index("def check_arguments(")
+        < driver.index("def walk_models(")
+        < driver.index("class ModelMemo:")
+    )
     # The MLP's ReLU and BatchNorm read their options (inplace, momentum, eps): Python values.
     binding = f"forward = Driver({SPEC_NAME}, call, facts=PythonFacts, memo=ModelMemo)"
     statements = [line for line in driver.splitlines() if line and not line.startswith("#")]
@@ -115,7 +126,7 @@ def test_sections_in_order(backend: str, artifacts) -> None:
 
 def test_header_says_how_the_artifact_was_made(backend: str, artifacts) -> None:
     code, _ = artifacts.pair("mlp_infer", backend)
-    header = code[:code.index("# 1. ")]
+    header = code[: code.index("# 1. ")]
     flat = " ".join(line.removeprefix("# ") for line in header.splitlines())
     assert f"Made by torch-precompile {torch_precompile.__version__} on " in flat
     assert f"with tracer make_fx and backend {backend!r}, for torch {torch.__version__}" in flat
@@ -124,9 +135,11 @@ def test_header_says_how_the_artifact_was_made(backend: str, artifacts) -> None:
     line = inspect.getsourcelines(WORKLOADS["mlp_infer"].fn)[1]
     assert f"captured from infer ({WORKLOADS_FILE}, line {line}) with x float32[5, 4]." in flat
     served, _ = artifacts.pair("mlp_infer", backend, inference=True)
-    flat = " ".join(line.removeprefix("# ") for line in served[:200 * 8].splitlines())
-    assert ("with x float32[5, 4]. Its results carry no autograd history because it was "
-            "precompiled under torch.no_grad().") in flat
+    flat = " ".join(line.removeprefix("# ") for line in served[: 200 * 8].splitlines())
+    assert (
+        "with x float32[5, 4]. Its results carry no autograd history because it was "
+        "precompiled under torch.no_grad()."
+    ) in flat
 
 
 def test_no_absolute_path_of_the_build_machine(backend: str, artifacts) -> None:
@@ -162,12 +175,15 @@ def test_artifact_has_no_unused_imports(backend: str, artifacts, tmp_path) -> No
         lines = code.splitlines()
         start = next(i for i, line in enumerate(lines) if line.startswith(GENERATED_START))
         end = lines.index(GENERATED_END)
-        code = "\n".join([*lines[:start], "inductor_call = None", *lines[end + 1:]])
+        code = "\n".join([*lines[:start], "inductor_call = None", *lines[end + 1 :]])
     path = tmp_path / "artifact.py"
     path.write_text(code)
     ruff = Path(sys.executable).parent / "ruff"
-    proc = subprocess.run([str(ruff), "check", "--isolated", "--select", "F401,F811",
-                           str(path)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(ruff), "check", "--isolated", "--select", "F401,F811", str(path)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
 
 
@@ -177,8 +193,7 @@ def test_eager_graph_bakes_inf_nan_and_device(artifacts) -> None:
 
 
 @pytest.mark.parametrize("wrapper", ["python", "auto"])
-def test_inductor_section_is_the_wrapper_without_benchmark_harness(artifacts,
-                                                                   wrapper: str) -> None:
+def test_inductor_section_is_the_wrapper_without_benchmark_harness(artifacts, wrapper: str) -> None:
     code, _ = artifacts.pair("mlp_train", "inductor", wrapper=wrapper)
     assert ("def call(self, args)" in code) == (wrapper == "python")
     assert ("\ncpp_wrapper_src = (" in code) == (wrapper == "auto")

@@ -63,8 +63,11 @@ def test_capture_leaves_example_buffers_inputs_and_rng_alone(backend: str) -> No
 
 def test_closed_over_tensor_is_rejected_with_its_origin(backend: str) -> None:
     model, x = WORKLOADS["mlp_infer"].args()
-    with pytest.raises(PrecompileError, match=r"global 'GLOBAL_SHIFT'.*shape \(3,\), dtype "
-                       r"torch.float32"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"global 'GLOBAL_SHIFT'.*shape \(3,\), dtype "
+        r"torch.float32",
+    ):
         precompile(lambda m, x: m(x) + GLOBAL_SHIFT, model, x, backend=backend)
     local_shift = torch.ones(3)
     with pytest.raises(PrecompileError, match="variable 'local_shift' closed over by fn"):
@@ -74,8 +77,11 @@ def test_closed_over_tensor_is_rejected_with_its_origin(backend: str) -> None:
 def test_unregistered_module_attribute_is_rejected(backend: str) -> None:
     model, x = WORKLOADS["mlp_infer"].args()
     model.fc2.offset = torch.zeros(3)  # a plain attribute, not a buffer
-    with pytest.raises(PrecompileError, match=r"unregistered module attribute m\.fc2\.offset"
-                       r".*register_buffer"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"unregistered module attribute m\.fc2\.offset"
+        r".*register_buffer",
+    ):
         precompile(lambda m, x: m(x) + m.fc2.offset, model, x, backend=backend)
 
 
@@ -101,8 +107,7 @@ def test_huge_literal_is_rejected(backend: str) -> None:
     model, x = WORKLOADS["mlp_infer"].args()
     values = [0.5] * 70000
     with pytest.raises(PrecompileError, match="70000 elements.*buffer"):
-        precompile(lambda m, x: m(x).sum() + torch.tensor(values).sum(), model, x,
-                   backend=backend)
+        precompile(lambda m, x: m(x).sum() + torch.tensor(values).sum(), model, x, backend=backend)
 
 
 def test_buffer_gradient_is_rejected(backend: str) -> None:
@@ -151,8 +156,7 @@ def test_unserializable_output_structure_is_rejected(backend: str) -> None:
 
 def test_unserializable_input_structure_falls_back_to_leaf_count(backend: str) -> None:
     model, x = WORKLOADS["mlp_infer"].args()
-    code, cache = precompile(lambda m, p: m(p.a) + p.b, model, Pair(x, x[:, :3]),
-                             backend=backend)
+    code, cache = precompile(lambda m, p: m(p.a) + p.b, model, Pair(x, x[:, :3]), backend=backend)
     assert precompile.inspect(code).in_spec is None
     run = precompile.load(code, cache)
     assert_same(run(model, Pair(x, x[:, :3])), model(x) + x[:, :3])
@@ -162,8 +166,11 @@ def test_unserializable_input_structure_falls_back_to_leaf_count(backend: str) -
 
 def test_unrecordable_python_value_is_rejected(backend: str) -> None:
     model, x = WORKLOADS["mlp_infer"].args()
-    with pytest.raises(PrecompileError, match=r"input cfg is a builtins.object, which is neither "
-                       r"a tensor nor an immutable value.*frozen dataclasses"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"input cfg is a builtins.object, which is neither "
+        r"a tensor nor an immutable value.*frozen dataclasses",
+    ):
         precompile(lambda m, x, cfg: m(x), model, x, object(), backend=backend)
 
 
@@ -176,8 +183,9 @@ def test_unsupported_result_leaf_is_rejected(backend: str) -> None:
 def test_decompositions_are_applied(backend: str) -> None:
     model, x = nn.Linear(4, 3), torch.randn(2, 4)
     table = {torch.ops.aten.relu.default: lambda t: torch.clamp(t, min=0)}
-    code, cache = precompile(lambda m, x: torch.relu(m(x)), model, x, backend="eager",
-                             decompositions=table)
+    code, cache = precompile(
+        lambda m, x: torch.relu(m(x)), model, x, backend="eager", decompositions=table
+    )
     # Comments quote the user's source lines, the decomposition's own among them.
     statements = "\n".join(line for line in code.splitlines() if not line.lstrip().startswith("#"))
     assert "aten.clamp" in statements and "aten.relu" not in statements

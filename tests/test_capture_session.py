@@ -20,8 +20,7 @@ def _captured(tmp_path: Path, backend: str = "eager", **paths) -> tuple[object, 
     workload = WORKLOADS[NAME]
     args, eager_args = workload.args(), workload.args()
     expected = workload.fn(*eager_args)
-    with capture(workload.fn, artifact_path=tmp_path / "step.py", backend=backend,
-                 **paths) as cap:
+    with capture(workload.fn, artifact_path=tmp_path / "step.py", backend=backend, **paths) as cap:
         result = cap(*args)
     assert_same(result, expected)
     assert_same(model_state(args[0]), model_state(eager_args[0]))  # .grad included
@@ -76,13 +75,16 @@ def test_save_inside_the_block_writes_before_it_ends(tmp_path) -> None:
 def test_a_block_that_raises_writes_nothing_new(tmp_path) -> None:
     fn, args = WORKLOADS[NAME].fn, WORKLOADS[NAME].args()
     path, cache = tmp_path / "a.py", tmp_path / "a.cache"
-    with (pytest.raises(KeyError, match="in the loop"),
-          capture(fn, artifact_path=path, cache_path=cache) as cap):
+    with (
+        pytest.raises(KeyError, match="in the loop"),
+        capture(fn, artifact_path=path, cache_path=cache) as cap,
+    ):
         cap(*args)
         raise KeyError("in the loop")
     assert not path.exists() and not cache.exists()
-    old_code, old_cache = precompile(WORKLOADS["mlp_infer"].fn, *WORKLOADS["mlp_infer"].args(),
-                                     backend="eager")
+    old_code, old_cache = precompile(
+        WORKLOADS["mlp_infer"].fn, *WORKLOADS["mlp_infer"].args(), backend="eager"
+    )
     precompile.save(old_code, old_cache, path)
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(KeyError), capture(fn, artifact_path=path) as cap:
@@ -92,8 +94,10 @@ def test_a_block_that_raises_writes_nothing_new(tmp_path) -> None:
 
 
 def test_a_block_without_a_call_raises_and_writes_nothing(tmp_path) -> None:
-    with (pytest.raises(PrecompileError, match="ended without a call.*cap\\(model, x\\)"),
-          capture(WORKLOADS[NAME].fn, artifact_path=tmp_path / "a.py")):
+    with (
+        pytest.raises(PrecompileError, match="ended without a call.*cap\\(model, x\\)"),
+        capture(WORKLOADS[NAME].fn, artifact_path=tmp_path / "a.py"),
+    ):
         pass
     assert list(tmp_path.iterdir()) == []
 
@@ -123,8 +127,10 @@ def test_errors_of_the_captured_call_reach_the_block(tmp_path) -> None:
     def broken(model, x, t):
         raise ValueError("a bug in fn")
 
-    with (pytest.raises(ValueError, match="a bug in fn") as raised,
-          capture(broken, artifact_path=tmp_path / "a.py") as cap):
+    with (
+        pytest.raises(ValueError, match="a bug in fn") as raised,
+        capture(broken, artifact_path=tmp_path / "a.py") as cap,
+    ):
         cap(*WORKLOADS[NAME].args())
     assert type(raised.value) is ValueError  # fn's own error, not wrapped
     assert list(tmp_path.iterdir()) == []
@@ -135,15 +141,18 @@ def test_errors_of_the_captured_call_reach_the_block(tmp_path) -> None:
     with pytest.raises(PrecompileError, match="artifact_path must be a file's path.*got 5"):
         capture(broken, artifact_path=5)
     (tmp_path / "dir.py").mkdir()
-    with pytest.raises(PrecompileError, match="cannot write .*dir.py.*not a directory"), \
-            capture(WORKLOADS[NAME].fn, artifact_path=tmp_path / "dir.py") as cap:
+    with (
+        pytest.raises(PrecompileError, match="cannot write .*dir.py.*not a directory"),
+        capture(WORKLOADS[NAME].fn, artifact_path=tmp_path / "dir.py") as cap,
+    ):
         cap(*WORKLOADS[NAME].args())
 
 
 def test_loading_paths_that_do_not_pair(tmp_path) -> None:
     _captured(tmp_path, cache_path=tmp_path / "step.cache")
-    other_code, other_cache = precompile(WORKLOADS["mlp_infer"].fn,
-                                         *WORKLOADS["mlp_infer"].args(), backend="eager")
+    other_code, other_cache = precompile(
+        WORKLOADS["mlp_infer"].fn, *WORKLOADS["mlp_infer"].args(), backend="eager"
+    )
     (tmp_path / "other.cache").write_bytes(other_cache)
     with pytest.raises(PrecompileError, match="belongs to a different python_code"):
         precompile.load(tmp_path / "step.py", tmp_path / "other.cache")
@@ -158,8 +167,9 @@ def test_loading_paths_that_do_not_pair(tmp_path) -> None:
 def test_a_signed_capture_loads_only_with_its_key(tmp_path) -> None:
     key, fn, args = b"k" * 32, WORKLOADS[NAME].fn, WORKLOADS[NAME].args()
     for cache_path in (None, tmp_path / "a.cache"):
-        with capture(fn, artifact_path=tmp_path / "a.py", cache_path=cache_path,
-                     sign_key=key) as cap:
+        with capture(
+            fn, artifact_path=tmp_path / "a.py", cache_path=cache_path, sign_key=key
+        ) as cap:
             cap(*args)
         precompile.load(tmp_path / "a.py", cache_path, verify_key=key)
         with pytest.raises(PrecompileError, match="signature"):

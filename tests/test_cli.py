@@ -41,8 +41,14 @@ def _cli(*args: str, cwd: Path, console_script: bool = False) -> subprocess.Comp
         command = [str(Path(sys.executable).with_name("torch-precompile")), *args]
     else:
         command = [sys.executable, "-m", "torch_precompile", *args]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": str(cwd)})
+    return subprocess.run(
+        command,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": str(cwd)},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +56,16 @@ def compiled(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("cli")
     (folder / "factory.py").write_text(FACTORY)
     (folder / "key").write_bytes(b"sekrit")
-    proc = _cli("compile", "factory:make", "-o", "model.py", "--sign-key-file", "key",
-                cwd=folder, console_script=True)
+    proc = _cli(
+        "compile",
+        "factory:make",
+        "-o",
+        "model.py",
+        "--sign-key-file",
+        "key",
+        cwd=folder,
+        console_script=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "tracing fn" in proc.stderr and "kernels built and packed: " in proc.stderr
     assert "model.py (" in proc.stdout
@@ -64,10 +78,10 @@ def test_inspect(compiled: Path) -> None:
     report = json.loads(proc.stdout)
     assert report["call"] == "forward(m, x)"
     assert report["inputs"][0]["shape"] == ["*", 4] and report["inputs"][0]["bounds"] == {
-        "0": [1, None]}
+        "0": [1, None]
+    }
     assert report["dynamic_dims"] == [{"shape_id": None, "dims": ["x[0]"]}]
-    assert [p["name"] for p in report["parameters"]] == ["0.weight", "0.bias", "2.weight",
-                                                         "2.bias"]
+    assert [p["name"] for p in report["parameters"]] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert report["cache"]["signed"] is True and report["cache"]["matches_source"] is True
     assert report["cache"]["runs_here"] == "yes" and len(report["cache"]["kernels"]) >= 1
     text = _cli("inspect", "model.py", cwd=compiled)
@@ -124,24 +138,31 @@ def test_errors_of_the_work_are_one_line_and_exit_1(compiled: Path) -> None:
         assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
 
 
-@pytest.mark.parametrize(("args", "said"), [
-    (("frobnicate",), "invalid choice: 'frobnicate'"),
-    (("compile", "factory:make"), "the following arguments are required: -o/--output"),
-    (("compile", "factory", "-o", "x.py"), "expected MODULE:FACTORY"),
-    (("compile", "no_such_module:make", "-o", "x.py"), "no module named 'no_such_module'"),
-    (("compile", "factory:no_such_factory", "-o", "x.py"), "has no 'no_such_factory'"),
-    (("compile", "factory:make", "-o", "no_such_dir/x.py"), "no_such_dir is not a directory"),
-    (("compile", "factory:make", "-o", "x.py", "--sign-key-file", "absent.key"),
-     "cannot read the key file absent.key"),
-    (("compile", "factory:make", "-o", "x.py", "--sign-key-file", "empty.key"),
-     "the key file empty.key is empty"),
-    (("compile", "factory:make", "-o", "x.py", "--backend", "tvm"), "invalid choice: 'tvm'"),
-    (("inspect", "absent.py"), "absent.py does not exist"),
-    (("inspect", "."), ". is a directory"),
-    (("verify", "absent.py"), "absent.py does not exist"),
-    (("verify", "model.py", "--key-file", "absent.key"), "cannot read the key file absent.key"),
-    (("demo", "--out", "factory.py"), "factory.py exists and is not a folder"),
-])
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("frobnicate",), "invalid choice: 'frobnicate'"),
+        (("compile", "factory:make"), "the following arguments are required: -o/--output"),
+        (("compile", "factory", "-o", "x.py"), "expected MODULE:FACTORY"),
+        (("compile", "no_such_module:make", "-o", "x.py"), "no module named 'no_such_module'"),
+        (("compile", "factory:no_such_factory", "-o", "x.py"), "has no 'no_such_factory'"),
+        (("compile", "factory:make", "-o", "no_such_dir/x.py"), "no_such_dir is not a directory"),
+        (
+            ("compile", "factory:make", "-o", "x.py", "--sign-key-file", "absent.key"),
+            "cannot read the key file absent.key",
+        ),
+        (
+            ("compile", "factory:make", "-o", "x.py", "--sign-key-file", "empty.key"),
+            "the key file empty.key is empty",
+        ),
+        (("compile", "factory:make", "-o", "x.py", "--backend", "tvm"), "invalid choice: 'tvm'"),
+        (("inspect", "absent.py"), "absent.py does not exist"),
+        (("inspect", "."), ". is a directory"),
+        (("verify", "absent.py"), "absent.py does not exist"),
+        (("verify", "model.py", "--key-file", "absent.key"), "cannot read the key file absent.key"),
+        (("demo", "--out", "factory.py"), "factory.py exists and is not a folder"),
+    ],
+)
 def test_usage_errors_exit_2(args: tuple[str, ...], said: str, compiled: Path) -> None:
     (compiled / "empty.key").write_bytes(b"\n")
     proc = _cli(*args, cwd=compiled)
@@ -163,14 +184,21 @@ def test_help_exits_0(compiled: Path) -> None:
 
 def test_loaded_from_the_cli_output(compiled: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", "import torch, factory\n"
-         "from torch_precompile import precompile\n"
-         "run = precompile.load_file('model.py', verify_key=b'sekrit')\n"
-         "fn, (model, x) = factory.make()\n"
-         "y = torch.randn(6, 4)\n"
-         "assert torch.allclose(run(model, y), fn(model, y))\n"
-         "print('OK')"],
-        cwd=compiled, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-c",
+            "import torch, factory\n"
+            "from torch_precompile import precompile\n"
+            "run = precompile.load_file('model.py', verify_key=b'sekrit')\n"
+            "fn, (model, x) = factory.make()\n"
+            "y = torch.randn(6, 4)\n"
+            "assert torch.allclose(run(model, y), fn(model, y))\n"
+            "print('OK')",
+        ],
+        cwd=compiled,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "PYTHONPATH": str(compiled)},
     )
     assert proc.stdout.strip() == "OK", proc.stderr[-2000:]
@@ -179,8 +207,20 @@ def test_loaded_from_the_cli_output(compiled: Path) -> None:
 def test_progress_is_live_on_a_terminal(compiled: Path) -> None:
     """On a terminal, stage lines are redrawn in place (carriage returns, a running clock)."""
     returncode, shown = stderr_on_a_terminal(
-        [sys.executable, "-m", "torch_precompile", "compile", "factory:make_static", "-o",
-         "tty.py", "--backend", "eager"],
-        cwd=compiled, timeout=600, env={**os.environ, "PYTHONPATH": str(compiled)})
+        [
+            sys.executable,
+            "-m",
+            "torch_precompile",
+            "compile",
+            "factory:make_static",
+            "-o",
+            "tty.py",
+            "--backend",
+            "eager",
+        ],
+        cwd=compiled,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(compiled)},
+    )
     assert returncode == 0
     assert "\r\x1b[K" in shown and "tracing fn (one traced run): done in" in shown

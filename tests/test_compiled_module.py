@@ -73,8 +73,7 @@ def test_a_load_with_the_cache_compiles_nothing(backend: str, artifacts, tmp_pat
     assert proc.returncode == 0 and "NO-COMPILE-OK" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_without_a_usable_entry_the_source_is_compiled(backend: str, artifacts,
-                                                       caplog) -> None:
+def test_without_a_usable_entry_the_source_is_compiled(backend: str, artifacts, caplog) -> None:
     code, cache = artifacts.pair(NAME, backend)
     entry = _envelope(cache)["compiled"]
     other_python = {**entry, "magic": "00000000"}

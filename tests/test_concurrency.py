@@ -96,9 +96,16 @@ def test_processes_load_one_pair_at_once_on_a_shared_empty_cache_dir(
 
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", LOADER, str(tmp_path / "a.py"),
-             str(tmp_path / "a.cache") if with_cache else "-"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-c",
+                LOADER,
+                str(tmp_path / "a.py"),
+                str(tmp_path / "a.cache") if with_cache else "-",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             env={**os.environ, **env},
         )
         for _ in range(4)

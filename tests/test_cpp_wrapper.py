@@ -48,7 +48,8 @@ def test_inference_runs_in_the_cpp_wrapper_and_says_so(artifacts, tmp_path: Path
     precompile.save(code, cache, tmp_path / "a.py")
     assert describe(tmp_path / "a.py")["wrapper"] == "cpp"
     eager, compiled, _, _ = run_eager_and_compiled(
-        "mlp_infer", precompile.load(code, cache), calls=2)
+        "mlp_infer", precompile.load(code, cache), calls=2
+    )
     assert_same(compiled, eager)
 
 
@@ -56,8 +57,7 @@ def test_training_matches_eager_over_three_calls(artifacts) -> None:
     code, cache = artifacts.pair("mlp_train", "inductor", wrapper="cpp")
     assert "\n# Wrapper: C++." in code
     run = precompile.load(code, cache)
-    eager, compiled, eager_args, compiled_args = run_eager_and_compiled(
-        "mlp_train", run, calls=3)
+    eager, compiled, eager_args, compiled_args = run_eager_and_compiled("mlp_train", run, calls=3)
     assert_same(compiled, eager)
     assert_same(model_state(compiled_args[0]), model_state(eager_args[0]))
     assert all(p.grad is not None for p in compiled_args[0].parameters())
@@ -69,7 +69,7 @@ def test_the_driver_checks_layouts_so_the_wrapper_does_not(name: str, artifacts)
     (each assert costs a string stream per call there); a wrong layout of any input is still
     refused, before anything runs."""
     code, cache = artifacts.pair(name, "inductor", wrapper="cpp")
-    source = code[code.index("\ncpp_wrapper_src = ("):code.index("\ninductor_entry = ")]
+    source = code[code.index("\ncpp_wrapper_src = (") : code.index("\ninductor_entry = ")]
     assert "inductor_entry_impl" in source and "assert_size_stride(" not in source
     assert "unsafe_alloc_void_ptrs_from_tensors(args)" in code  # no Python walk of the inputs
     run = precompile.load(code, cache)
@@ -113,13 +113,16 @@ def test_cached_load_needs_no_compiler_and_no_inductor(artifacts, tmp_path: Path
     assert not marker.exists(), marker.read_text()
 
 
-def test_without_the_cache_the_wrapper_is_built_from_its_source(artifacts,
-                                                                tmp_path: Path) -> None:
+def test_without_the_cache_the_wrapper_is_built_from_its_source(artifacts, tmp_path: Path) -> None:
     code, _ = artifacts.pair("mlp_infer", "inductor", wrapper="cpp")
     paths = write_pair(tmp_path, "mlp_infer", code, b"")
-    proc = run_python(FRESH_LOAD.replace('open({cache!r}, "rb").read()', "None").format(
-        name="mlp_infer", **paths), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ic")},
-        timeout=900)
+    proc = run_python(
+        FRESH_LOAD.replace('open({cache!r}, "rb").read()', "None").format(
+            name="mlp_infer", **paths
+        ),
+        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ic")},
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert '"inductor_imported": true' in proc.stdout
 
@@ -127,12 +130,12 @@ def test_without_the_cache_the_wrapper_is_built_from_its_source(artifacts,
 def test_a_swapped_wrapper_object_is_refused(artifacts) -> None:
     code, cache = artifacts.pair("mlp_infer", "inductor", wrapper="cpp")
     payload = kernel_payload(code, cache)
-    key, entry = next((k, e) for k, e in payload["kernels"].items()
-                      if e["module"] == WRAPPER_ENTRY)
+    key, entry = next((k, e) for k, e in payload["kernels"].items() if e["module"] == WRAPPER_ENTRY)
     entry["object"] += b"\0"
     entry["sha256"] = hashlib.sha256(entry["object"]).hexdigest()
-    with pytest.raises(PrecompileError, match=f"kernel {key[:12]}…: sha256 .*python_code "
-                       "names sha256"):
+    with pytest.raises(
+        PrecompileError, match=f"kernel {key[:12]}…: sha256 .*python_code names sha256"
+    ):
         precompile.load(code, with_kernel_payload(code, payload))
 
 
@@ -141,7 +144,7 @@ def test_a_damaged_wrapper_object_is_rebuilt_with_a_warning(artifacts, caplog) -
     payload = kernel_payload(code, cache)
     entry = next(e for e in payload["kernels"].values() if e["module"] == WRAPPER_ENTRY)
     middle = len(entry["object"]) // 2
-    entry["object"] = entry["object"][:middle] + b"\xff" + entry["object"][middle + 1:]
+    entry["object"] = entry["object"][:middle] + b"\xff" + entry["object"][middle + 1 :]
     with caplog.at_level(logging.WARNING, logger="torch_precompile"):
         run = precompile.load(code, with_kernel_payload(code, payload))
     assert "its bytes are damaged" in caplog.text
@@ -151,8 +154,9 @@ def test_a_damaged_wrapper_object_is_rebuilt_with_a_warning(artifacts, caplog) -
 
 def test_wrapper_values_refused_by_name() -> None:
     workload = WORKLOADS["mlp_infer"]
-    with pytest.raises(PrecompileError,
-                       match=r"wrapper must be one of \('auto', 'cpp', 'python'\)"):
+    with pytest.raises(
+        PrecompileError, match=r"wrapper must be one of \('auto', 'cpp', 'python'\)"
+    ):
         precompile(workload.fn, *workload.args(), wrapper="rust")
     with pytest.raises(PrecompileError, match="backend='eager' has none"):
         precompile(workload.fn, *workload.args(), backend="eager", wrapper="cpp")
@@ -190,20 +194,25 @@ def test_a_graph_that_communicates_falls_back_to_the_python_wrapper() -> None:
     proc = run_python(_DTENSOR_FALLBACK, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Asked for, the C++ wrapper's absence is a warning; by default it is only said in the source.
-    assert proc.stderr.count("wrapper='cpp' cannot be used for this graph (the graph "
-                             "communicates") == 1
+    assert (
+        proc.stderr.count("wrapper='cpp' cannot be used for this graph (the graph communicates")
+        == 1
+    )
     asked, by_default = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert asked.startswith("# Wrapper: Python. wrapper='cpp' was asked for and cannot be used: "
-                            "the graph communicates")
-    assert by_default.startswith("# Wrapper: Python. the C++ wrapper is not used: the graph "
-                                 "communicates")
+    assert asked.startswith(
+        "# Wrapper: Python. wrapper='cpp' was asked for and cannot be used: the graph communicates"
+    )
+    assert by_default.startswith(
+        "# Wrapper: Python. the C++ wrapper is not used: the graph communicates"
+    )
 
 
 def test_the_default_is_the_cpp_wrapper_and_python_stays_on_request(artifacts) -> None:
     default, _ = artifacts.pair("mlp_infer", "inductor")
     assert "\n# Wrapper: C++." in default
-    code, cache = precompile(WORKLOADS["mlp_infer"].fn, *WORKLOADS["mlp_infer"].args(),
-                             wrapper="python")
+    code, cache = precompile(
+        WORKLOADS["mlp_infer"].fn, *WORKLOADS["mlp_infer"].args(), wrapper="python"
+    )
     assert "# Wrapper: " not in code and "def call(self, args)" in code
     model, x = WORKLOADS["mlp_infer"].args()
     assert_same(precompile.load(code, cache)(model, x), WORKLOADS["mlp_infer"].fn(model, x))
@@ -225,8 +234,10 @@ def test_a_failed_cpp_build_falls_back_by_default_and_is_refused_on_request(monk
     monkeypatch.setattr(lowering, "collect_built_kernels", failing_for_cpp)
     workload = WORKLOADS["mlp_infer"]
     code, cache = precompile(workload.fn, *workload.args())
-    assert ("\n# Wrapper: Python. the C++ wrapper is not used: RuntimeError: C++ compile "
-            "failed (simulated).") in code
+    assert (
+        "\n# Wrapper: Python. the C++ wrapper is not used: RuntimeError: C++ compile "
+        "failed (simulated)."
+    ) in code
     assert "line 2 of the log" not in code  # the reason is one comment line
     model, x = workload.args()
     assert_same(precompile.load(code, cache)(model, x), workload.fn(model, x))

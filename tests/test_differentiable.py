@@ -76,6 +76,7 @@ def net_artifact(built: Built, backend: str) -> Any:
     def make() -> Any:
         x = torch.randn(6, 4, requires_grad=True)
         return precompile.load(*precompile(call, Net(), x, backend=backend))
+
     return built.get("net", backend, make)
 
 
@@ -97,8 +98,9 @@ def assert_models_match(model: nn.Module, eager: nn.Module, atol: float = 1e-5) 
         if q.grad is None:
             assert p.grad is None, name
         else:
-            torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=1e-4,
-                                       msg=_named(f"{name}.grad"))
+            torch.testing.assert_close(
+                p.grad, q.grad, atol=atol, rtol=1e-4, msg=_named(f"{name}.grad")
+            )
     for (name, b), c in zip(model.named_buffers(), eager.buffers(), strict=True):
         torch.testing.assert_close(b, c, atol=atol, rtol=1e-4, msg=_named(name))
 
@@ -171,24 +173,30 @@ def test_a_gan_two_models_two_optimizers_two_backwards(built: Built, backend: st
     critic_eager = copy.deepcopy(critic)
     bce = nn.functional.binary_cross_entropy_with_logits
 
-    def step(g: Callable[..., Any], d: Callable[..., Any], g_opt: Any, d_opt: Any,
-             noise: torch.Tensor, real: torch.Tensor) -> None:
+    def step(
+        g: Callable[..., Any],
+        d: Callable[..., Any],
+        g_opt: Any,
+        d_opt: Any,
+        noise: torch.Tensor,
+        real: torch.Tensor,
+    ) -> None:
         fake = g(noise)
         d_opt.zero_grad()
-        d_loss = (bce(d(real), torch.ones(6, 1)) + bce(d(fake.detach()), torch.zeros(6, 1)))
+        d_loss = bce(d(real), torch.ones(6, 1)) + bce(d(fake.detach()), torch.zeros(6, 1))
         d_loss.backward()
         d_opt.step()
         g_opt.zero_grad()
         bce(d(fake), torch.ones(6, 1)).backward()
         g_opt.step()
 
-    opts = [torch.optim.Adam(m.parameters(), lr=1e-2)
-            for m in (gen, critic, gen_eager, critic_eager)]
+    opts = [
+        torch.optim.Adam(m.parameters(), lr=1e-2) for m in (gen, critic, gen_eager, critic_eager)
+    ]
     for i in range(3):
         torch.manual_seed(i)
         noise, real = torch.randn(6, 4), torch.randn(6, 2)
-        step(lambda z: generate(gen, z), lambda s: judge(critic, s), opts[0], opts[1],
-             noise, real)
+        step(lambda z: generate(gen, z), lambda s: judge(critic, s), opts[0], opts[1], noise, real)
         step(gen_eager, critic_eager, opts[2], opts[3], noise, real)
     assert_models_match(gen, gen_eager)
     assert_models_match(critic, critic_eager)
@@ -253,8 +261,9 @@ def test_a_second_backward_fails_as_eager_and_retain_graph_allows_it(built: Buil
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_saved_tensor_written_before_backward_is_refused_as_eager(built: Built,
-                                                                    backend: str) -> None:
+def test_a_saved_tensor_written_before_backward_is_refused_as_eager(
+    built: Built, backend: str
+) -> None:
     run = net_artifact(built, backend)
     model, _ = twins()
     x = torch.randn(6, 4, requires_grad=True)
@@ -377,6 +386,7 @@ def test_inspect_says_what_the_forward_saves(tmp_path: Path) -> None:
 
 # The module form.
 
+
 @pytest.fixture(scope="module")
 def wrapped_pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     wrapped = precompile.module(Net(), torch.randn(6, 4), backend="inductor")
@@ -411,8 +421,7 @@ def test_the_module_form_is_the_model_for_training_code(wrapped_pair: Path) -> N
 
 def test_the_module_form_with_both_modes() -> None:
     model, eager = twins()
-    wrapped = precompile.module(model, torch.randn(6, 4), modes=("train", "eval"),
-                                backend="eager")
+    wrapped = precompile.module(model, torch.randn(6, 4), modes=("train", "eval"), backend="eager")
     x = torch.randn(6, 4)
     wrapped(x).sum().backward()
     eager(x).sum().backward()
@@ -484,17 +493,29 @@ def test_the_module_form_refuses_bad_arguments_by_name() -> None:
     cases = [
         (lambda: precompile.module(lambda x: x, torch.randn(6, 4)), "takes an nn.Module first"),
         (lambda: precompile.module(model, torch.randn(6, 4), modes=("test",)), "modes must"),
-        (lambda: precompile.module(model, torch.randn(6, 4), example_kwargs=[1]),
-         "example_kwargs must be a dict"),
-        (lambda: precompile.module(model, torch.randn(6, 4), optimize=True),
-         "unknown keywords \\['optimize'\\]"),
+        (
+            lambda: precompile.module(model, torch.randn(6, 4), example_kwargs=[1]),
+            "example_kwargs must be a dict",
+        ),
+        (
+            lambda: precompile.module(model, torch.randn(6, 4), optimize=True),
+            "unknown keywords \\['optimize'\\]",
+        ),
         (lambda: precompile.module(model, artifact="model.py"), "what precompile.load returned"),
-        (lambda: precompile.module(model, torch.randn(6, 4), artifact=lambda *a: None),
-         "takes no examples"),
+        (
+            lambda: precompile.module(model, torch.randn(6, 4), artifact=lambda *a: None),
+            "takes no examples",
+        ),
         (lambda: precompile.stages(lambda i: (model, ()), 2, 2), "stage_index one of"),
-        (lambda: precompile.module(model, artifact=precompile.load(
-            *precompile(call, Net(), torch.randn(6, 4), backend="eager"))).save("x.py"),
-         "made from a loaded artifact"),
+        (
+            lambda: precompile.module(
+                model,
+                artifact=precompile.load(
+                    *precompile(call, Net(), torch.randn(6, 4), backend="eager")
+                ),
+            ).save("x.py"),
+            "made from a loaded artifact",
+        ),
     ]
     for thunk, message in cases:
         with pytest.raises(PrecompileError, match=message):

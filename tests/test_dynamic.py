@@ -72,15 +72,21 @@ def test_marked_dims_are_recorded_as_none(mlp_infer) -> None:
 
 def test_static_dims_are_still_checked(mlp_infer) -> None:
     model, _, _, run = mlp_infer
-    with pytest.raises(PrecompileError, match=r"input x: expected shape \(\*, 4\) \(\* is "
-                       r"dynamic\), got \(3, 5\)"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"input x: expected shape \(\*, 4\) \(\* is "
+        r"dynamic\), got \(3, 5\)",
+    ):
         run(model, torch.randn(3, 5))
 
 
 def test_batchnorm_on_a_marked_batch_is_refused_clearly() -> None:
     """torch.batch_norm itself decides on numel() == 0, which an unbacked batch cannot answer."""
-    with pytest.raises(PrecompileError, match=r"branches on, or needs a fixed value of.*"
-                       r"Eq\(8\*u0, 0\)"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"branches on, or needs a fixed value of.*"
+        r"Eq\(8\*u0, 0\)",
+    ):
         precompile(infer, MLP().eval(), _marked(torch.randn(5, 4), 0))
 
 
@@ -113,8 +119,11 @@ def test_transformer_block_inference_dynamic_batch_and_sequence() -> None:
     for batch, seq in [(0, 4), (1, 2), (4, 7)]:
         y = torch.randn(batch, seq, 16)
         assert_same(run(model, y), model(y), atol=1e-5)
-    with pytest.raises(PrecompileError, match=r"input x: dim 1 is 1, outside the declared "
-                       r"range \[2, inf\]"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"input x: dim 1 is 1, outside the declared "
+        r"range \[2, inf\]",
+    ):
         run(model, torch.randn(2, 1, 16))
 
 
@@ -126,8 +135,11 @@ def test_inductor_decision_on_a_dynamic_dim_is_explained() -> None:
 
 def test_shape_id_mismatch_is_rejected(mlp_train) -> None:
     model, _, _, run = mlp_train
-    with pytest.raises(PrecompileError, match=r"input t dim 0 \(=4\) must equal input x dim 0 "
-                       r"\(=3\): they share shape_id 'batch'"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"input t dim 0 \(=4\) must equal input x dim 0 "
+        r"\(=3\): they share shape_id 'batch'",
+    ):
         run(model, torch.randn(3, 4), torch.randn(4, 2))
 
 
@@ -135,11 +147,15 @@ def test_relation_between_independent_marks_is_enforced() -> None:
     a, b = _marked(torch.randn(5), 0), _marked(torch.randn(5), 0)
     code, cache = precompile(lambda a, b: (a + b) * 2, a, b)
     assert [(r.expr, r.readable) for r in precompile.inspect(code).size_relations] == [
-        (("==", ("d", 0), ("d", 1)), "input a dim 0 == input b dim 0")]
+        (("==", ("d", 0), ("d", 1)), "input a dim 0 == input b dim 0")
+    ]
     run = precompile.load(code, cache)
     assert_same(run(torch.ones(3), torch.ones(3)), torch.full((3,), 4.0))
-    with pytest.raises(PrecompileError, match=r"input a dim 0 \(=3\) must equal input b dim 0 "
-                       r"\(=5\)"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"input a dim 0 \(=3\) must equal input b dim 0 "
+        r"\(=5\)",
+    ):
         run(torch.ones(3), torch.ones(5))
 
 
@@ -148,8 +164,11 @@ def test_multiple_of_relation_is_enforced() -> None:
     run = precompile.load(code, cache)
     assert_same(run(torch.ones(12)), torch.full((3,), 4.0))
     assert_same(run(torch.ones(0)), torch.ones(0))
-    with pytest.raises(PrecompileError, match=r"must satisfy \(input x dim 0 % 4\) == 0.*"
-                       "input x dim 0 = 10"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"must satisfy \(input x dim 0 % 4\) == 0.*"
+        "input x dim 0 = 10",
+    ):
         run(torch.ones(10))
 
 
@@ -157,15 +176,23 @@ def test_bounds_of_every_occurrence_are_enforced() -> None:
     x = _marked(torch.randn(4, 3), 0, shape_id="n", max=8)
     y = _marked(torch.randn(4, 3), 0, shape_id="n", min=2)
     code, cache = precompile(lambda x, y: x * y, x, y)
-    assert [leaf.bounds for leaf in precompile.inspect(code).inputs] == [{0: (None, 8)},
-                                                                          {0: (2, None)}]
+    assert [leaf.bounds for leaf in precompile.inspect(code).inputs] == [
+        {0: (None, 8)},
+        {0: (2, None)},
+    ]
     run = precompile.load(code, cache)
     assert_same(run(torch.ones(8, 3), torch.ones(8, 3)), torch.ones(8, 3))
-    with pytest.raises(PrecompileError, match=r"input y: dim 0 is 1, outside the declared "
-                       r"range \[2, inf\]"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"input y: dim 0 is 1, outside the declared "
+        r"range \[2, inf\]",
+    ):
         run(torch.ones(1, 3), torch.ones(1, 3))
-    with pytest.raises(PrecompileError, match=r"input x: dim 0 is 9, outside the declared "
-                       r"range \[0, 8\]"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"input x: dim 0 is 9, outside the declared "
+        r"range \[0, 8\]",
+    ):
         run(torch.ones(9, 3), torch.ones(9, 3))
 
 
@@ -193,8 +220,10 @@ def test_strict_marks_are_dynamic_and_refuse_specialization() -> None:
 
 def test_branch_on_a_marked_dim_is_rejected() -> None:
     x = _marked(torch.randn(5, 4), 0)
-    with pytest.raises(PrecompileError, match="branches on, or needs a fixed value of, a dim "
-                       "marked with mark_unbacked"):
+    with pytest.raises(
+        PrecompileError,
+        match="branches on, or needs a fixed value of, a dim marked with mark_unbacked",
+    ):
         precompile(lambda x: x * 2 if x.shape[0] > 3 else x, x)
 
 
@@ -214,15 +243,19 @@ def test_marked_subclass_is_rejected() -> None:
 
     t = TwoTensor(torch.randn(5, 4), torch.randn(5, 4))
     t._dynamo_unbacked_indices = {0}
-    with pytest.raises(PrecompileError, match=r"input t is a tensor subclass \(TwoTensor\) "
-                       "with a mark_unbacked dim"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"input t is a tensor subclass \(TwoTensor\) "
+        "with a mark_unbacked dim",
+    ):
         precompile(lambda t: t * 2, t)
 
 
 def test_marked_input_in_an_odd_layout_is_rejected() -> None:
     x = _marked(torch.randn(4, 5).t(), 0)
-    with pytest.raises(PrecompileError, match="neither contiguous, channels_last nor "
-                       "channels_last_3d"):
+    with pytest.raises(
+        PrecompileError, match="neither contiguous, channels_last nor channels_last_3d"
+    ):
         precompile(lambda x: x * 2, x)
 
 
@@ -251,7 +284,8 @@ def test_dynamic_artifact_loads_from_cache_without_a_compiler(mlp_train, tmp_pat
     (tmp_path / "a.cache").write_bytes(cache)
     torch.save(model.state_dict(), tmp_path / "state.pt")
     env, marker = poisoned_toolchain(tmp_path)
-    proc = run_python(f"""
+    proc = run_python(
+        f"""
         import copy, json, sys, torch
         from torch_precompile import precompile
         from workloads import PartlyFrozen, mse_step
@@ -283,7 +317,9 @@ def test_dynamic_artifact_loads_from_cache_without_a_compiler(mlp_train, tmp_pat
         print(json.dumps({{"inductor": "torch._inductor" in sys.modules, "differ": differ,
                           "grads": sorted(n for n, p in model.named_parameters()
                                           if p.grad is not None)}}))
-    """, env=env)
+    """,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     # fc1 is frozen and `unused` takes no part: only fc2 gets gradients, as in eager.

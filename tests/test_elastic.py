@@ -19,8 +19,9 @@ TESTS_DIR = Path(__file__).parent
 LAUNCH_TIMEOUT_S = 600
 TOLERANCE = 1e-5
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
-                                reason="torch.distributed is not built into this torch")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is not built into this torch"
+)
 
 
 def _torchrun(*options: str) -> list[str]:
@@ -44,14 +45,28 @@ def test_two_nodes_share_rank_zeros_artifact(tmp_path: Path) -> None:
     """Two ``torchrun --nnodes 2 --nproc-per-node 2`` launches: every rank of both nodes holds
     the identical pair, and the fully_shard job trains like single-process eager."""
     endpoint = f"127.0.0.1:{free_port()}"
-    command = _torchrun("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint,
-                        "--rdzv-id", "two-nodes", str(TESTS_DIR / "elastic_worker.py"),
-                        "two_nodes", str(tmp_path))
+    command = _torchrun(
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "two-nodes",
+        str(TESTS_DIR / "elastic_worker.py"),
+        "two_nodes",
+        str(tmp_path),
+    )
     _run([command, command], tmp_path)
     reports = _reports(tmp_path, "two_nodes")
     assert len(reports) == 4
     assert {(r["node"], r["local_rank"]) for r in reports} == {
-        ("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}
+        ("0", "0"),
+        ("0", "1"),
+        ("1", "0"),
+        ("1", "1"),
+    }
     assert len({r["digest"] for r in reports}) == 1
     assert all(r["param"] <= TOLERANCE for r in reports)
 
@@ -60,9 +75,19 @@ def test_restart_resumes_from_the_saved_pair(tmp_path: Path) -> None:
     """``torchrun --max-restarts 1``: a rank dies after 3 of 6 steps; every worker restarts,
     loads the saved pair and the last checkpoint, and the final parameters equal an
     uninterrupted eager run's."""
-    command = _torchrun("--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
-                        "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                        str(TESTS_DIR / "elastic_worker.py"), "restart", str(tmp_path))
+    command = _torchrun(
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        str(TESTS_DIR / "elastic_worker.py"),
+        "restart",
+        str(tmp_path),
+    )
     _run([command], tmp_path)
     reports = _reports(tmp_path, "restart")
     assert [r["attempt"] for r in reports] == [1, 1]  # only the restarted workers finished

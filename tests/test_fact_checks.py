@@ -28,14 +28,14 @@ READ_ELSEWHERE = {
     "OutputAlias.offset": "the lowering builds results that view inputs from it",
     "ParamGroup.call_time": "names the options the optimizer part reads at every call (lr)",
     "FullyShardedGroup.reshard_after_forward": "memory only: either way the step computes "
-                                               "the same values",
+    "the same values",
     "Autograd.saved": "a description for inspect; the backward graph takes what the forward "
-                      "graph returns",
+    "graph returns",
 }
 # Recorded facts a call is not yet checked against, and what that leaves to the caller.
 KNOWN_UNCHECKED = {
     "FullyShardedGroup.param_dtype": "a model sharded again with another MixedPrecisionPolicy "
-                                     "after capture is not refused",
+    "after capture is not refused",
     "FullyShardedGroup.reduce_dtype": "as param_dtype",
 }
 
@@ -53,18 +53,22 @@ def _driver_attribute_reads() -> set[str]:
 
 def test_every_recorded_fact_is_read_by_the_driver() -> None:
     read = _driver_attribute_reads()
-    unread = [f"{cls.__name__}.{field.name}"
-              for cls in (ArtifactSpec, *ArtifactSpec.RECORDS.values())
-              for field in dataclasses.fields(cls)
-              if field.name not in read
-              and f"{cls.__name__}.{field.name}" not in READ_ELSEWHERE.keys() | KNOWN_UNCHECKED]
+    unread = [
+        f"{cls.__name__}.{field.name}"
+        for cls in (ArtifactSpec, *ArtifactSpec.RECORDS.values())
+        for field in dataclasses.fields(cls)
+        if field.name not in read
+        and f"{cls.__name__}.{field.name}" not in READ_ELSEWHERE.keys() | KNOWN_UNCHECKED
+    ]
     assert not unread, (
         f"capture records {unread}, which no per-call check reads: check it in the driver "
-        "(and test that a call breaking it is refused), or stop recording it.")
+        "(and test that a call breaking it is refused), or stop recording it."
+    )
 
 
 def test_the_check_fails_for_a_fact_nobody_reads(monkeypatch) -> None:
     """The test above would catch a new field: add one the driver never reads."""
+
     @dataclasses.dataclass(frozen=True)
     class Extra:
         forgotten_fact_xyz: int = 0

@@ -38,12 +38,16 @@ Mutation = Callable[[tuple[Any, ...], st.DataObject], tuple[Any, ...]]
 
 def _tensor_paths(args: tuple[Any, ...]) -> list[Any]:
     leaves = pytree.tree_flatten_with_path(list(args))[0]
-    return [path for path, leaf in leaves
-            if isinstance(leaf, torch.Tensor) and not isinstance(leaf, nn.Parameter)]
+    return [
+        path
+        for path, leaf in leaves
+        if isinstance(leaf, torch.Tensor) and not isinstance(leaf, nn.Parameter)
+    ]
 
 
-def _replace_leaf(args: tuple[Any, ...], data: st.DataObject, make: Callable[[Any], Any]
-                  ) -> tuple[Any, ...]:
+def _replace_leaf(
+    args: tuple[Any, ...], data: st.DataObject, make: Callable[[Any], Any]
+) -> tuple[Any, ...]:
     """Replace one input leaf (tensor or Python value) chosen by ``data``."""
     with_paths, spec = pytree.tree_flatten_with_path(list(args))
     candidates = [i for i, (_, leaf) in enumerate(with_paths) if not isinstance(leaf, nn.Module)]
@@ -79,18 +83,21 @@ def reshape_input(args, data):
         if leaf.dtype == torch.bool:
             return torch.zeros(shape, dtype=torch.bool, device=leaf.device)
         return torch.randint(0, 5, shape, dtype=leaf.dtype, device=leaf.device)
+
     return _replace_leaf(args, data, make)
 
 
 def retype_input(args, data):
     dtype = data.draw(st.sampled_from([torch.float64, torch.float16, torch.int64, torch.bool]))
-    return _replace_leaf(args, data, lambda leaf: leaf.to(dtype)
-                         if isinstance(leaf, torch.Tensor) else leaf)
+    return _replace_leaf(
+        args, data, lambda leaf: leaf.to(dtype) if isinstance(leaf, torch.Tensor) else leaf
+    )
 
 
 def move_input(args, data):
-    return _replace_leaf(args, data, lambda leaf: leaf.to("meta")
-                         if isinstance(leaf, torch.Tensor) else leaf)
+    return _replace_leaf(
+        args, data, lambda leaf: leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf
+    )
 
 
 def relayout_input(args, data):
@@ -102,28 +109,39 @@ def relayout_input(args, data):
         wide = torch.zeros(*leaf.shape[:-1], leaf.shape[-1] + 3, dtype=leaf.dtype)
         wide[..., : leaf.shape[-1]] = leaf
         return wide[..., : leaf.shape[-1]]  # same values, padded rows
+
     return _replace_leaf(args, data, make)
 
 
 def new_values(args, data):
     """A valid call: same shapes, other values (kept away from ties such as all-equal inputs,
     where eager and compiled kernels may round onto different sides of a ReLU kink)."""
+
     def make(leaf):
         if isinstance(leaf, torch.Tensor) and leaf.dtype.is_floating_point:
             return torch.randn_like(leaf) * data.draw(st.sampled_from([0.5, 1.0, 10.0]))
         return leaf
+
     return _replace_leaf(args, data, make)
 
 
 def replace_python_value(args, data):
-    value = data.draw(st.one_of(st.integers(-3, 3), st.floats(allow_nan=True), st.text(max_size=3),
-                                st.none(), st.booleans()))
+    value = data.draw(
+        st.one_of(
+            st.integers(-3, 3),
+            st.floats(allow_nan=True),
+            st.text(max_size=3),
+            st.none(),
+            st.booleans(),
+        )
+    )
     return _replace_leaf(args, data, lambda leaf: value)
 
 
 def restructure(args, data):
-    choice = data.draw(st.sampled_from(["wrap_list", "wrap_dict", "tuple_to_list", "extra_key",
-                                        "drop_key"]))
+    choice = data.draw(
+        st.sampled_from(["wrap_list", "wrap_dict", "tuple_to_list", "extra_key", "drop_key"])
+    )
 
     def make_container(value):
         if choice == "wrap_list":
@@ -140,11 +158,12 @@ def restructure(args, data):
                 copied.pop(next(iter(copied)))
             return copied
         return [value]
+
     positions = [i for i, a in enumerate(args) if not isinstance(a, nn.Module)]
     if not positions:
         return args
     i = data.draw(st.sampled_from(positions))
-    return (*args[:i], make_container(args[i]), *args[i + 1:])
+    return (*args[:i], make_container(args[i]), *args[i + 1 :])
 
 
 def change_arity(args, data):
@@ -157,8 +176,12 @@ def swap_parameters(args, data):
     """Valid: two same-shaped parameters exchange their tensors."""
     for model in _models(args):
         params = list(model.named_parameters())
-        pairs = [(a, b) for i, a in enumerate(params) for b in params[i + 1:]
-                 if a[1].shape == b[1].shape and a[1] is not b[1]]
+        pairs = [
+            (a, b)
+            for i, a in enumerate(params)
+            for b in params[i + 1 :]
+            if a[1].shape == b[1].shape and a[1] is not b[1]
+        ]
         if pairs:
             (name_a, a), (name_b, b) = data.draw(st.sampled_from(pairs))
             _set(model, name_a, b)
@@ -170,8 +193,12 @@ def swap_parameters(args, data):
 def retie_parameters(args, data):
     for model in _models(args):
         params = list(model.named_parameters())
-        pairs = [(a, b) for i, a in enumerate(params) for b in params[i + 1:]
-                 if a[1].shape == b[1].shape]
+        pairs = [
+            (a, b)
+            for i, a in enumerate(params)
+            for b in params[i + 1 :]
+            if a[1].shape == b[1].shape
+        ]
         if pairs:
             (name_a, _), (_, b) = data.draw(st.sampled_from(pairs))
             _set(model, name_a, b)
@@ -238,7 +265,7 @@ def other_model(args, data):
     else:
         new = args[i]
         new.register_buffer("surprise", torch.zeros(1))
-    return (*args[:i], new, *args[i + 1:])
+    return (*args[:i], new, *args[i + 1 :])
 
 
 def _set(model: nn.Module, dotted: str, value: torch.Tensor) -> None:
@@ -248,9 +275,22 @@ def _set(model: nn.Module, dotted: str, value: torch.Tensor) -> None:
 
 
 MUTATIONS: list[Mutation] = [
-    reshape_input, retype_input, move_input, relayout_input, new_values, replace_python_value,
-    restructure, change_arity, swap_parameters, retie_parameters, untie_parameters,
-    resize_parameter, freeze_parameter, retype_model, reorder_model, other_model,
+    reshape_input,
+    retype_input,
+    move_input,
+    relayout_input,
+    new_values,
+    replace_python_value,
+    restructure,
+    change_arity,
+    swap_parameters,
+    retie_parameters,
+    untie_parameters,
+    resize_parameter,
+    freeze_parameter,
+    retype_model,
+    reorder_model,
+    other_model,
 ]
 
 
@@ -260,8 +300,11 @@ def _observable(args: tuple[Any, ...]) -> list[Any]:
     for a in args:
         if isinstance(a, nn.Module):
             seen += [p.grad for p in a.parameters()] + list(a.buffers())
-    seen += [t for t in pytree.tree_leaves([a for a in args if not isinstance(a, nn.Module)])
-             if isinstance(t, torch.Tensor)]
+    seen += [
+        t
+        for t in pytree.tree_leaves([a for a in args if not isinstance(a, nn.Module)])
+        if isinstance(t, torch.Tensor)
+    ]
     return seen
 
 
@@ -274,8 +317,9 @@ def _same(actual: Any, expected: Any) -> bool:
         if isinstance(e, torch.Tensor):
             if not isinstance(a, torch.Tensor) or a.shape != e.shape or a.dtype != e.dtype:
                 return False
-            if not torch.allclose(a.detach().double(), e.detach().double(), rtol=1e-4,
-                                  atol=1e-4, equal_nan=True):
+            if not torch.allclose(
+                a.detach().double(), e.detach().double(), rtol=1e-4, atol=1e-4, equal_nan=True
+            ):
                 return False
         elif not (a == e or (a != a and e != e)):
             return False
@@ -293,15 +337,23 @@ def _signature(args: tuple[Any, ...], backend: str, training: bool) -> Any:
     def tensor(t: torch.Tensor) -> tuple[Any, ...]:
         strides = tuple(t.stride()) if backend == "inductor" else None
         requires_grad = t.requires_grad if training else None
-        return (tuple(t.shape), t.dtype, t.device, requires_grad, strides,
-                ties.setdefault(id(t), len(ties)))
+        return (
+            tuple(t.shape),
+            t.dtype,
+            t.device,
+            requires_grad,
+            strides,
+            ties.setdefault(id(t), len(ties)),
+        )
 
     def leaf(value: Any) -> Any:
         if isinstance(value, nn.Module):
-            return ("model",
-                    [(n, tensor(p)) for n, p in value.named_parameters(remove_duplicate=False)],
-                    [(n, tensor(b)) for n, b in value.named_buffers(remove_duplicate=False)],
-                    [(n, m.training) for n, m in value.named_modules()])
+            return (
+                "model",
+                [(n, tensor(p)) for n, p in value.named_parameters(remove_duplicate=False)],
+                [(n, tensor(b)) for n, b in value.named_buffers(remove_duplicate=False)],
+                [(n, m.training) for n, m in value.named_modules()],
+            )
         if isinstance(value, torch.Tensor):
             return ("tensor", tensor(value))
         return ("value", type(value), value)
@@ -317,17 +369,21 @@ def _writable(args: tuple[Any, ...]) -> list[tuple[str, Any]]:
         if isinstance(a, nn.Module):
             for n, p in a.named_parameters(remove_duplicate=False):
                 found += [(f"argument {i} parameter {n}", p), (f"argument {i} {n}.grad", p.grad)]
-            found += [(f"argument {i} buffer {n}", b)
-                      for n, b in a.named_buffers(remove_duplicate=False)]
+            found += [
+                (f"argument {i} buffer {n}", b) for n, b in a.named_buffers(remove_duplicate=False)
+            ]
     leaves = pytree.tree_flatten_with_path(list(args))[0]
-    found += [(f"input {pytree.keystr(path)}", t) for path, t in leaves
-              if isinstance(t, torch.Tensor)]
+    found += [
+        (f"input {pytree.keystr(path)}", t) for path, t in leaves if isinstance(t, torch.Tensor)
+    ]
     return found
 
 
 def _snapshot(args: tuple[Any, ...]) -> list[tuple[str, Any, Any]]:
-    return [(name, obj, obj.detach().clone() if isinstance(obj, torch.Tensor) else None)
-            for name, obj in _writable(args)]
+    return [
+        (name, obj, obj.detach().clone() if isinstance(obj, torch.Tensor) else None)
+        for name, obj in _writable(args)
+    ]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor | None:
@@ -355,8 +411,13 @@ def test_fuzzed_calls(name: str, backend: str, artifacts) -> None:
     allowed = _signature(base, backend, name in TRAINING)
     outcomes: Counter[str] = Counter()
 
-    @settings(max_examples=PER_CASE, deadline=None, derandomize=TOTAL <= 5000,
-              suppress_health_check=list(HealthCheck), database=None)
+    @settings(
+        max_examples=PER_CASE,
+        deadline=None,
+        derandomize=TOTAL <= 5000,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
     @given(st.data())
     def one_call(data: st.DataObject) -> None:
         args = copy.deepcopy(base)
@@ -379,7 +440,8 @@ def test_fuzzed_calls(name: str, backend: str, artifacts) -> None:
         expected = workload.fn(*eager_args)
         assert _same(result, expected), f"wrong result for {name}"
         assert _same(_observable(compiled_args), _observable(eager_args)), (
-            f"wrong side effects for {name}")
+            f"wrong side effects for {name}"
+        )
         outcomes["valid" if must_serve else "served"] += 1
 
     one_call()
@@ -392,6 +454,8 @@ def test_fuzzed_calls(name: str, backend: str, artifacts) -> None:
 def _print_totals() -> Any:
     yield
     total = sum(OUTCOMES.values())
-    print(f"\nfuzz: {total} calls, {OUTCOMES['valid']} valid calls equal to eager, "
-          f"{OUTCOMES['served']} other calls served and equal to eager, "
-          f"{OUTCOMES['refused']} refused with PrecompileError, nothing changed")
+    print(
+        f"\nfuzz: {total} calls, {OUTCOMES['valid']} valid calls equal to eager, "
+        f"{OUTCOMES['served']} other calls served and equal to eager, "
+        f"{OUTCOMES['refused']} refused with PrecompileError, nothing changed"
+    )

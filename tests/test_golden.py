@@ -34,7 +34,8 @@ def test_every_readable_version_has_a_golden_pair_per_backend() -> None:
         for backend in ("eager", "inductor"):
             assert f"schema{version}-{backend}.artifact" in found, (
                 f"schema version {version} has no golden {backend} pair: run "
-                "`python tests/golden/make_golden.py` with the checkout that writes it")
+                "`python tests/golden/make_golden.py` with the checkout that writes it"
+            )
 
 
 @pytest.mark.parametrize("path", PAIRS, ids=lambda p: p.name)
@@ -77,7 +78,8 @@ _RUN_GOLDEN = """
 def test_load_takes_the_pairs_inside_the_reading_window(path: Path) -> None:
     version = _version(path)
     assert spec.OLDEST_READABLE_SCHEMA <= version <= spec.SCHEMA_VERSION, (
-        "a golden pair outside the reading window belongs in the refusal test below")
+        "a golden pair outside the reading window belongs in the refusal test below"
+    )
     if torch_build().version.split("+")[0] != MADE_UNDER:
         with pytest.raises(PrecompileError, match="was built with torch 2.13.0"):
             precompile.load_file(path)
@@ -86,23 +88,33 @@ def test_load_takes_the_pairs_inside_the_reading_window(path: Path) -> None:
     assert proc.returncode == 0 and "GOLDEN-OK" in proc.stdout, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("path", [p for p in PAIRS if _version(p) == spec.OLDEST_READABLE_SCHEMA],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", [p for p in PAIRS if _version(p) == spec.OLDEST_READABLE_SCHEMA], ids=lambda p: p.name
+)
 def test_load_refuses_a_version_the_window_has_left(path: Path, monkeypatch) -> None:
     monkeypatch.setattr(spec, "OLDEST_READABLE_SCHEMA", _version(path) + 1)
-    with pytest.raises(PrecompileError, match=(
+    with pytest.raises(
+        PrecompileError,
+        match=(
             f"schema version {_version(path)}; this torch-precompile reads schema version "
-            f"{_version(path) + 1}.*Precompile it again with this version")):
+            f"{_version(path) + 1}.*Precompile it again with this version"
+        ),
+    ):
         precompile.load_file(path)
 
 
 def test_load_refuses_a_newer_version_before_running_anything(tmp_path: Path) -> None:
     newest = GOLDEN / f"schema{spec.SCHEMA_VERSION}-eager.artifact"
-    code = newest.read_text().replace(f"'schema_version': {spec.SCHEMA_VERSION},",
-                                      f"'schema_version': {spec.SCHEMA_VERSION + 1},", 1)
+    code = newest.read_text().replace(
+        f"'schema_version': {spec.SCHEMA_VERSION},",
+        f"'schema_version': {spec.SCHEMA_VERSION + 1},",
+        1,
+    )
     code = code.replace("\nimport torch\n", "\nraise SystemExit('executed')\nimport torch\n", 1)
-    with pytest.raises(PrecompileError, match=(
-            f"schema version {spec.SCHEMA_VERSION + 1}; .*Upgrade torch-precompile")):
+    with pytest.raises(
+        PrecompileError,
+        match=(f"schema version {spec.SCHEMA_VERSION + 1}; .*Upgrade torch-precompile"),
+    ):
         precompile.load(code, None)
 
 
@@ -110,7 +122,10 @@ def test_an_older_inductor_artifact_needing_builds_without_its_cache_is_refused(
     """Its source does not record the vector width its kernels were written for: building
     them for this CPU's width could corrupt memory, so without the cache to tell it, no."""
     code = (GOLDEN / "schema6-inductor.artifact").read_text()
-    match = ("was built with torch 2.13.0" if torch_build().version.split("+")[0] != MADE_UNDER
-             else "does not record the vector width that source was generated for")
+    match = (
+        "was built with torch 2.13.0"
+        if torch_build().version.split("+")[0] != MADE_UNDER
+        else "does not record the vector width that source was generated for"
+    )
     with pytest.raises(PrecompileError, match=match):
         precompile.load(code, None)

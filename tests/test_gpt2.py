@@ -17,8 +17,16 @@ transformers = pytest.importorskip("transformers")
 def _gpt2(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        n_layer=2,
+        n_head=2,
+        n_embd=16,
+        vocab_size=50,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -48,15 +56,17 @@ def test_gpt2_matches_eager(fn, batch, backend: str) -> None:
     code, cache = precompile(fn, model, ids, mask, backend=backend)
     spec = precompile.inspect(code)
     assert {t.name: t.tied_to for t in spec.model if t.tied_to} == {
-        "lm_head.weight": "transformer.wte.weight"}
+        "lm_head.weight": "transformer.wte.weight"
+    }
     run = precompile.load(code, cache)
     other_ids = torch.randint(0, 50, ids.shape, generator=torch.Generator().manual_seed(2))
     # The example, then other weights and tokens (the same padding: the mask's path is guarded).
     for weights, tokens in ((model, ids), (_gpt2(seed=3).train(model.training), other_ids)):
         eager_model = copy.deepcopy(weights)
         for _ in range(2):
-            assert_same(run(weights, tokens, mask), fn(eager_model, tokens, mask),
-                        rtol=1e-4, atol=1e-4)
+            assert_same(
+                run(weights, tokens, mask), fn(eager_model, tokens, mask), rtol=1e-4, atol=1e-4
+            )
         assert_same(model_state(weights), model_state(eager_model), rtol=1e-4, atol=1e-4)
 
 
@@ -71,7 +81,8 @@ def test_gpt2_mask_decision_is_guarded(batch, backend: str) -> None:
     run = precompile.load(code, cache)
     other_padding = torch.ones_like(mask)
     other_padding[0, :2] = 0
-    assert_same(run(model, ids, other_padding), gpt2_logits(model, ids, other_padding),
-                rtol=1e-4, atol=1e-4)
+    assert_same(
+        run(model, ids, other_padding), gpt2_logits(model, ids, other_padding), rtol=1e-4, atol=1e-4
+    )
     with pytest.raises(PrecompileError, match="left the path"):
         run(model, ids, torch.ones_like(mask))

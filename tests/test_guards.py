@@ -32,8 +32,11 @@ def test_same_path_runs(run_branchy) -> None:
 
 def test_other_branch_is_refused_with_its_location(run_branchy) -> None:
     run, _, x, keep = run_branchy
-    with pytest.raises(PrecompileError, match=r"left the path.*value read into Python.*"
-                       r"test_guards.py:\d+ \(branchy\) was True at capture and is False now"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"left the path.*value read into Python.*"
+        r"test_guards.py:\d+ \(branchy\) was True at capture and is False now",
+    ):
         run(-x, keep)
 
 
@@ -50,6 +53,9 @@ def test_guards_are_in_the_spec(run_branchy) -> None:
 
 
 def test_unguardable_value_dependent_size_is_refused(backend: str) -> None:
-    with pytest.raises(PrecompileError, match=r"aten\._unique2.*output size depends on tensor "
-                       "values"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"aten\._unique2.*output size depends on tensor "
+        "values",
+    ):
         precompile(lambda x: torch.unique(x).sum(), torch.tensor([1, 2, 2]), backend=backend)

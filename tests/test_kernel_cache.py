@@ -60,8 +60,11 @@ def test_stale_fingerprint_rebuilds_in_a_fresh_process(artifacts, tmp_path) -> N
     stale = _repacked(code, cache, lambda p: p["fingerprint"].update(torch_git="0" * 40))
     paths = write_pair(tmp_path, "mlp_infer", code, stale)
     cache_dir = tmp_path / "inductor-cache"
-    proc = run_python(FRESH_LOAD.format(name="mlp_infer", **paths),
-                      env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}, timeout=900)
+    proc = run_python(
+        FRESH_LOAD.format(name="mlp_infer", **paths),
+        env={"TORCHINDUCTOR_CACHE_DIR": str(cache_dir)},
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "built for another machine or torch (torch_git" in proc.stderr
     assert '"inductor_imported": true' in proc.stdout
@@ -105,7 +108,8 @@ def test_fingerprint_rules() -> None:
     fewer_flags = {**here, "cpu_flags": here["cpu_flags"][: len(here["cpu_flags"]) // 2]}
     assert kernels.fingerprint_mismatch(fewer_flags) is None
     assert "lacks imaginary_isa" in kernels.fingerprint_mismatch(
-        {**here, "cpu_flags": [*here["cpu_flags"], "imaginary_isa"]})
+        {**here, "cpu_flags": [*here["cpu_flags"], "imaginary_isa"]}
+    )
     assert "python" in kernels.fingerprint_mismatch({**here, "python": [3, 99]})
     assert "machine" in kernels.fingerprint_mismatch({**here, "machine": "sparc"})
 
@@ -115,9 +119,13 @@ def _kernel_calls(source: str) -> list[tuple[Any, ...]]:
     artifact, read off its syntax tree."""
     calls = []
     for node in ast.walk(ast.parse(source)):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "cpp_pybinding" and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == "async_compile"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "cpp_pybinding"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "async_compile"
+        ):
             options = sorted((k.arg, repr(ast.literal_eval(k.value))) for k in node.keywords)
             calls.append((*(repr(ast.literal_eval(a)) for a in node.args), *options))
     return calls
@@ -157,8 +165,7 @@ def test_cache_holds_every_kernel_of_the_artifact(artifacts, tmp_path) -> None:
     assert not marker.exists(), marker.read_text()
 
 
-def test_kernels_built_without_the_cache_take_the_width_they_were_written_for(
-        tmp_path) -> None:
+def test_kernels_built_without_the_cache_take_the_width_they_were_written_for(tmp_path) -> None:
     """Kernels generated for 256-bit vectors, built in a fresh process without the cache,
     compute the right result also where this CPU's own vectors are wider."""
     from torch._inductor import config as inductor_config
@@ -172,9 +179,13 @@ def test_kernels_built_without_the_cache_take_the_width_they_were_written_for(
         code, _ = precompile(workload.fn, *workload.args())
     assert "vector_bits=256)" in code
     paths = write_pair(tmp_path, "mlp_infer", code, b"")
-    proc = run_python(FRESH_LOAD.replace("open({cache!r}, \"rb\").read()", "None").format(
-        name="mlp_infer", **paths), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ic")},
-        timeout=900)
+    proc = run_python(
+        FRESH_LOAD.replace('open({cache!r}, "rb").read()', "None").format(
+            name="mlp_infer", **paths
+        ),
+        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ic")},
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -182,6 +193,8 @@ def test_kernels_for_a_width_this_cpu_lacks_are_refused_not_built(artifacts) -> 
     code, _ = artifacts.pair("mlp_infer", "inductor")
     wider = re.sub(r"vector_bits=\d+\)", "vector_bits=1024)", code)
     assert wider != code
-    with pytest.raises(PrecompileError, match="generated for 1024-bit vectors and this CPU has "
-                       "no vector unit of that width"):
+    with pytest.raises(
+        PrecompileError,
+        match="generated for 1024-bit vectors and this CPU has no vector unit of that width",
+    ):
         precompile.load(wider, None)

@@ -65,11 +65,14 @@ def test_a_swapped_object_is_refused_before_anything_is_mapped(key, artifacts, t
     code, cache = artifacts.pair(NAME, "inductor")
     (tmp_path / "a.py").write_text(code)
     (tmp_path / "a.cache").write_bytes(_swapped(code, cache))
-    proc = run_python(_LOAD_SWAPPED.format(code=str(tmp_path / "a.py"),
-                                           cache=str(tmp_path / "a.cache"), key=key))
+    proc = run_python(
+        _LOAD_SWAPPED.format(code=str(tmp_path / "a.py"), cache=str(tmp_path / "a.cache"), key=key)
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "REFUSED the cache holds a kernel object that is not one python_code was built " \
-           "with" in proc.stdout
+    assert (
+        "REFUSED the cache holds a kernel object that is not one python_code was built "
+        "with" in proc.stdout
+    )
     assert "python_code names sha256" in proc.stdout
     assert "MAPPED 0" in proc.stdout
 
@@ -79,8 +82,9 @@ def test_an_object_the_source_does_not_name_is_refused(artifacts) -> None:
     payload = kernel_payload(code, cache)
     entry = dict(next(iter(payload["kernels"].values())))
     payload["kernels"]["f" * 64] = entry
-    with pytest.raises(PrecompileError, match="kernel ffffffffffff…: .*python_code names no such "
-                       "kernel"):
+    with pytest.raises(
+        PrecompileError, match="kernel ffffffffffff…: .*python_code names no such kernel"
+    ):
         precompile.load(code, with_kernel_payload(code, payload))
 
 
@@ -102,8 +106,13 @@ def test_verify_and_inspect_name_the_swapped_object(artifacts, tmp_path) -> None
     problems = verify(path, None).problems
     assert str(refused.value) in problems, problems
     report = describe(path)
-    assert report["load"]["refused"] and [k["load"] for k in report["cache"]["kernels"]].count(
-        "refused: the source does not name it") == 1
+    assert (
+        report["load"]["refused"]
+        and [k["load"] for k in report["cache"]["kernels"]].count(
+            "refused: the source does not name it"
+        )
+        == 1
+    )
     assert f"load      : refuses the pair, running nothing: {refused.value}" in render(report)
 
 
@@ -114,6 +123,7 @@ def test_a_malformed_entry_is_skipped_with_a_warning(artifacts, caplog) -> None:
     payload["kernels"][key] = {"object": "not bytes"}
     with caplog.at_level(logging.WARNING, logger="torch_precompile"):
         run = precompile.load(code, with_kernel_payload(code, payload))
-    assert any(f"kernel {key[:12]}… is unusable (a malformed entry)" in r.message
-               for r in caplog.records)
+    assert any(
+        f"kernel {key[:12]}… is unusable (a malformed entry)" in r.message for r in caplog.records
+    )
     assert_runs_like_eager(run, NAME)

@@ -25,14 +25,18 @@ def test_input_in_another_layout(backend: str, artifacts) -> None:
     eager_model = copy.deepcopy(model)
     before = model.bn.running_mean.clone()
     if backend == "inductor":
-        with pytest.raises(PrecompileError, match=r"input x: the compiled kernels assume strides "
-                           r"\(4, 1\).*got \(1, 5\).*contiguous"):
+        with pytest.raises(
+            PrecompileError,
+            match=r"input x: the compiled kernels assume strides "
+            r"\(4, 1\).*got \(1, 5\).*contiguous",
+        ):
             run(model, _transposed_copy(x), t)
         assert torch.equal(model.bn.running_mean, before), "a kernel ran before the check"
         assert all(p.grad is None for p in model.parameters())
     else:
-        assert_same(run(model, _transposed_copy(x), t), WORKLOADS["mlp_train"].fn(
-            eager_model, x, t))
+        assert_same(
+            run(model, _transposed_copy(x), t), WORKLOADS["mlp_train"].fn(eager_model, x, t)
+        )
 
 
 def test_parameter_in_another_layout(backend: str, artifacts) -> None:
@@ -41,8 +45,10 @@ def test_parameter_in_another_layout(backend: str, artifacts) -> None:
     expected = model(x)
     model.fc1.weight = nn.Parameter(_transposed_copy(model.fc1.weight.detach()))
     if backend == "inductor":
-        with pytest.raises(PrecompileError, match="model parameter 'fc1.weight': the compiled "
-                           "kernels assume strides"):
+        with pytest.raises(
+            PrecompileError,
+            match="model parameter 'fc1.weight': the compiled kernels assume strides",
+        ):
             run(model, x)
     else:
         assert_same(run(model, x), expected)
@@ -73,8 +79,9 @@ def test_parameter_relaid_in_place_after_a_call(artifacts) -> None:
     model, x = WORKLOADS["mlp_infer"].args()
     run(model, x)
     model.fc1.weight.data = _transposed_copy(model.fc1.weight.detach())
-    with pytest.raises(PrecompileError, match="model parameter 'fc1.weight': the compiled "
-                       "kernels assume strides"):
+    with pytest.raises(
+        PrecompileError, match="model parameter 'fc1.weight': the compiled kernels assume strides"
+    ):
         run(model, x)
 
 

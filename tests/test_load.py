@@ -16,8 +16,14 @@ from conftest import assert_runs_like_eager
 
 
 def _envelope(**changes) -> bytes:
-    payload = {"format": envelope.FORMAT, "version": envelope.VERSION, "backend": "eager",
-               "code_hash": "0" * 64, "artifact": None, **changes}
+    payload = {
+        "format": envelope.FORMAT,
+        "version": envelope.VERSION,
+        "backend": "eager",
+        "code_hash": "0" * 64,
+        "artifact": None,
+        **changes,
+    }
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     return buffer.getvalue()
@@ -35,13 +41,17 @@ def test_code_that_does_not_parse(backend: str, artifacts) -> None:
         precompile.load(b"x = 1", cache)
 
 
-def test_code_with_a_malformed_spec_is_refused_before_anything_runs(tmp_path, backend: str,
-                                                              artifacts) -> None:
+def test_code_with_a_malformed_spec_is_refused_before_anything_runs(
+    tmp_path, backend: str, artifacts
+) -> None:
     code, cache = artifacts.pair("mlp_infer", backend)
     marker = tmp_path / "ran"
     hostile = f"open({str(marker)!r}, 'w').close()\n" + code.replace("'out_spec': ", "'out': ")
-    with pytest.raises(PrecompileError, match=r"ArtifactSpec record with missing or unknown "
-                       r"fields \['out', 'out_spec'\]"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"ArtifactSpec record with missing or unknown "
+        r"fields \['out', 'out_spec'\]",
+    ):
         precompile.load(hostile, cache)
     assert not marker.exists()
 
@@ -50,8 +60,9 @@ def test_spec_with_a_malformed_record_list_is_refused(backend: str, artifacts) -
     from torch_precompile.spec import ArtifactSpec, spec_literal
 
     literal = spec_literal(artifacts.pair("mlp_infer", backend)[0])
-    with pytest.raises(PrecompileError, match="holds int for 'model' where a list of "
-                       "ModelTensor records belongs"):
+    with pytest.raises(
+        PrecompileError, match="holds int for 'model' where a list of ModelTensor records belongs"
+    ):
         ArtifactSpec.from_literal({**literal, "model": 5})
     with pytest.raises(PrecompileError, match="malformed Argument record"):
         ArtifactSpec.from_literal({**literal, "args": [5]})
@@ -85,8 +96,9 @@ def test_cache_of_another_artifact_is_refused(backend: str, artifacts) -> None:
     [b"", b"garbage", _envelope(format="someone-else"), _envelope(version=999)],
     ids=["empty", "garbage", "foreign-format", "future-version"],
 )
-def test_unusable_cache_warns_and_runs_from_code(cache: bytes, backend: str, artifacts,
-                                                 caplog) -> None:
+def test_unusable_cache_warns_and_runs_from_code(
+    cache: bytes, backend: str, artifacts, caplog
+) -> None:
     code, _ = artifacts.pair("mlp_infer", backend)
     with caplog.at_level(logging.WARNING, logger="torch_precompile"):
         run = precompile.load(code, cache)
@@ -123,8 +135,12 @@ def test_warns_once_per_source_before_executing(backend: str, artifacts, caplog)
 
 def test_loaded_artifact_is_not_reexportable(backend: str, artifacts) -> None:
     run = artifacts.load("mlp_infer", backend)
-    for attempt in (run.to_python_code, run.to_cache_bytes, lambda: run.python_code,
-                    lambda: pickle.dumps(run)):
+    for attempt in (
+        run.to_python_code,
+        run.to_cache_bytes,
+        lambda: run.python_code,
+        lambda: pickle.dumps(run),
+    ):
         with pytest.raises(PrecompileError, match="Keep the \\(python_code, cache\\) pair"):
             attempt()
     assert "forward(m, x)" in repr(run) and run.backend == backend

@@ -31,7 +31,9 @@ _PROLOGUE = """
                 len(registry._global_module_registration_hooks)]
 """
 
-_MANY_LOADS = _PROLOGUE + """
+_MANY_LOADS = (
+    _PROLOGUE
+    + """
     torch.set_num_threads(1)  # a tiny model: more threads only contend
     code, cache = pairs[0]
     expected = model(x)
@@ -59,8 +61,11 @@ _MANY_LOADS = _PROLOGUE + """
     print(json.dumps({{"fresh": fresh, "warm": warm, "after": hooks(),
                       "growth_mib": rss_mib() - before}}))
 """
+)
 
-_DROPPED = _PROLOGUE + """
+_DROPPED = (
+    _PROLOGUE
+    + """
     kept = []
     for code, cache in pairs:
         run = precompile.load(code, cache)
@@ -73,8 +78,11 @@ _DROPPED = _PROLOGUE + """
                       "referrers": [type(r).__name__ for a in alive for r in gc.get_referrers(a)],
                       "hooks": hooks()}}))
 """
+)
 
-_REGISTERED = _PROLOGUE + """
+_REGISTERED = (
+    _PROLOGUE
+    + """
     runs = [precompile.load(code, cache) for code, cache in pairs for _ in range(3)]
     for run in runs:
         run(model, x)
@@ -97,6 +105,7 @@ _REGISTERED = _PROLOGUE + """
             refused += 1
     print(json.dumps({{"runs": len(runs), "refused": refused}}))
 """
+)
 
 
 def _paths(tmp_path: Path, artifacts, backends: list[str]) -> list[tuple[str, str]]:
@@ -122,8 +131,9 @@ def test_repeated_loads_add_no_hook_and_no_memory(tmp_path, artifacts, backend: 
     paths = _paths(tmp_path, artifacts, [backend])
     found = _run(_MANY_LOADS.format(paths=paths, name=NAME, loads=LOADS))
     # One hook of each kind for the whole process, added by the first load.
-    assert all(warm <= fresh + 1 for warm, fresh in zip(found["warm"], found["fresh"],
-                                                         strict=True)), found
+    assert all(
+        warm <= fresh + 1 for warm, fresh in zip(found["warm"], found["fresh"], strict=True)
+    ), found
     assert found["after"] == found["warm"], found
     assert found["growth_mib"] < 5, found
 
@@ -135,8 +145,7 @@ def test_a_dropped_artifact_is_freed(tmp_path, artifacts) -> None:
     assert found["hooks"] == [1, 1, 1], found
 
 
-def test_the_memo_sees_registrations_with_several_artifacts_loaded(tmp_path,
-                                                                    artifacts) -> None:
+def test_the_memo_sees_registrations_with_several_artifacts_loaded(tmp_path, artifacts) -> None:
     paths = _paths(tmp_path, artifacts, ["eager", "inductor"])
     found = _run(_REGISTERED.format(paths=paths, name=NAME))
     assert found == {"runs": 8, "refused": 8}

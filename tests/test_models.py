@@ -21,8 +21,9 @@ from conftest import assert_same, model_state
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
-def sgd_steps(step: Callable[..., Any], model: nn.Module, args: tuple[Any, ...],
-              steps: int = 3) -> list[tuple[Any, dict[str, Any]]]:
+def sgd_steps(
+    step: Callable[..., Any], model: nn.Module, args: tuple[Any, ...], steps: int = 3
+) -> list[tuple[Any, dict[str, Any]]]:
     """Run ``steps`` SGD steps; after each, the step's result and the model's state."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     history = []
@@ -40,8 +41,9 @@ class PairCache:
     def __init__(self) -> None:
         self._pairs: dict[tuple[str, str], tuple[str, bytes]] = {}
 
-    def load(self, name: str, backend: str, fn: Callable[..., Any], model: nn.Module,
-             *args: Any) -> Callable[..., Any]:
+    def load(
+        self, name: str, backend: str, fn: Callable[..., Any], model: nn.Module, *args: Any
+    ) -> Callable[..., Any]:
         key = (name, backend)
         if key not in self._pairs:
             self._pairs[key] = precompile(fn, copy.deepcopy(model), *args, backend=backend)
@@ -53,8 +55,15 @@ def pairs() -> PairCache:
     return PairCache()
 
 
-def check_training(pairs: PairCache, name: str, backend: str, step: Callable[..., Any],
-                   model: nn.Module, *args: Any, **tol: float) -> None:
+def check_training(
+    pairs: PairCache,
+    name: str,
+    backend: str,
+    step: Callable[..., Any],
+    model: nn.Module,
+    *args: Any,
+    **tol: float,
+) -> None:
     """The artifact's losses, grads and parameters over three SGD steps are eager's."""
     run = pairs.load(name, backend, step, model, *args)
     compiled = sgd_steps(run, copy.deepcopy(model), args)
@@ -64,8 +73,15 @@ def check_training(pairs: PairCache, name: str, backend: str, step: Callable[...
         assert_same(state, eager_state, **(tol or TOL))
 
 
-def check_inference(pairs: PairCache, name: str, backend: str, fn: Callable[..., Any],
-                    model: nn.Module, *args: Any, **tol: float) -> None:
+def check_inference(
+    pairs: PairCache,
+    name: str,
+    backend: str,
+    fn: Callable[..., Any],
+    model: nn.Module,
+    *args: Any,
+    **tol: float,
+) -> None:
     """The artifact's results are eager's on the example and on other weights and inputs."""
     run = pairs.load(name, backend, fn, model, *args)
     for weights, inputs in ((model, args), other_weights_and_inputs(model, args)):
@@ -74,8 +90,9 @@ def check_inference(pairs: PairCache, name: str, backend: str, fn: Callable[...,
         assert_same(model_state(weights), model_state(eager_model), **(tol or TOL))
 
 
-def other_weights_and_inputs(model: nn.Module, args: tuple[Any, ...]
-                             ) -> tuple[nn.Module, tuple[Any, ...]]:
+def other_weights_and_inputs(
+    model: nn.Module, args: tuple[Any, ...]
+) -> tuple[nn.Module, tuple[Any, ...]]:
     """A copy of ``model`` with moved weights, and new inputs of the same kinds and ranges."""
     torch.manual_seed(2)
     other = copy.deepcopy(model)
@@ -113,8 +130,12 @@ class PoolNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.seq = nn.Sequential(nn.Conv1d(2, 4, 3), nn.BatchNorm1d(4), nn.MaxPool1d(2))
-        self.stem = nn.Sequential(nn.Conv2d(2, 4, 3, stride=2, padding=1, bias=False),
-                                  nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1))
+        self.stem = nn.Sequential(
+            nn.Conv2d(2, 4, 3, stride=2, padding=1, bias=False),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.MaxPool2d(3, 2, padding=1),
+        )
 
     def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.seq(x1), self.stem(x2)
@@ -162,8 +183,10 @@ def test_cat_of_empty_cache_then_view_inductor(disabled: str, monkeypatch) -> No
     import torch_precompile.lower.inductor as lowering
 
     module = layer if disabled == "_decomposition_table" else lowering
-    stand_in = {"_decomposition_table": lambda: dict(select_decomp_table()),
-                "reshape_unwritten_views": lambda graph: None}[disabled]
+    stand_in = {
+        "_decomposition_table": lambda: dict(select_decomp_table()),
+        "reshape_unwritten_views": lambda graph: None,
+    }[disabled]
     monkeypatch.setattr(module, disabled, stand_in)
     torch.manual_seed(0)
     model, x = CachedAttention(), torch.randn(2, 4, 8)
@@ -192,8 +215,15 @@ def t5() -> nn.Module:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.T5Config(
-        d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=64,
-        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        d_model=16,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        d_kv=8,
+        vocab_size=64,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
     )
     return transformers.T5ForConditionalGeneration(config)
 
@@ -210,18 +240,22 @@ def t5_step(m: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 def t5_batch() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
-    return (torch.randint(0, 64, (2, 8), generator=generator),
-            torch.randint(0, 64, (2, 4), generator=generator))
+    return (
+        torch.randint(0, 64, (2, 8), generator=generator),
+        torch.randint(0, 64, (2, 4), generator=generator),
+    )
 
 
 def test_t5_inference(pairs: PairCache, backend: str) -> None:
-    check_inference(pairs, "t5_infer", backend, t5_logits, t5().eval(), *t5_batch(),
-                    rtol=1e-4, atol=1e-4)
+    check_inference(
+        pairs, "t5_infer", backend, t5_logits, t5().eval(), *t5_batch(), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_t5_training_step(pairs: PairCache, backend: str) -> None:
-    check_training(pairs, "t5_train", backend, t5_step, t5().train(), *t5_batch(),
-                   rtol=1e-4, atol=1e-4)
+    check_training(
+        pairs, "t5_train", backend, t5_step, t5().train(), *t5_batch(), rtol=1e-4, atol=1e-4
+    )
 
 
 # Recurrent layers: with oneDNN on, the trace recorded oneDNN's LSTM layer and its backward,
@@ -289,8 +323,11 @@ def test_inductor_lowering_failure_is_precompile_error(monkeypatch) -> None:
     from torch._inductor import lowering
 
     monkeypatch.setitem(lowering.lowerings, torch.ops.aten.sin.default, _raise_unsupported)
-    with pytest.raises(PrecompileError, match=r"compiling the graph at operator aten\.sin\.default"
-                       r": .*unsupported here.*backend='eager'") as caught:
+    with pytest.raises(
+        PrecompileError,
+        match=r"compiling the graph at operator aten\.sin\.default"
+        r": .*unsupported here.*backend='eager'",
+    ) as caught:
         precompile(sine, nn.Linear(3, 2), torch.randn(4, 3))
     assert caught.value.__cause__ is not None
     assert "unsupported here" in str(caught.value.__cause__)
@@ -302,7 +339,10 @@ def test_inductor_decomposition_failure_is_precompile_error(monkeypatch) -> None
     table = layer._decomposition_table()
     table[torch.ops.aten.sin.default] = _raise_unsupported
     monkeypatch.setattr(layer, "_decomposition_table", lambda: table)
-    with pytest.raises(PrecompileError, match=r"retracing .* at operator aten\.sin\.default: "
-                       r"RuntimeError: unsupported here.*backend='eager'") as caught:
+    with pytest.raises(
+        PrecompileError,
+        match=r"retracing .* at operator aten\.sin\.default: "
+        r"RuntimeError: unsupported here.*backend='eager'",
+    ) as caught:
         precompile(sine, nn.Linear(3, 2), torch.randn(4, 3))
     assert isinstance(caught.value.__cause__, RuntimeError)

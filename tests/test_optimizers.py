@@ -29,8 +29,9 @@ from conftest import run_python
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-         t: torch.Tensor) -> torch.Tensor:
+def step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, t: torch.Tensor
+) -> torch.Tensor:
     loss = F.cross_entropy(model(x), t)
     loss.backward()
     opt.step()
@@ -38,8 +39,9 @@ def step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
     return loss.detach()
 
 
-def clipped_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-                 t: torch.Tensor) -> torch.Tensor:
+def clipped_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, t: torch.Tensor
+) -> torch.Tensor:
     """Clipping before the step; zero_grad is left to the caller, so .grad is set after it."""
     loss = F.cross_entropy(model(x), t)
     loss.backward()
@@ -48,8 +50,9 @@ def clipped_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Te
     return loss.detach()
 
 
-def zeroing_first_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-                       t: torch.Tensor) -> torch.Tensor:
+def zeroing_first_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, t: torch.Tensor
+) -> torch.Tensor:
     """zero_grad() first: the gradients of the call before are dropped, this call's stay."""
     opt.zero_grad()
     loss = F.cross_entropy(model(x), t)
@@ -59,14 +62,17 @@ def zeroing_first_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: to
 
 
 FORMS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "sgd_momentum_wd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-2,
-                                                 foreach=False),
-    "sgd_nesterov_foreach": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True,
-                                                      weight_decay=1e-2, foreach=True),
+    "sgd_momentum_wd": lambda p: torch.optim.SGD(
+        p, lr=0.1, momentum=0.9, weight_decay=1e-2, foreach=False
+    ),
+    "sgd_nesterov_foreach": lambda p: torch.optim.SGD(
+        p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2, foreach=True
+    ),
     "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-2),
-    "adam_amsgrad_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, maximize=True,
-                                                       foreach=True),
+    "adam_amsgrad_foreach": lambda p: torch.optim.Adam(
+        p, lr=1e-2, amsgrad=True, maximize=True, foreach=True
+    ),
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
     "adamw_amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True),
     "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
@@ -104,14 +110,16 @@ def built(form: str, backend: str, fn: Callable[..., Any] = step) -> Built:
         before = copy.deepcopy(model.state_dict())
         _BUILT[key] = Built(*precompile(fn, model, opt, *batch(0), backend=backend))
         # Capture steps nothing for real: the weights are as they were, no state was created.
-        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                      before.values(), strict=True))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(model.state_dict().values(), before.values(), strict=True)
+        )
         assert len(opt.state) == 0
     return _BUILT[key]
 
 
 def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.7 ** s)
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.7**s)
 
 
 def assert_state_equal(ours: torch.optim.Optimizer, eager: torch.optim.Optimizer) -> None:
@@ -124,9 +132,13 @@ def assert_state_equal(ours: torch.optim.Optimizer, eager: torch.optim.Optimizer
     assert ours_sd["param_groups"] == eager_sd["param_groups"]
 
 
-def train_side_by_side(run: Callable[..., Any], model: torch.nn.Module,
-                       opt: torch.optim.Optimizer, fn: Callable[..., Any] = step,
-                       steps: int = 3) -> None:
+def train_side_by_side(
+    run: Callable[..., Any],
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    fn: Callable[..., Any] = step,
+    steps: int = 3,
+) -> None:
     """``steps`` calls of the artifact and of eager fn on copies, under a schedule changing lr
     at every call: losses, weights, gradients and optimizer state agree, and the optimizer's
     state tensors stay the same objects from call to call."""
@@ -137,8 +149,9 @@ def train_side_by_side(run: Callable[..., Any], model: torch.nn.Module,
         x, t = batch(seed)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()"
-            torch.testing.assert_close(run(model, opt, x, t), fn(eager_model, eager_opt, x, t),
-                                       **TIGHT)
+            torch.testing.assert_close(
+                run(model, opt, x, t), fn(eager_model, eager_opt, x, t), **TIGHT
+            )
             sched.step()
             eager_sched.step()
         for p, q in zip(model.parameters(), eager_model.parameters(), strict=True):
@@ -177,7 +190,8 @@ def test_an_optimizer_restored_from_a_checkpoint_continues_like_eager(backend: s
 
 
 def test_sgd_with_dampening_continues_from_its_state_and_refuses_a_fresh_start(
-        backend: str) -> None:
+    backend: str,
+) -> None:
     def make(p: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.3)
 
@@ -187,8 +201,11 @@ def test_sgd_with_dampening_continues_from_its_state_and_refuses_a_fresh_start(
     run = precompile.load(*precompile(step, model, opt, *batch(0), backend=backend))
     train_side_by_side(run, model, opt)
     fresh = make_model(4)
-    with pytest.raises(PrecompileError, match=r"parameter '0.weight' has no state in optimizer "
-                       r"opt yet: SGD with dampening .*dampening=0"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"parameter '0.weight' has no state in optimizer "
+        r"opt yet: SGD with dampening .*dampening=0",
+    ):
         run(fresh, make(fresh.parameters()), *batch(1))
 
 
@@ -196,21 +213,25 @@ def test_two_param_groups_clipping_and_zero_grad_outside(backend: str) -> None:
     def grouped(model: torch.nn.Module) -> torch.optim.Optimizer:
         weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
         biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
-        return torch.optim.SGD([{"params": weights}, {"params": biases, "lr": 0.02}], lr=0.1,
-                               momentum=0.5)
+        return torch.optim.SGD(
+            [{"params": weights}, {"params": biases, "lr": 0.02}], lr=0.1, momentum=0.5
+        )
 
     model = make_model(5)
-    run = precompile.load(*precompile(clipped_step, model, grouped(model), *batch(0),
-                                      backend=backend))
+    run = precompile.load(
+        *precompile(clipped_step, model, grouped(model), *batch(0), backend=backend)
+    )
     fresh = make_model(6)
     train_side_by_side(run, fresh, grouped(fresh), fn=clipped_step)
 
 
-def test_zero_grad_first_inside_fn_drops_the_gradients_of_the_call_before(backend: str
-                                                                         ) -> None:
+def test_zero_grad_first_inside_fn_drops_the_gradients_of_the_call_before(backend: str) -> None:
     model = make_model(16)
-    run = precompile.load(*precompile(zeroing_first_step, model, FORMS["adam"](
-        model.parameters()), *batch(0), backend=backend))
+    run = precompile.load(
+        *precompile(
+            zeroing_first_step, model, FORMS["adam"](model.parameters()), *batch(0), backend=backend
+        )
+    )
     fresh = make_model(17)
     train_side_by_side(run, fresh, FORMS["adam"](fresh.parameters()), fn=zeroing_first_step)
     assert all(p.grad is not None for p in fresh.parameters())  # the last call's
@@ -218,53 +239,79 @@ def test_zero_grad_first_inside_fn_drops_the_gradients_of_the_call_before(backen
 
 def test_each_baked_option_changed_is_refused_by_name(backend: str) -> None:
     run = built("adamw", backend).load()
-    for option, value in [("weight_decay", 0.1), ("betas", (0.8, 0.99)), ("amsgrad", True),
-                          ("maximize", True), ("foreach", True), ("fused", True),
-                          ("eps", 1e-6)]:
+    for option, value in [
+        ("weight_decay", 0.1),
+        ("betas", (0.8, 0.99)),
+        ("amsgrad", True),
+        ("maximize", True),
+        ("foreach", True),
+        ("fused", True),
+        ("eps", 1e-6),
+    ]:
         model = make_model(7)
         opt = FORMS["adamw"](model.parameters())
         opt.param_groups[0][option] = value
         before = copy.deepcopy(model.state_dict())
-        with pytest.raises(PrecompileError, match=(
+        with pytest.raises(
+            PrecompileError,
+            match=(
                 rf"option '{option}' of param group 0 of optimizer opt is .*; it was .* at "
-                r"capture, and only lr is read at every call")):
+                r"capture, and only lr is read at every call"
+            ),
+        ):
             run(model, opt, *batch(1))
         assert len(opt.state) == 0
-        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                      before.values(), strict=True))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(model.state_dict().values(), before.values(), strict=True)
+        )
 
 
 def test_calls_that_do_not_match_the_captured_optimizer_are_refused(backend: str) -> None:
     run = built("adamw", backend).load()
     model = make_model(8)
-    with pytest.raises(PrecompileError, match=r"argument opt was a torch.optim.adamw.AdamW at "
-                       r"capture; got torch.optim.adam.Adam"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"argument opt was a torch.optim.adamw.AdamW at "
+        r"capture; got torch.optim.adam.Adam",
+    ):
         run(model, torch.optim.Adam(model.parameters()), *batch(1))
     other = make_model(9)
-    with pytest.raises(PrecompileError, match=r"param group 0 of optimizer opt does not step "
-                       r"the captured parameters \('0.weight', '0.bias', '2.weight', '2.bias', "
-                       r"in this order\)"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"param group 0 of optimizer opt does not step "
+        r"the captured parameters \('0.weight', '0.bias', '2.weight', '2.bias', "
+        r"in this order\)",
+    ):
         run(model, FORMS["adamw"](other.parameters()), *batch(1))
     with pytest.raises(PrecompileError, match="optimizer opt has 2 param groups; it had 1"):
         params = list(model.parameters())
-        run(model, torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}]),
-            *batch(1))
+        run(model, torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}]), *batch(1))
     opt = FORMS["adamw"](model.parameters())
     opt.param_groups[0]["lr"] = "fast"
-    with pytest.raises(PrecompileError, match=r"lr of param group 0 of optimizer opt is 'fast'; "
-                       r".*Set it to a float"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"lr of param group 0 of optimizer opt is 'fast'; "
+        r".*Set it to a float",
+    ):
         run(model, opt, *batch(1))
     assert len(opt.state) == 0
     opt.param_groups[0]["lr"] = 1e-2
     F.cross_entropy(model(batch(1)[0]), batch(1)[1]).backward()
-    with pytest.raises(PrecompileError, match=r"model parameter '0.weight' has a .grad from "
-                       r"before the call.*opt.zero_grad\(\)"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"model parameter '0.weight' has a .grad from "
+        r"before the call.*opt.zero_grad\(\)",
+    ):
         run(model, opt, *batch(1))
     opt.zero_grad()
     step(model, opt, *batch(2))
     opt.state[next(model.parameters())]["exp_avg"] = torch.zeros(3)
-    with pytest.raises(PrecompileError, match=r"state 'exp_avg' of parameter '0.weight' in "
-                       r"optimizer opt: expected shape \(8, 4\)"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"state 'exp_avg' of parameter '0.weight' in "
+        r"optimizer opt: expected shape \(8, 4\)",
+    ):
         run(model, opt, *batch(1))
 
 
@@ -287,9 +334,12 @@ def test_step_hooks_are_refused_at_capture_and_at_call(backend: str) -> None:
 def test_an_optimizer_class_not_carried_is_refused_at_capture() -> None:
     model = make_model(11)
     opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
-    with pytest.raises(PrecompileError, match=r"optimizer opt is a torch.optim.rmsprop.RMSprop; "
-                       r"a step inside fn is carried for torch.optim.Adam, torch.optim.AdamW, "
-                       r"torch.optim.SGD"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"optimizer opt is a torch.optim.rmsprop.RMSprop; "
+        r"a step inside fn is carried for torch.optim.Adam, torch.optim.AdamW, "
+        r"torch.optim.SGD",
+    ):
         precompile(step, model, opt, *batch(0))
     assert len(opt.state) == 0
 
@@ -298,8 +348,11 @@ def test_an_optimizer_nested_in_an_input_is_refused() -> None:
     model = make_model(12)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(PrecompileError, match=r"input parts\['opt'\] is an optimizer nested"):
-        precompile(lambda m, parts: step(m, parts["opt"], parts["x"], parts["t"]), model,
-                   {"opt": opt, "x": batch(0)[0], "t": batch(0)[1]})
+        precompile(
+            lambda m, parts: step(m, parts["opt"], parts["x"], parts["t"]),
+            model,
+            {"opt": opt, "x": batch(0)[0], "t": batch(0)[1]},
+        )
 
 
 def test_the_earlier_silent_wrong_cases_now_match_eager(backend: str) -> None:
@@ -309,12 +362,16 @@ def test_the_earlier_silent_wrong_cases_now_match_eager(backend: str) -> None:
     the trace and every call replayed the first step; AdamW under LambdaLR was refused at the
     second call, the optimizer having been baked by its repr, which holds lr. Now: eager's
     weights and state at every step, with lr changing every call."""
-    cases = {"sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-             "adamw": FORMS["adamw"], "adamw_fused": FORMS["adamw_fused"]}
+    cases = {
+        "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "adamw": FORMS["adamw"],
+        "adamw_fused": FORMS["adamw_fused"],
+    }
     for name, make in cases.items():
         model = make_model(13)
-        run = precompile.load(*precompile(step, model, make(model.parameters()), *batch(0),
-                                          backend=backend))
+        run = precompile.load(
+            *precompile(step, model, make(model.parameters()), *batch(0), backend=backend)
+        )
         fresh = make_model(14)
         train_side_by_side(run, fresh, make(fresh.parameters()))
         assert name
@@ -334,8 +391,11 @@ def test_inspect_shows_the_optimizer(backend: str, tmp_path: Path) -> None:
     assert group["baked"]["amsgrad"] is True and group["baked"]["betas"] == [0.9, 0.999]
     assert group["fresh_start"] == "zero state"
     assert optimizer["state"]["0.weight"] == {
-        "step": "() float32", "exp_avg": "(8, 4) float32", "exp_avg_sq": "(8, 4) float32",
-        "max_exp_avg_sq": "(8, 4) float32"}
+        "step": "() float32",
+        "exp_avg": "(8, 4) float32",
+        "exp_avg_sq": "(8, 4) float32",
+        "max_exp_avg_sq": "(8, 4) float32",
+    }
     json.dumps(report)  # the CLI prints it as JSON
     text = render(report)
     assert "optimizer : opt (torch.optim.adamw.AdamW), state updated in place" in text
@@ -365,14 +425,17 @@ _FRESH_PROCESS = """
 
 
 @pytest.mark.parametrize("with_cache", [True, False], ids=["cache", "no-cache"])
-def test_a_fresh_process_trains_like_eager(backend: str, with_cache: bool,
-                                           tmp_path: Path) -> None:
+def test_a_fresh_process_trains_like_eager(backend: str, with_cache: bool, tmp_path: Path) -> None:
     pair = built("adamw", backend)
     (tmp_path / "step.py").write_text(pair.code)
     (tmp_path / "step.cache").write_bytes(pair.cache)
-    done = run_python(_FRESH_PROCESS.format(code=str(tmp_path / "step.py"),
-                                            cache=str(tmp_path / "step.cache"),
-                                            with_cache=with_cache))
+    done = run_python(
+        _FRESH_PROCESS.format(
+            code=str(tmp_path / "step.py"),
+            cache=str(tmp_path / "step.cache"),
+            with_cache=with_cache,
+        )
+    )
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
     model = make_model(15)
@@ -386,14 +449,16 @@ def test_a_fresh_process_trains_like_eager(backend: str, with_cache: bool,
     for values, p in zip(got["weights"], model.parameters(), strict=True):
         torch.testing.assert_close(torch.tensor(values), p.detach().flatten(), **TIGHT)
     for values, p in zip(got["exp_avg"], model.parameters(), strict=True):
-        torch.testing.assert_close(torch.tensor(values), opt.state[p]["exp_avg"].flatten(),
-                                   **TIGHT)
+        torch.testing.assert_close(torch.tensor(values), opt.state[p]["exp_avg"].flatten(), **TIGHT)
 
 
 def test_an_optimizer_with_dynamic_dims_is_refused_by_name() -> None:
     model = make_model(18)
     x, t = batch(0)
     mark_unbacked(x, 0)
-    with pytest.raises(PrecompileError, match=r"optimizer opt steps inside fn, which is carried "
-                       r"for dims of static shape.*call its step outside"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"optimizer opt steps inside fn, which is carried "
+        r"for dims of static shape.*call its step outside",
+    ):
         precompile(step, model, FORMS["adamw"](model.parameters()), x, t, backend="inductor")

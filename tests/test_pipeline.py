@@ -12,20 +12,29 @@ import torch
 
 from conftest import run_ranks
 
-pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(),
-                                 reason="torch.distributed is not built into this torch"),
-              pytest.mark.timeout(1200)]
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.distributed.is_available(),
+        reason="torch.distributed is not built into this torch",
+    ),
+    pytest.mark.timeout(1200),
+]
 CASES = ["gpipe_eager", "1f1b_eager", "gpipe_inductor", "1f1b_inductor"]
 ONE_RANK = ["onerank_eager", "onerank_inductor"]
 TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2_stages", "4_stages"])
-def stages(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> list[dict[str, Any]]:
+def stages(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
     world = request.param
-    return run_ranks(world, [*ONE_RANK, *CASES], tmp_path_factory.mktemp(f"pipeline{world}"),
-                     worker="pipeline_worker.py")
+    return run_ranks(
+        world,
+        [*ONE_RANK, *CASES],
+        tmp_path_factory.mktemp(f"pipeline{world}"),
+        worker="pipeline_worker.py",
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -51,8 +60,9 @@ def test_restarted_stages_resume_from_their_saved_pairs(tmp_path: Path) -> None:
     """Two steps, every rank saves its pair and state; new processes load them (building
     nothing) and train the third step, which matches eager's three."""
     run_ranks(2, ["save_eager", "save_inductor"], tmp_path, worker="pipeline_worker.py")
-    reports = run_ranks(2, ["resume_eager", "resume_inductor"], tmp_path,
-                        worker="pipeline_worker.py")
+    reports = run_ranks(
+        2, ["resume_eager", "resume_inductor"], tmp_path, worker="pipeline_worker.py"
+    )
     for rank, report in enumerate(reports):
         for case in ("resume_eager", "resume_inductor"):
             result = report[case]
@@ -63,13 +73,18 @@ def test_restarted_stages_resume_from_their_saved_pairs(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pp_fsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(4, ["fsdp_eager", "fsdp_inductor", "innershard_eager"],
-                     tmp_path_factory.mktemp("pp_fsdp"), worker="pipeline_worker.py")
+    return run_ranks(
+        4,
+        ["fsdp_eager", "fsdp_inductor", "innershard_eager"],
+        tmp_path_factory.mktemp("pp_fsdp"),
+        worker="pipeline_worker.py",
+    )
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_pipeline_stages_sharded_with_fsdp2_train_like_eager(pp_fsdp: list[dict[str, Any]],
-                                                             backend: str) -> None:
+def test_pipeline_stages_sharded_with_fsdp2_train_like_eager(
+    pp_fsdp: list[dict[str, Any]], backend: str
+) -> None:
     """PP x FSDP2 on 4 ranks (2 stages x 2 shards): each precompiled stage sharded as a whole
     with ``fully_shard``, each replica on its own rows, matches eager over the whole batch."""
     for rank, report in enumerate(pp_fsdp):

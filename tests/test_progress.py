@@ -17,8 +17,11 @@ precompile(lambda m, x: m(x), model, torch.randn(2, 4), backend="eager")
 print("BUILT")
 """
 
-STEPS = ("tracing fn (one traced run)", "lowering with the eager backend",
-         "writing the artifact source")
+STEPS = (
+    "tracing fn (one traced run)",
+    "lowering with the eager backend",
+    "writing the artifact source",
+)
 
 
 def _stderr_of_build(setup: str = "") -> str:
@@ -47,9 +50,13 @@ def test_a_process_that_configures_logging_gets_each_record_once() -> None:
 
 
 def test_on_a_terminal_a_step_is_redrawn_in_place() -> None:
-    returncode, text = stderr_on_a_terminal([sys.executable, "-c", BUILD.format(setup="")],
-                                            timeout=300, env=dict(os.environ))
+    returncode, text = stderr_on_a_terminal(
+        [sys.executable, "-c", BUILD.format(setup="")], timeout=300, env=dict(os.environ)
+    )
     assert returncode == 0
     # The start has no line end of its own: a running clock, then its end, overwrite it.
-    assert re.search(r"tracing fn \(one traced run\)\.\.\.[^\n]*\r\x1b\[Ktorch-precompile: "
-                     r"tracing fn \(one traced run\): done in \d+\.\d s\r?\n", text), text
+    assert re.search(
+        r"tracing fn \(one traced run\)\.\.\.[^\n]*\r\x1b\[Ktorch-precompile: "
+        r"tracing fn \(one traced run\): done in \d+\.\d s\r?\n",
+        text,
+    ), text

@@ -81,7 +81,8 @@ def test_a_users_module_names_its_forward() -> None:
     assert _comment_above(code, "addmm") == forward_line
     assert _comment_above(code, "relu") == forward_line
     assert _comment_above(code, "nll_loss_forward") == _comment(
-        step, "loss = F.cross_entropy(model(x), t)")
+        step, "loss = F.cross_entropy(model(x), t)"
+    )
 
 
 def test_fake_and_symbolic_traces_name_the_users_lines() -> None:

@@ -44,8 +44,11 @@ def test_a_counter_attribute_is_refused_and_put_back(backend: str) -> None:
     every call; on the third call eager scales by 3, and the outputs differed by up to 1.9
     (eager backend) and 3.0 (inductor) on this model."""
     model = Counter()
-    with pytest.raises(PrecompileError, match=r"^fn changed attribute 'calls' of model m while it "
-                       r"was traced\..*register_buffer.*\(Capture put the old value back\.\)$"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"^fn changed attribute 'calls' of model m while it "
+        r"was traced\..*register_buffer.*\(Capture put the old value back\.\)$",
+    ):
         precompile(lambda m, x: m(x), model, torch.randn(2, 4), backend=backend)
     assert model.calls == 0
 
@@ -72,13 +75,15 @@ class LazyTotal(torch.nn.Module):
         return self.lin(x) * self.total
 
 
-def test_a_tensor_fn_creates_and_keeps_is_refused_not_taken_for_a_literal(backend: str
-                                                                         ) -> None:
+def test_a_tensor_fn_creates_and_keeps_is_refused_not_taken_for_a_literal(backend: str) -> None:
     """The total carries from one call to the next; as a literal built inside fn, every call
     would start it from zero again."""
     model = LazyTotal()
-    with pytest.raises(PrecompileError, match=r"fn changed attribute 'total' of model m \(added "
-                       r"by fn\) while it was traced"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"fn changed attribute 'total' of model m \(added "
+        r"by fn\) while it was traced",
+    ):
         precompile(lambda m, x: m(x), model, torch.randn(2, 4), backend=backend)
     assert not hasattr(model, "total")
 
@@ -94,15 +99,24 @@ def test_an_unknown_stateful_object_argument_is_refused(backend: str) -> None:
     """Before (torch-precompile 0.4.0): an object was baked by its repr, so an object whose repr
     hides its state (here scale) was baked silently as it was at capture."""
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(PrecompileError, match=r"input settings is a test_python_state.Settings, "
-                       r"which is neither a tensor nor an immutable value"):
-        precompile(lambda m, x, settings: m(x) * settings.scale, model, torch.randn(2, 4),
-                   Settings(), backend=backend)
+    with pytest.raises(
+        PrecompileError,
+        match=r"input settings is a test_python_state.Settings, "
+        r"which is neither a tensor nor an immutable value",
+    ):
+        precompile(
+            lambda m, x, settings: m(x) * settings.scale,
+            model,
+            torch.randn(2, 4),
+            Settings(),
+            backend=backend,
+        )
 
 
 def test_an_option_changed_inside_fn_is_refused(backend: str) -> None:
-    def halving(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-                t: torch.Tensor) -> torch.Tensor:
+    def halving(
+        model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
         opt.param_groups[0]["lr"] *= 0.5
         return step(model, opt, x, t)
 
@@ -120,8 +134,9 @@ def test_a_stateless_optimizer_inside_fn_trains_like_eager(backend: str) -> None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
     start = copy.deepcopy(model.state_dict())
-    run = precompile.load(*precompile(step, model, opt, torch.randn(2, 4), torch.tensor([0, 2]),
-                                      backend=backend))
+    run = precompile.load(
+        *precompile(step, model, opt, torch.randn(2, 4), torch.tensor([0, 2]), backend=backend)
+    )
     assert_same(model.state_dict(), start)  # capture applied no update
     for seed in range(1, 4):
         x = torch.randn(2, 4, generator=torch.Generator().manual_seed(seed))

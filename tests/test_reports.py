@@ -45,9 +45,14 @@ def make():
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torch_precompile", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(cwd)})
+    return subprocess.run(
+        [sys.executable, "-m", "torch_precompile", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(cwd)},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +76,12 @@ def _edited(code: str, cache: bytes, edit: Callable[[dict[str, Any]], None]) -> 
     fields = envelope.decode(signature.split(cache)[1])
     payload = read_payload(fields["artifact"])
     edit(payload)
-    return envelope.pack("inductor", code, write_payload(payload["fingerprint"],
-                                                         payload["kernels"]),
-                         fields.get("compiled"))
+    return envelope.pack(
+        "inductor",
+        code,
+        write_payload(payload["fingerprint"], payload["kernels"]),
+        fields.get("compiled"),
+    )
 
 
 def _flip(payload: dict[str, Any], *, keep_checksum: bool = True) -> None:
@@ -100,8 +108,9 @@ EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
 
 def _saved(built: Path, folder: Path, edit: str, sign_key: bytes | None = None) -> Path:
     code, cache = _pair(built)
-    return precompile.save(code, _edited(code, cache, EDITS[edit]), folder / "model.py",
-                           sign_key=sign_key)
+    return precompile.save(
+        code, _edited(code, cache, EDITS[edit]), folder / "model.py", sign_key=sign_key
+    )
 
 
 # -- 1. prebuilt objects: counted and named as what they are, as a fresh load maps them --------
@@ -121,8 +130,12 @@ _FRESH_LOAD = """
 
 def test_inspect_counts_what_a_fresh_load_maps_and_names_it(built: Path) -> None:
     _, cache = _pair(built)
-    held = sorted(object_kind(e) for e in read_payload(
-        envelope.decode(signature.split(cache)[1])["artifact"])["kernels"].values())
+    held = sorted(
+        object_kind(e)
+        for e in read_payload(envelope.decode(signature.split(cache)[1])["artifact"])[
+            "kernels"
+        ].values()
+    )
     report = json.loads(_cli("inspect", "model.py", "--json", cwd=built.parent).stdout)
     assert sorted(k["kind"] for k in report["cache"]["kernels"]) == held
     if report["wrapper"] == "cpp":  # its kernels are compiled into the wrapper's library
@@ -130,16 +143,18 @@ def test_inspect_counts_what_a_fresh_load_maps_and_names_it(built: Path) -> None
     assert report["load"]["prebuilt"] == count_objects(held) and report["load"]["to_build"] == 0
     text = _cli("inspect", "model.py", cwd=built.parent).stdout
     assert f"prebuilt  : {count_objects(held)}, " in text
-    assert f"load      : runs from the cache: maps {count_objects(held)} from the cache, " \
-           "builds nothing" in text
+    assert (
+        f"load      : runs from the cache: maps {count_objects(held)} from the cache, "
+        "builds nothing" in text
+    )
     fresh = run_python(_FRESH_LOAD.format(path=str(built)))
     assert fresh.returncode == 0, fresh.stderr[-3000:]
-    assert json.loads(fresh.stdout.splitlines()[-1]) == {"loaded": held,
-                                                         "inductor_imported": False}
+    assert json.loads(fresh.stdout.splitlines()[-1]) == {"loaded": held, "inductor_imported": False}
 
 
 def test_the_demo_note_counts_the_loaded_objects_and_checks_them_against_inspect(
-        built: Path) -> None:
+    built: Path,
+) -> None:
     from torch_precompile.demo import _prebuilt_note
 
     code, cache = _pair(built)
@@ -160,8 +175,9 @@ def test_the_judgement_is_what_load_built_kernels_does(edit: str, built: Path) -
     edited = _edited(code, cache, EDITS[edit])
     judged = judge(code, edited)
     try:
-        mapped: Any = load_built_kernels(envelope.read(edited).acceleration,
-                                         pins(precompile.inspect(code)))
+        mapped: Any = load_built_kernels(
+            envelope.read(edited).acceleration, pins(precompile.inspect(code))
+        )
     except PrecompileError as e:
         mapped = e
     if isinstance(mapped, PrecompileError):
@@ -203,12 +219,14 @@ def test_a_damaged_object_is_reported_as_load_treats_it(built: Path, tmp_path: P
     assert "is unusable (its bytes are damaged" in loaded.stderr
 
 
-def test_a_foreign_object_is_refused_by_all_three_in_loads_words(built: Path,
-                                                                  tmp_path: Path) -> None:
+def test_a_foreign_object_is_refused_by_all_three_in_loads_words(
+    built: Path, tmp_path: Path
+) -> None:
     path = _saved(built, tmp_path, "swapped")
     loaded = run_python(_LOAD_AND_CALL.format(path=str(path)))
     assert loaded.stdout.startswith("REFUSED the cache holds a kernel object that is not one"), (
-        loaded.stdout + loaded.stderr[-2000:])
+        loaded.stdout + loaded.stderr[-2000:]
+    )
     refusal = loaded.stdout.removeprefix("REFUSED ").strip()
     report = json.loads(_cli("inspect", "model.py", "--json", cwd=tmp_path).stdout)
     assert report["load"]["refused"] and report["load"]["outcome"].endswith(refusal)
@@ -216,16 +234,16 @@ def test_a_foreign_object_is_refused_by_all_three_in_loads_words(built: Path,
     assert checked.returncode == 1 and f"FAILED: {refusal}" in checked.stdout
 
 
-def test_a_pair_from_another_torch_build_is_reported_refused(built: Path,
-                                                             tmp_path: Path) -> None:
+def test_a_pair_from_another_torch_build_is_reported_refused(built: Path, tmp_path: Path) -> None:
     code, _ = _pair(built)
     git = precompile.inspect(code).torch.git
     other = code.replace(git, "0" * len(git))  # the source (and so the pairing) changes too
     (tmp_path / "model.py").write_text(other)
     checked = _cli("verify", "model.py", cwd=tmp_path)
     assert checked.returncode == 1
-    assert f"this artifact was built with torch {torch.__version__} (git {'0' * 40})" in \
-           checked.stdout
+    assert (
+        f"this artifact was built with torch {torch.__version__} (git {'0' * 40})" in checked.stdout
+    )
 
 
 # -- 3. verify claims only the verification it did -----------------------------------------
@@ -234,8 +252,7 @@ def test_a_pair_from_another_torch_build_is_reported_refused(built: Path,
 @pytest.fixture(scope="module")
 def eager_pair() -> tuple[str, bytes]:
     torch.manual_seed(0)
-    return precompile(lambda m, x: m(x), torch.nn.Linear(4, 2), torch.randn(3, 4),
-                      backend="eager")
+    return precompile(lambda m, x: m(x), torch.nn.Linear(4, 2), torch.randn(3, 4), backend="eager")
 
 
 def test_verify_without_the_key_does_not_claim_a_signed_pair(eager_pair, tmp_path) -> None:
@@ -274,26 +291,36 @@ def _bucketed(tmp_path: Path, batches: tuple[int, ...]):
     return precompile.load(tmp_path / "v.py"), model
 
 
-@pytest.mark.parametrize(("batches", "call", "nearest", "expected"), [
-    ((1, 4, 16), 5, 2, 4), ((1, 4, 16), 12, 3, 16), ((1, 4, 16), 2, 1, 1),
-    ((6, 4), 5, 2, 4),  # a tie goes to the smaller variant, whatever the capture order
-])
-def test_the_nearest_variant_has_the_closest_shape(batches, call, nearest, expected,
-                                                   tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("batches", "call", "nearest", "expected"),
+    [
+        ((1, 4, 16), 5, 2, 4),
+        ((1, 4, 16), 12, 3, 16),
+        ((1, 4, 16), 2, 1, 1),
+        ((6, 4), 5, 2, 4),  # a tie goes to the smaller variant, whatever the capture order
+    ],
+)
+def test_the_nearest_variant_has_the_closest_shape(
+    batches, call, nearest, expected, tmp_path: Path
+) -> None:
     run, model = _bucketed(tmp_path, batches)
     with pytest.raises(PrecompileError) as refused:
         run(model, torch.randn(call, 3))
-    assert (f"Nearest is variant {nearest} (closest input shapes): input x: expected shape "
-            f"({expected}, 3), got ({call}, 3)") in str(refused.value)
+    assert (
+        f"Nearest is variant {nearest} (closest input shapes): input x: expected shape "
+        f"({expected}, 3), got ({call}, 3)"
+    ) in str(refused.value)
 
 
 def test_variants_of_python_values_fall_back_to_the_furthest_check(tmp_path: Path) -> None:
     model = torch.nn.Linear(3, 2)
-    with capture(lambda m, x, s: m(x) * s, artifact_path=tmp_path / "v.py",
-                 backend="eager") as cap:
+    with capture(lambda m, x, s: m(x) * s, artifact_path=tmp_path / "v.py", backend="eager") as cap:
         for scale in (2.0, 3.0):
             cap(model, torch.randn(4, 3), scale)
     run = precompile.load(tmp_path / "v.py")
-    with pytest.raises(PrecompileError, match=r"Nearest is variant 1 \(its checks got "
-                                              r"furthest\)"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"Nearest is variant 1 \(its checks got "
+        r"furthest\)",
+    ):
         run(model, torch.randn(4, 3), 5.0)

@@ -25,8 +25,11 @@ def mlp(backend: str, artifacts):
 
 def test_arity(mlp) -> None:
     run, model, x, t = mlp
-    with pytest.raises(PrecompileError, match=r"expected 3 positional arguments \(m \(model\), "
-                       r"x \(input\), t \(input\)\), got 2"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"expected 3 positional arguments \(m \(model\), "
+        r"x \(input\), t \(input\)\), got 2",
+    ):
         run(model, x)
     with pytest.raises(PrecompileError, match="got 4"):
         run(model, x, t, t)
@@ -38,13 +41,17 @@ def test_input_shape_dtype_device(mlp) -> None:
     run, model, x, t = mlp
     with pytest.raises(PrecompileError, match=r"input x: expected shape \(5, 4\), got \(6, 4\)"):
         run(model, torch.randn(6, 4), t)
-    with pytest.raises(PrecompileError, match="input t: expected dtype torch.float32, got "
-                       "torch.float64"):
+    with pytest.raises(
+        PrecompileError, match="input t: expected dtype torch.float32, got torch.float64"
+    ):
         run(model, x, t.double())
     with pytest.raises(PrecompileError, match="input x: expected device cpu, got meta"):
         run(model, x.to("meta"), t)
-    with pytest.raises(PrecompileError, match=r"input x: expected a tensor of shape \(5, 4\), "
-                       "got str"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"input x: expected a tensor of shape \(5, 4\), "
+        "got str",
+    ):
         run(model, "x", t)
 
 
@@ -53,43 +60,65 @@ def test_input_structure(backend: str, artifacts) -> None:
     model, batch = WORKLOADS["pytree"].args()
     wrong = dict(batch)
     del wrong["scale"]
-    with pytest.raises(PrecompileError, match=r"different structure.*expected \(\{'x': "
-                       r"Tensor\(5, 4\), 'scale': 2\.0"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"different structure.*expected \(\{'x': "
+        r"Tensor\(5, 4\), 'scale': 2\.0",
+    ):
         run(model, wrong)
-    with pytest.raises(PrecompileError, match=r"input batch\['scale'\]: expected the value "
-                       r"2\.0, got 3\.0"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"input batch\['scale'\]: expected the value "
+        r"2\.0, got 3\.0",
+    ):
         run(model, {**batch, "scale": 3.0})
-    with pytest.raises(PrecompileError, match=r"input batch\['extras'\]\[1\]\[1\]: expected "
-                       r"the value 'tag', got 'other'"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"input batch\['extras'\]\[1\]\[1\]: expected "
+        r"the value 'tag', got 'other'",
+    ):
         run(model, {**batch, "extras": [batch["extras"][0], (batch["extras"][1][0], "other")]})
-    with pytest.raises(PrecompileError, match=r"input batch\['scale'\]: expected the value 2\.0, "
-                       "got 2"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"input batch\['scale'\]: expected the value 2\.0, "
+        "got 2",
+    ):
         run(model, {**batch, "scale": 2})
 
 
 def test_non_module_at_model_position(mlp) -> None:
     run, model, x, t = mlp
-    with pytest.raises(PrecompileError, match="argument m was a torch.nn.Module at capture; "
-                       "got OrderedDict"):
+    with pytest.raises(
+        PrecompileError, match="argument m was a torch.nn.Module at capture; got OrderedDict"
+    ):
         run(model.state_dict(), x, t)
 
 
 def test_model_with_other_structure(mlp) -> None:
     run, model, x, t = mlp
     bigger = MLP(hidden=9)
-    with pytest.raises(PrecompileError, match=r"parameter 'fc1.weight': expected shape \(8, 4\)"
-                       r".*got shape \(9, 4\)"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"parameter 'fc1.weight': expected shape \(8, 4\)"
+        r".*got shape \(9, 4\)",
+    ):
         run(bigger, x, t)
     renamed = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
-    with pytest.raises(PrecompileError, match="^model argument m does not match the captured "
-                       "model: where the captured model m has parameter 'fc1.weight', the runtime "
-                       "model has parameter '0.weight'. Pass"):
+    with pytest.raises(
+        PrecompileError,
+        match="^model argument m does not match the captured "
+        "model: where the captured model m has parameter 'fc1.weight', the runtime "
+        "model has parameter '0.weight'. Pass",
+    ):
         run(renamed, x, t)
     extra = copy.deepcopy(model)
     extra.fc2.register_buffer("extra", torch.zeros(1))
-    with pytest.raises(PrecompileError, match="model argument m does not match the captured "
-                       "model: it has buffer 'fc2.extra' beyond the captured model's parameters "
-                       "and buffers"):
+    with pytest.raises(
+        PrecompileError,
+        match="model argument m does not match the captured "
+        "model: it has buffer 'fc2.extra' beyond the captured model's parameters "
+        "and buffers",
+    ):
         run(extra, x, t)
     missing = copy.deepcopy(model)
     missing.bn.register_buffer("num_batches_tracked", None)
@@ -99,11 +128,14 @@ def test_model_with_other_structure(mlp) -> None:
 
 def test_model_dtype_and_device(mlp) -> None:
     run, model, x, t = mlp
-    with pytest.raises(PrecompileError, match="parameter 'fc1.weight'.*dtype torch.float32.*"
-                       "got .*dtype torch.float64"):
+    with pytest.raises(
+        PrecompileError,
+        match="parameter 'fc1.weight'.*dtype torch.float32.*got .*dtype torch.float64",
+    ):
         run(copy.deepcopy(model).double(), x, t)
-    with pytest.raises(PrecompileError, match="parameter 'fc1.weight'.*device cpu.*got .*device "
-                       "meta"):
+    with pytest.raises(
+        PrecompileError, match="parameter 'fc1.weight'.*device cpu.*got .*device meta"
+    ):
         run(copy.deepcopy(model).to("meta"), x, t)
 
 
@@ -112,8 +144,9 @@ def test_weight_tying_must_match(backend: str, artifacts) -> None:
     model, ids = WORKLOADS["tied"].args()
     untied = copy.deepcopy(model)
     untied.head.weight = nn.Parameter(untied.embed.weight.detach().clone())
-    with pytest.raises(PrecompileError, match="'head.weight' was tied to 'embed.weight' at "
-                       "capture"):
+    with pytest.raises(
+        PrecompileError, match="'head.weight' was tied to 'embed.weight' at capture"
+    ):
         run(untied, ids)
     mlp_run = artifacts.load("mlp_infer", backend)
     mlp_model, x = WORKLOADS["mlp_infer"].args()
@@ -125,8 +158,10 @@ def test_weight_tying_must_match(backend: str, artifacts) -> None:
 
 def _bitwise_state(*modules: nn.Module) -> dict[str, Any]:
     """Every parameter, .grad and buffer of ``modules`` as raw bytes (None for no .grad)."""
-    return {name: None if value is None else value.reshape(-1).view(torch.uint8).tolist()
-            for name, value in model_state(*modules).items()}
+    return {
+        name: None if value is None else value.reshape(-1).view(torch.uint8).tolist()
+        for name, value in model_state(*modules).items()
+    }
 
 
 def test_swapped_models(backend: str, artifacts) -> None:
@@ -137,11 +172,17 @@ def test_swapped_models(backend: str, artifacts) -> None:
     encoder, x, head = WORKLOADS["two_models"].args()
     wrong_first, wrong_last = Head(), Encoder()
     before, x_before = _bitwise_state(wrong_first, wrong_last), x.clone()
-    with pytest.raises(PrecompileError, match="^" + re.escape(
+    with pytest.raises(
+        PrecompileError,
+        match="^"
+        + re.escape(
             "model argument encoder does not match the captured model: where the captured "
             "model encoder has parameter 'proj.weight', the runtime model has parameter "
             "'out.weight'. Pass a model with the same parameters and buffers, in the same "
-            "order.") + "$"):
+            "order."
+        )
+        + "$",
+    ):
         run(wrong_first, x, wrong_last)
     assert _bitwise_state(wrong_first, wrong_last) == before
     assert torch.equal(x, x_before)
@@ -219,8 +260,11 @@ def test_module_mode_is_part_of_the_contract(backend: str, artifacts) -> None:
     assert not model.training
     torch.testing.assert_close(run(model, x), model(x).detach())
     model.train()
-    with pytest.raises(PrecompileError, match="the model is in training mode, but was captured "
-                       r"in eval mode.*Call \.eval\(\)"):
+    with pytest.raises(
+        PrecompileError,
+        match="the model is in training mode, but was captured "
+        r"in eval mode.*Call \.eval\(\)",
+    ):
         run(model, x)
     model.eval()
     model.fc1.train()
@@ -235,8 +279,11 @@ def test_module_mode_is_part_of_the_contract(backend: str, artifacts) -> None:
     train_run = artifacts.load("mlp_train", backend)  # captured in training mode
     trained, tx, tt = WORKLOADS["mlp_train"].args()
     trained.eval()
-    with pytest.raises(PrecompileError, match=r"in eval mode, but was captured in training "
-                       r"mode.*Call \.train\(\)"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"in eval mode, but was captured in training "
+        r"mode.*Call \.train\(\)",
+    ):
         train_run(trained, tx, tt)
 
 
@@ -245,8 +292,11 @@ def test_requires_grad_is_fixed_at_capture_for_a_training_step(backend: str, art
     model, x, t = WORKLOADS["mlp_train"].args()
     run(model, x, t)
     model.fc2.bias.requires_grad_(False)
-    with pytest.raises(PrecompileError, match=r"model parameter 'fc2.bias' has "
-                       "requires_grad=False, but was captured with requires_grad=True"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"model parameter 'fc2.bias' has "
+        "requires_grad=False, but was captured with requires_grad=True",
+    ):
         run(model, x, t)
     model.fc2.bias.requires_grad_(True)
     with pytest.raises(PrecompileError, match="input x has requires_grad=True"):

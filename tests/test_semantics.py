@@ -14,8 +14,17 @@ from torch_precompile import PrecompileError, precompile
 from conftest import assert_same, model_state, modules_in, run_eager_and_compiled
 from workloads import WORKLOADS, mse_step
 
-DETERMINISTIC = ["mlp_infer", "mlp_train", "tied", "two_models", "frozen", "pytree", "literals",
-                 "mask", "mutate"]
+DETERMINISTIC = [
+    "mlp_infer",
+    "mlp_train",
+    "tied",
+    "two_models",
+    "frozen",
+    "pytree",
+    "literals",
+    "mask",
+    "mutate",
+]
 
 
 def _inputs_from_seed(name: str, seed: int) -> list[Any]:
@@ -47,13 +56,16 @@ def test_matches_eager_over_two_calls(name: str, backend: str, artifacts) -> Non
         inputs = _inputs_from_seed(name, seed)
         if seed:  # a graph that baked the example's values would still pass without this
             assert not _same_tensors(inputs, example), "seed gave the example's inputs again"
-        eager_call, compiled_call = _with_inputs(eager_args, inputs), _with_inputs(
-            compiled_args, inputs)
+        eager_call, compiled_call = (
+            _with_inputs(eager_args, inputs),
+            _with_inputs(compiled_args, inputs),
+        )
         assert_same(run(*compiled_call), workload.fn(*eager_call))
-        assert_same([a for a in compiled_call if not isinstance(a, torch.nn.Module)],
-                    [a for a in eager_call if not isinstance(a, torch.nn.Module)])
-        assert_same(model_state(*modules_in(compiled_args)),
-                    model_state(*modules_in(eager_args)))
+        assert_same(
+            [a for a in compiled_call if not isinstance(a, torch.nn.Module)],
+            [a for a in eager_call if not isinstance(a, torch.nn.Module)],
+        )
+        assert_same(model_state(*modules_in(compiled_args)), model_state(*modules_in(eager_args)))
 
 
 def test_training_loop_with_optimizer(backend: str, artifacts) -> None:
@@ -85,8 +97,7 @@ def test_batchnorm_statistics_land_on_runtime_model(backend: str, artifacts) -> 
         workload.fn(reference, x, t)
     assert not torch.equal(model.bn.running_mean, before)
     for name, buffer in reference.named_buffers():  # the same update eager makes, twice
-        torch.testing.assert_close(dict(model.named_buffers())[name], buffer, rtol=1e-5,
-                                   atol=1e-6)
+        torch.testing.assert_close(dict(model.named_buffers())[name], buffer, rtol=1e-5, atol=1e-6)
     assert model.bn.num_batches_tracked.item() == 2
 
 
@@ -108,15 +119,20 @@ def test_tied_weights_are_one_input_with_one_gradient(backend: str, artifacts) -
     untied.head.weight = torch.nn.Parameter(untied.embed.weight.detach().clone())
     WORKLOADS["tied"].fn(untied, eager_args[1])
     assert untied.head.weight.grad.abs().sum() > 0 and untied.embed.weight.grad.abs().sum() > 0
-    torch.testing.assert_close(ours.embed.weight.grad,
-                               untied.embed.weight.grad + untied.head.weight.grad)
+    torch.testing.assert_close(
+        ours.embed.weight.grad, untied.embed.weight.grad + untied.head.weight.grad
+    )
 
 
 def test_several_models_get_qualified_names(backend: str, artifacts) -> None:
     spec = precompile.inspect(artifacts.pair("two_models", backend)[0])
     assert [i for i, a in enumerate(spec.args) if a.is_model] == [0, 2]
-    assert [t.name for t in spec.parameters] == ["m0.proj.weight", "m0.proj.bias", "m1.out.weight",
-                                   "m1.out.bias"]
+    assert [t.name for t in spec.parameters] == [
+        "m0.proj.weight",
+        "m0.proj.bias",
+        "m1.out.weight",
+        "m1.out.bias",
+    ]
     assert [t.name for t in spec.buffers] == ["m1.scale"]
 
 

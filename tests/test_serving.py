@@ -36,9 +36,11 @@ EXECUTING = "is executing python_code"
 def pairs(artifacts) -> dict[str, tuple[str, bytes]]:
     """The two inductor pairs of this file (C++ wrapper, Python wrapper) and an eager one,
     built for inference as a server builds them."""
-    return {"cpp": artifacts.pair(NAME, "inductor", wrapper="cpp", inference=True),
-            "python": artifacts.pair(NAME, "inductor", wrapper="python", inference=True),
-            "eager": artifacts.pair(NAME, "eager", inference=True)}
+    return {
+        "cpp": artifacts.pair(NAME, "inductor", wrapper="cpp", inference=True),
+        "python": artifacts.pair(NAME, "inductor", wrapper="python", inference=True),
+        "eager": artifacts.pair(NAME, "eager", inference=True),
+    }
 
 
 def _runs(run) -> None:
@@ -94,14 +96,16 @@ def test_a_version_1_cache_is_found_by_content(tmp_path) -> None:
     (tmp_path / "b.cache").unlink()
     assert storage.read_saved(tmp_path / "served.artifact").absence == (
         "no cache for served.artifact: a.cache beside it belongs to another source (made for "
-        f"another sha256; this source's is {envelope.code_hash(code)[:12]}…)")
+        f"another sha256; this source's is {envelope.code_hash(code)[:12]}…)"
+    )
 
 
 def test_the_cache_a_capture_wrote_at_its_own_path_is_found(tmp_path, caplog) -> None:
     workload = WORKLOADS[NAME]
     source, cache_file = tmp_path / "step.py", tmp_path / "step.cache"
-    with capture(workload.fn, artifact_path=source, cache_path=cache_file, backend="eager",
-                 sign_key=KEY) as cap:
+    with capture(
+        workload.fn, artifact_path=source, cache_path=cache_file, backend="eager", sign_key=KEY
+    ) as cap:
         cap(*workload.args())
     code = source.read_text()
     assert storage.find_cache(source, code).found == cache_file
@@ -123,21 +127,25 @@ def test_a_cache_of_another_source_is_named(pairs, tmp_path, caplog) -> None:
     assert search.found is None and [path for path, _ in search.others] == [cache_file]
     with caplog.at_level(logging.WARNING, logger="torch_precompile"):
         _runs(precompile.load_file(source))
-    expected = (f"no cache for step.py: step.cache beside it belongs to another source (made "
-                f"for sha256 {envelope.code_hash(code)[:12]}…; this source's is "
-                f"{envelope.code_hash(edited)[:12]}…); running from the source alone.")
+    expected = (
+        f"no cache for step.py: step.cache beside it belongs to another source (made "
+        f"for sha256 {envelope.code_hash(code)[:12]}…; this source's is "
+        f"{envelope.code_hash(edited)[:12]}…); running from the source alone."
+    )
     assert _no_cache_warnings(caplog.records) == [expected]
 
     inductor_code, inductor_cache = pairs["python"]
     storage.save_pair(inductor_code, inductor_cache, source, cache_file)
     source.write_text(pairs["cpp"][0])
-    with pytest.raises(PrecompileError, match=r"require_prebuilt: no cache for step\.py: "
-                       r"step\.cache beside it belongs to another source"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"require_prebuilt: no cache for step\.py: "
+        r"step\.cache beside it belongs to another source",
+    ):
         precompile.load_file(source, require_prebuilt=True)
 
 
-def test_the_notice_is_said_once_per_source_and_silenced_by_the_logger_level(
-        pairs, caplog) -> None:
+def test_the_notice_is_said_once_per_source_and_silenced_by_the_logger_level(pairs, caplog) -> None:
     code, _ = pairs["eager"]
     first, second, silenced = _fresh(code), _fresh(code), _fresh(code)
     logger = logging.getLogger("torch_precompile")
@@ -146,7 +154,9 @@ def test_the_notice_is_said_once_per_source_and_silenced_by_the_logger_level(
             precompile.load(source, None)
         said = [r for r in caplog.records if EXECUTING in r.getMessage()]
         assert [r.getMessage().split("sha256 ")[1][:12] for r in said] == [
-            envelope.code_hash(first)[:12], envelope.code_hash(second)[:12]]
+            envelope.code_hash(first)[:12],
+            envelope.code_hash(second)[:12],
+        ]
         assert all(r.levelno == logging.WARNING and r.name == "torch_precompile" for r in said)
         caplog.clear()
         logger.setLevel(logging.ERROR)
@@ -175,11 +185,17 @@ def test_the_notice_in_a_fresh_process(pairs, tmp_path) -> None:
 
 def test_require_prebuilt_refuses_a_load_without_a_usable_cache(pairs, tmp_path) -> None:
     code, cache = pairs["cpp"]
-    with pytest.raises(PrecompileError, match=r"require_prebuilt: no cache was given, so this "
-                       r"inductor artifact would build its 1 compiled object from its source"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"require_prebuilt: no cache was given, so this "
+        r"inductor artifact would build its 1 compiled object from its source",
+    ):
         precompile.load(code, None, require_prebuilt=True)
-    with pytest.raises(PrecompileError, match=r"require_prebuilt: the cache is unusable "
-                       r"\(precompile cache unreadable"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"require_prebuilt: the cache is unusable "
+        r"\(precompile cache unreadable",
+    ):
         precompile.load(code, b"not a cache", require_prebuilt=True)
     path = precompile.save(code, cache, tmp_path / "m.py")
     storage.cache_path(path, code).unlink()
@@ -193,18 +209,27 @@ def test_require_prebuilt_names_what_the_cache_lacks(pairs) -> None:
     count = len(kernel_payload(code, cache)["kernels"])
     assert count >= 1
     lacking, (key,) = _without(code, cache, _drop_one)
-    with pytest.raises(PrecompileError, match=rf"lacks 1 of the {count} compiled objects this "
-                       rf"artifact names: C\+\+ kernel {key[:12]}… \(not in the cache\)"):
+    with pytest.raises(
+        PrecompileError,
+        match=rf"lacks 1 of the {count} compiled objects this "
+        rf"artifact names: C\+\+ kernel {key[:12]}… \(not in the cache\)",
+    ):
         precompile.load(code, lacking, require_prebuilt=True)
 
     code, cache = pairs["cpp"]
     lacking, (key,) = _without(code, cache, _drop_one)
-    with pytest.raises(PrecompileError, match=rf"lacks 1 of the 1 compiled objects this "
-                       rf"artifact names: C\+\+ wrapper library {key[:12]}…"):
+    with pytest.raises(
+        PrecompileError,
+        match=rf"lacks 1 of the 1 compiled objects this "
+        rf"artifact names: C\+\+ wrapper library {key[:12]}…",
+    ):
         precompile.load(code, lacking, require_prebuilt=True)
     stale, _ = _without(code, cache, lambda p: p["fingerprint"].update(torch_git="0" * 40))
-    with pytest.raises(PrecompileError, match=r"lacks 1 of the 1 .*built for another machine "
-                       r"or torch \(torch_git"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"lacks 1 of the 1 .*built for another machine "
+        r"or torch \(torch_git",
+    ):
         precompile.load(code, stale, require_prebuilt=True)
     with pytest.raises(PrecompileError, match="belongs to a different python_code"):
         precompile.load(pairs["python"][0], cache, require_prebuilt=True)
@@ -250,8 +275,9 @@ def test_the_kernel_loader_refuses_builds_when_told() -> None:
         refusing.cpp_pybinding(["float*"], "void kernel() {}")
 
     # At call time too, the loader's refusal reaches the caller as PrecompileError.
-    artifact = LoadedArtifact(refused_at_call, precompile.inspect(
-        (GOLDEN / "schema8-eager.artifact").read_text()))
+    artifact = LoadedArtifact(
+        refused_at_call, precompile.inspect((GOLDEN / "schema8-eager.artifact").read_text())
+    )
     with pytest.raises(PrecompileError, match=r"require_prebuilt: this artifact's C\+\+ kernel"):
         artifact()
 
@@ -265,8 +291,10 @@ def test_older_artifacts_refuse_through_their_kernel_table() -> None:
         namespace["PRECOMPILED_KERNELS"].get("absent")
     namespace = {"PRECOMPILED_KERNELS": {}}
     guard_namespace("... PRECOMPILED_KERNELS_ONLY ...", namespace)
-    assert type(namespace["PRECOMPILED_KERNELS"]) is dict and namespace[
-        "PRECOMPILED_KERNELS_ONLY"] is True
+    assert (
+        type(namespace["PRECOMPILED_KERNELS"]) is dict
+        and namespace["PRECOMPILED_KERNELS_ONLY"] is True
+    )
     # A golden pair of schema 2 names no kernels: strict, its cache's objects are all judged.
     source = GOLDEN / "schema2-inductor.artifact"
     saved = storage.read_saved(source)
@@ -276,10 +304,14 @@ def test_older_artifacts_refuse_through_their_kernel_table() -> None:
         check_torch_build(spec)
     except PrecompileError:
         pytest.skip("the golden pairs were made under another torch build")
-    stale, _ = _without(saved.code, saved.cache,
-                        lambda p: p["fingerprint"].update(torch_git="0" * 40))
-    with pytest.raises(PrecompileError, match=r"require_prebuilt: the cache's objects were "
-                       r"built for another machine or torch \(torch_git"):
+    stale, _ = _without(
+        saved.code, saved.cache, lambda p: p["fingerprint"].update(torch_git="0" * 40)
+    )
+    with pytest.raises(
+        PrecompileError,
+        match=r"require_prebuilt: the cache's objects were "
+        r"built for another machine or torch \(torch_git",
+    ):
         precompile.load(saved.code, stale, require_prebuilt=True)
 
 
@@ -309,10 +341,14 @@ def test_the_environment_variable_in_a_fresh_process(pairs, tmp_path) -> None:
     (tmp_path / "elsewhere" / "lacking.cache").write_bytes(lacking)
     (tmp_path / "eager.py").write_text(pairs["eager"][0])
     env, marker = poisoned_toolchain(tmp_path)
-    proc = run_python(SERVE.format(renamed=str(renamed),
-                                   lacking=str(tmp_path / "elsewhere" / "lacking.cache"),
-                                   eager=str(tmp_path / "eager.py")),
-                      env={**env, VARIABLE: "1"})
+    proc = run_python(
+        SERVE.format(
+            renamed=str(renamed),
+            lacking=str(tmp_path / "elsewhere" / "lacking.cache"),
+            eager=str(tmp_path / "eager.py"),
+        ),
+        env={**env, VARIABLE: "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     refused = json.loads(proc.stdout.strip().splitlines()[-1])["refused"]
     assert refused is not None and f"C++ wrapper library {key[:12]}…" in refused, refused

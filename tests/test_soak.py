@@ -13,8 +13,9 @@ from torch_precompile import precompile
 from conftest import in_threads
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, t: torch.Tensor
-          ) -> torch.Tensor:
+def _step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, t: torch.Tensor
+) -> torch.Tensor:
     opt.zero_grad()
     loss = nn.functional.mse_loss(model(x), t)
     loss.backward()
@@ -74,6 +75,7 @@ def test_eight_threads_call_one_artifact_with_their_own_models(backend: str) -> 
         for p in model.parameters():
             torch.nn.init.normal_(p)
         models.append(model)
+
     def work(i: int) -> None:
         generator = torch.Generator().manual_seed(i)
         for _ in range(25):

@@ -41,8 +41,9 @@ def test_save_and_load_file(pair, tmp_path) -> None:
     _runs(precompile.load_file(path))
 
 
-def test_resave_replaces_the_pair_and_keeps_one_previous_cache(pair, artifacts, backend,
-                                                               tmp_path) -> None:
+def test_resave_replaces_the_pair_and_keeps_one_previous_cache(
+    pair, artifacts, backend, tmp_path
+) -> None:
     code, cache = pair
     other_code, other_cache = artifacts.pair("mlp_train", backend)
     path = tmp_path / "m.py"
@@ -96,8 +97,9 @@ def test_precompile_signs_in_memory(backend: str) -> None:
         precompile(WORKLOADS["mlp_infer"].fn, model, x, backend=backend, sign_key="text")
 
 
-def test_verification_comes_before_anything_runs(pair, backend: str, tmp_path, monkeypatch,
-                                                 caplog) -> None:
+def test_verification_comes_before_anything_runs(
+    pair, backend: str, tmp_path, monkeypatch, caplog
+) -> None:
     """With verify_key, a changed or unsigned pair is refused for that reason, before any of
     its source runs or any of its cache is read."""
     code, cache = pair
@@ -121,20 +123,29 @@ def test_verification_comes_before_anything_runs(pair, backend: str, tmp_path, m
 
     precompile.save(code, cache, tmp_path / "m.py", sign_key=KEY)
     signed = cache_path(tmp_path / "m.py", code).read_bytes()
-    signed_by_another = precompile.save(hostile, envelope.pack(backend, hostile, acceleration),
-                                        tmp_path / "h.py", sign_key=b"the attacker's key")
+    signed_by_another = precompile.save(
+        hostile,
+        envelope.pack(backend, hostile, acceleration),
+        tmp_path / "h.py",
+        sign_key=b"the attacker's key",
+    )
     cases = [  # the first two are consistent pairs: only the signature can stop them
         (hostile, envelope.pack(backend, hostile, acceleration), "the artifact is not signed"),
-        (hostile, cache_path(signed_by_another, hostile).read_bytes(),
-         "signature does not match"),  # signed, with another key
+        (
+            hostile,
+            cache_path(signed_by_another, hostile).read_bytes(),
+            "signature does not match",
+        ),  # signed, with another key
         (hostile, signed, "signature does not match"),  # the source changed after signing
         (code, signed[:-1] + b"x", "signature does not match"),  # the cache changed
     ]
     for candidate_code, candidate_cache, message in cases:
         caplog.clear()
         opened.clear()
-        with caplog.at_level(logging.WARNING, logger="torch_precompile"), pytest.raises(
-                PrecompileError, match=rf"{message}.*[Nn]othing was executed"):
+        with (
+            caplog.at_level(logging.WARNING, logger="torch_precompile"),
+            pytest.raises(PrecompileError, match=rf"{message}.*[Nn]othing was executed"),
+        ):
             precompile.load(candidate_code, candidate_cache, verify_key=KEY)
         assert not marker.exists(), f"refused ({message}), but its source ran"
         assert opened == [], f"refused ({message}), but its cache was read"
@@ -180,6 +191,7 @@ def _killed_writer(base: str, target: Path, start: int, kill_at: int) -> None:
     pid = os.fork()
     if pid == 0:  # the writer: never returns
         try:
+
             def die_at(n: int) -> None:
                 if n == kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)

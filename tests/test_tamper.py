@@ -37,8 +37,9 @@ def _expect_refused_or_correct(code: str, cache: bytes | None) -> str:
     except PrecompileError:
         return "refused"
     assert_same(result, workload.fn(*eager_args))
-    assert_same([p.grad for p in args[0].parameters()],
-                [p.grad for p in eager_args[0].parameters()])
+    assert_same(
+        [p.grad for p in args[0].parameters()], [p.grad for p in eager_args[0].parameters()]
+    )
     return "ran"
 
 
@@ -84,9 +85,9 @@ def test_foreign_and_future_caches(backend: str, artifacts) -> None:
         assert _expect_refused_or_correct(code, junk) == "ran"  # type: ignore[arg-type]
     # The current layout cut short, grown, or with a header that lies about its blobs.
     magic_end = cache.index(b"\n") + 1
-    header_end = magic_end + 8 + int.from_bytes(cache[magic_end:magic_end + 8], "little")
+    header_end = magic_end + 8 + int.from_bytes(cache[magic_end : magic_end + 8], "little")
     lying = cache[:header_end].replace(b'"artifact": ', b'"artifact": 9', 1) + cache[header_end:]
-    for damaged in (cache[:-7], cache + b"x", cache[:header_end - 3], lying):
+    for damaged in (cache[:-7], cache + b"x", cache[: header_end - 3], lying):
         assert _expect_refused_or_correct(code, damaged) == "ran"
     with pytest.raises(PrecompileError, match="no cache at a string"):
         precompile.load(code, "a string")  # a string names the cache's file
@@ -106,16 +107,24 @@ def test_swapped_pairs_are_refused(backend: str, artifacts) -> None:
 
 def _spec_span(code: str) -> tuple[int, int]:
     """Offsets of the ``ARTIFACT_SPEC = ...`` statement in ``code``, found by Python's parser."""
-    node = next(n for n in ast.parse(code).body if isinstance(n, ast.Assign)
-                and [getattr(t, "id", None) for t in n.targets] == ["ARTIFACT_SPEC"])
+    node = next(
+        n
+        for n in ast.parse(code).body
+        if isinstance(n, ast.Assign)
+        and [getattr(t, "id", None) for t in n.targets] == ["ARTIFACT_SPEC"]
+    )
     starts = [0, *itertools.accumulate(len(line) for line in code.splitlines(keepends=True))]
-    return (starts[node.lineno - 1] + node.col_offset,
-            starts[node.end_lineno - 1] + node.end_col_offset)
+    return (
+        starts[node.lineno - 1] + node.col_offset,
+        starts[node.end_lineno - 1] + node.end_col_offset,
+    )
 
 
 def _binds_forward(source: str) -> bool:
-    return any(isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets]
-               == ["forward"] for n in ast.parse(source).body)
+    return any(
+        isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["forward"]
+        for n in ast.parse(source).body
+    )
 
 
 def _cut_refusal(code: str, damaged: str) -> tuple[str, str | None]:
@@ -131,8 +140,9 @@ def _cut_refusal(code: str, damaged: str) -> tuple[str, str | None]:
         return "forward bound", None
     # A cut that still compiles runs until it ends, or until a statement it cut in two
     # fails (a name cut short, say).
-    return "forward not bound", ("python_code ran but did not reach its end|executing "
-                                 "python_code failed")
+    return "forward not bound", (
+        "python_code ran but did not reach its end|executing python_code failed"
+    )
 
 
 def test_damaged_sources(backend: str, artifacts) -> None:
@@ -149,11 +159,19 @@ def test_damaged_sources(backend: str, artifacts) -> None:
         code[: code.rindex("\nif __name__") + 1],  # only the main guard and the seal lost
     ]
     assert {_cut_refusal(code, cut)[0] for cut in truncations} == {
-        "spec cut", "does not compile", "forward not bound", "forward bound"}
+        "spec cut",
+        "does not compile",
+        "forward not bound",
+        "forward bound",
+    }
     for damaged in truncations:
         spec_survived = len(damaged) >= spec_end
-        with pytest.raises(PrecompileError, match="cache belongs to a different python_code"
-                           if spec_survived else "not a precompile artifact"):
+        with pytest.raises(
+            PrecompileError,
+            match="cache belongs to a different python_code"
+            if spec_survived
+            else "not a precompile artifact",
+        ):
             precompile.load(damaged, cache)
         expected = _cut_refusal(code, damaged)[1]
         if expected is None:  # cut only after forward is bound: still runs right
@@ -163,16 +181,20 @@ def test_damaged_sources(backend: str, artifacts) -> None:
                 precompile.load(damaged, None)
     for damaged in ["", "\n\n", code.replace("ARTIFACT_SPEC", "SPEC")]:
         for damaged_cache in (cache, None):
-            with pytest.raises(PrecompileError, match="python_code has no ARTIFACT_SPEC; it is "
-                               "not a precompile artifact"):
+            with pytest.raises(
+                PrecompileError,
+                match="python_code has no ARTIFACT_SPEC; it is not a precompile artifact",
+            ):
                 precompile.load(damaged, damaged_cache)
     for position in range(0, len(code), max(1, len(code) // 25)):
         flipped = _flip(code.encode(), position).decode(errors="replace")
         if spec_start - 1 <= position < spec_end + 2:
             # A flipped spec is unreadable, or reads as another artifact's: each is refused
             # for what it now says.
-            message = ("not a precompile artifact|different python_code|schema version|"
-                       "built with torch|made by backend")
+            message = (
+                "not a precompile artifact|different python_code|schema version|"
+                "built with torch|made by backend"
+            )
         else:  # the spec is intact: the cache no longer matches the source
             message = "cache belongs to a different python_code"
         with pytest.raises(PrecompileError, match=message):
@@ -192,30 +214,39 @@ def test_a_version_1_spec_reads_with_no_meshes(backend: str) -> None:
     assert spec.autograd is None
 
 
-def test_unknown_schema_version_is_refused_before_anything_runs(tmp_path, backend: str,
-                                                               artifacts) -> None:
+def test_unknown_schema_version_is_refused_before_anything_runs(
+    tmp_path, backend: str, artifacts
+) -> None:
     code, _ = artifacts.pair(NAME, backend)
     marker = tmp_path / "ran"
     future = f"open({str(marker)!r}, 'w').close()\n" + code.replace(
-        f"'schema_version': {SCHEMA_VERSION},", "'schema_version': 99,", 1)
-    with pytest.raises(PrecompileError, match=f"schema version 99; this torch-precompile reads "
-                       f"schema version {OLDEST_READABLE_SCHEMA} to {SCHEMA_VERSION}. Upgrade"):
+        f"'schema_version': {SCHEMA_VERSION},", "'schema_version': 99,", 1
+    )
+    with pytest.raises(
+        PrecompileError,
+        match=f"schema version 99; this torch-precompile reads "
+        f"schema version {OLDEST_READABLE_SCHEMA} to {SCHEMA_VERSION}. Upgrade",
+    ):
         precompile.load(future, None)
     with pytest.raises(PrecompileError, match="schema version 99"):
         precompile.inspect(future)
     assert not marker.exists()
 
 
-def test_artifact_of_another_torch_is_refused_before_anything_runs(tmp_path, backend: str,
-                                                                   artifacts) -> None:
+def test_artifact_of_another_torch_is_refused_before_anything_runs(
+    tmp_path, backend: str, artifacts
+) -> None:
     code, _ = artifacts.pair(NAME, backend)
     marker = tmp_path / "ran"
     here = f"'version': {str(torch.__version__)!r}"
     assert here in code
     other = f"open({str(marker)!r}, 'w').close()\n" + code.replace(here, "'version': '2.99.0'", 1)
     assert precompile.inspect(other).torch.version == "2.99.0"  # readable, not runnable
-    with pytest.raises(PrecompileError, match=r"built with torch 2\.99\.0 \(git .*\); this "
-                       rf"process runs torch {re.escape(str(torch.__version__))} .*precompile fn "
-                       "again under this torch"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"built with torch 2\.99\.0 \(git .*\); this "
+        rf"process runs torch {re.escape(str(torch.__version__))} .*precompile fn "
+        "again under this torch",
+    ):
         precompile.load(other, None)
     assert not marker.exists()

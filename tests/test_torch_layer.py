@@ -22,23 +22,40 @@ import torch_precompile
 PACKAGE = Path(torch_precompile.__file__).parent
 # Keyed by shipped part: "driver" is driver.py or every module of a driver/ package.
 SHIPPED = {
-    "driver": {"torch._C._set_grad_enabled", "torch.utils._pytree",
-               "torch._C._dynamo.guards.TensorGuards", "torch._C._distributed_c10d",
-               "._parameters", "._buffers", "._modules", "._base",
-               "._register_process_group", "._unregister_process_group",
-               "torch.optim.optimizer._global_optimizer_pre_hooks",
-               "torch.optim.optimizer._global_optimizer_post_hooks",
-               "._optimizer_step_pre_hooks", "._optimizer_step_post_hooks", "._opt_called",
-               "._wrapped_by_lr_sched", "._get_fsdp_state", "._fsdp_param_groups",
-               "torch.distributed.tensor.placement_types._StridedShard",
-               # The state a call must share with the capture (AmbientPlan).
-               "torch._C._is_any_autocast_enabled", "torch._C._get_deterministic_algorithms",
-               "torch._C._len_torch_function_stack", "torch._C._len_torch_dispatch_stack",
-               "torch.overrides._get_current_function_mode_stack",
-               "torch.utils._python_dispatch._get_current_dispatch_mode_stack"},
-    "kernel_loader": {"torch._inductor.async_compile.AsyncCompile", "torch._inductor.config",
-                      "torch._inductor.cpu_vec_isa.pick_vec_isa",
-                      "torch._inductor.codecache.CppWrapperCodeCache"},
+    "driver": {
+        "torch._C._set_grad_enabled",
+        "torch.utils._pytree",
+        "torch._C._dynamo.guards.TensorGuards",
+        "torch._C._distributed_c10d",
+        "._parameters",
+        "._buffers",
+        "._modules",
+        "._base",
+        "._register_process_group",
+        "._unregister_process_group",
+        "torch.optim.optimizer._global_optimizer_pre_hooks",
+        "torch.optim.optimizer._global_optimizer_post_hooks",
+        "._optimizer_step_pre_hooks",
+        "._optimizer_step_post_hooks",
+        "._opt_called",
+        "._wrapped_by_lr_sched",
+        "._get_fsdp_state",
+        "._fsdp_param_groups",
+        "torch.distributed.tensor.placement_types._StridedShard",
+        # The state a call must share with the capture (AmbientPlan).
+        "torch._C._is_any_autocast_enabled",
+        "torch._C._get_deterministic_algorithms",
+        "torch._C._len_torch_function_stack",
+        "torch._C._len_torch_dispatch_stack",
+        "torch.overrides._get_current_function_mode_stack",
+        "torch.utils._python_dispatch._get_current_dispatch_mode_stack",
+    },
+    "kernel_loader": {
+        "torch._inductor.async_compile.AsyncCompile",
+        "torch._inductor.config",
+        "torch._inductor.cpu_vec_isa.pick_vec_isa",
+        "torch._inductor.codecache.CppWrapperCodeCache",
+    },
     "wrapper_imports": {"torch._inductor.kernel", "torch._inductor.select_algorithm"},
 }
 _TORCH_NAME = re.compile(r"torch(\.\w+)+")
@@ -53,8 +70,9 @@ def _is_private(part: str) -> bool:
 
 def _is_private_torch(name: str) -> bool:
     parts = name.split(".")
-    return parts[0] == "torch" and (any(_is_private(p) for p in parts[1:])
-                                    or name.startswith("torch.fx.experimental"))
+    return parts[0] == "torch" and (
+        any(_is_private(p) for p in parts[1:]) or name.startswith("torch.fx.experimental")
+    )
 
 
 def _chain(node: ast.Attribute) -> tuple[ast.expr, list[str]]:
@@ -78,8 +96,12 @@ def _attribute_touches(node: ast.AST, own: frozenset[str]) -> list[str]:
     private keywords (``make_fx(f, _error_on_data_dependent_ops=False)``)."""
     if isinstance(node, ast.Attribute):
         root, parts = _chain(node)
-        if (not _is_private(node.attr) or node.attr in own or node.attr in _PUBLIC_UNDERSCORED
-                or _is_operator_name(root, parts)):
+        if (
+            not _is_private(node.attr)
+            or node.attr in own
+            or node.attr in _PUBLIC_UNDERSCORED
+            or _is_operator_name(root, parts)
+        ):
             return []
         receiver = node.value
         if isinstance(receiver, ast.Name) and receiver.id in {"self", "cls", "torch"}:
@@ -89,9 +111,14 @@ def _attribute_touches(node: ast.AST, own: frozenset[str]) -> list[str]:
         return ["." + node.attr]
     if isinstance(node, ast.keyword) and node.arg and _is_private(node.arg):
         return [] if node.arg in own else [node.arg + "="]
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id in _ATTRIBUTE_BUILTINS and len(node.args) >= 2
-            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in _ATTRIBUTE_BUILTINS
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
         name = node.args[1].value
         if _is_private(name) and name not in own and name not in _PUBLIC_UNDERSCORED:
             return ["." + name]
@@ -106,13 +133,17 @@ def _import_and_chain_names(node: ast.AST) -> list[str]:
         return [f"{node.module}.{alias.name}" for alias in node.names]
     if isinstance(node, ast.Attribute):
         root, parts = _chain(node)
-        if isinstance(root, ast.Name) and root.id == "torch" and not _is_operator_name(
-                root, parts):
+        if isinstance(root, ast.Name) and root.id == "torch" and not _is_operator_name(root, parts):
             return [".".join(["torch", *parts])]
     if isinstance(node, ast.Call):
         arguments = [*node.args, *(k.value for k in node.keywords)]
-        return [a.value for a in arguments if isinstance(a, ast.Constant)
-                and isinstance(a.value, str) and _TORCH_NAME.fullmatch(a.value)]
+        return [
+            a.value
+            for a in arguments
+            if isinstance(a, ast.Constant)
+            and isinstance(a.value, str)
+            and _TORCH_NAME.fullmatch(a.value)
+        ]
     return []
 
 
@@ -142,8 +173,12 @@ def _defined_names(source: str) -> set[str]:
             names.add(node.arg)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
-        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-              and isinstance(node.value, ast.Name) and node.value.id in {"self", "cls"}):
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in {"self", "cls"}
+        ):
             names.add(node.attr)
         elif isinstance(node, ast.alias):
             names.add(node.asname or node.name.split(".")[0])
@@ -162,7 +197,8 @@ def _shipped_part(relative: Path) -> str | None:
     if relative.parts[0] in {"driver", "driver.py"}:
         return "driver"
     return {"kernel_loader.py": "kernel_loader", "wrapper_imports.py": "wrapper_imports"}.get(
-        str(relative))
+        str(relative)
+    )
 
 
 def _longest(names: set[str]) -> set[str]:
@@ -193,32 +229,45 @@ def test_shipped_modules_keep_their_few_torch_touches() -> None:
 
 
 def test_the_scan_sees_imports_and_attribute_chains() -> None:
-    source = ("import torch._dynamo\nfrom torch.utils._pytree import tree_map\n"
-              "from torch.fx.experimental.proxy_tensor import make_fx\nx = torch._C._foo\n"
-              "y = torch.nn.Linear\n")
-    assert _private_torch_names(source) >= {"torch._dynamo", "torch.utils._pytree.tree_map",
-                                            "torch.fx.experimental.proxy_tensor.make_fx",
-                                            "torch._C._foo"}
+    source = (
+        "import torch._dynamo\nfrom torch.utils._pytree import tree_map\n"
+        "from torch.fx.experimental.proxy_tensor import make_fx\nx = torch._C._foo\n"
+        "y = torch.nn.Linear\n"
+    )
+    assert _private_torch_names(source) >= {
+        "torch._dynamo",
+        "torch.utils._pytree.tree_map",
+        "torch.fx.experimental.proxy_tensor.make_fx",
+        "torch._C._foo",
+    }
     assert not any("Linear" in n for n in _private_torch_names(source))
 
 
 def test_the_scan_sees_private_attributes_and_module_strings() -> None:
-    source = ("schema = node.target._schema\nparams = module._parameters\n"
-              "base = getattr(grad, '_base', None)\n"
-              "gm = make_fx(f, _error_on_data_dependent_ops=False)\n"
-              "m = importlib.import_module('torch._inductor.x')\n"
-              "f = LazyImport(module='torch._inductor.select_algorithm', name='extern_kernels')\n")
-    assert _private_torch_names(source) == {"._schema", "._parameters", "._base",
-                                            "_error_on_data_dependent_ops=",
-                                            "torch._inductor.x",
-                                            "torch._inductor.select_algorithm"}
+    source = (
+        "schema = node.target._schema\nparams = module._parameters\n"
+        "base = getattr(grad, '_base', None)\n"
+        "gm = make_fx(f, _error_on_data_dependent_ops=False)\n"
+        "m = importlib.import_module('torch._inductor.x')\n"
+        "f = LazyImport(module='torch._inductor.select_algorithm', name='extern_kernels')\n"
+    )
+    assert _private_torch_names(source) == {
+        "._schema",
+        "._parameters",
+        "._base",
+        "_error_on_data_dependent_ops=",
+        "torch._inductor.x",
+        "torch._inductor.select_algorithm",
+    }
 
 
 def test_the_scan_spares_own_names_self_and_operators() -> None:
-    source = ("class A:\n    def f(self):\n        return self._memo, cls._table\n"
-              "t = point._replace(x=1)\nop = aten._to_copy.default\n"
-              "op2 = torch.ops.aten._softmax.default\nhelper = other._known\n"
-              "ok = importlib.import_module('torch.nn')\n"
-              "own(_known=1)\n"
-              "said = 'mentions torch._inductor.x in a sentence'\n")
+    source = (
+        "class A:\n    def f(self):\n        return self._memo, cls._table\n"
+        "t = point._replace(x=1)\nop = aten._to_copy.default\n"
+        "op2 = torch.ops.aten._softmax.default\nhelper = other._known\n"
+        "ok = importlib.import_module('torch.nn')\n"
+        "own(_known=1)\n"
+        "said = 'mentions torch._inductor.x in a sentence'\n"
+    )
     assert _private_torch_names(source, frozenset({"_known"})) == set()

@@ -69,8 +69,9 @@ def snapshot(*things: Any) -> dict[str, Any]:
             for j, group in enumerate(thing.param_groups):
                 for k, p in enumerate(group["params"]):
                     for key, value in thing.state.get(p, {}).items():
-                        state[f"{i}.{j}.{k}.{key}"] = (value.clone() if torch.is_tensor(value)
-                                                       else value)
+                        state[f"{i}.{j}.{k}.{key}"] = (
+                            value.clone() if torch.is_tensor(value) else value
+                        )
         else:
             state[str(i)] = thing.detach().clone()
     return state
@@ -95,8 +96,12 @@ def refused(match: str, *things: Any) -> Iterator[None]:
     assert_identical(before, snapshot(*things))
 
 
-def agree(run: Callable[..., Any], fn: Callable[..., Any], args: tuple[Any, ...],
-          eager_args: tuple[Any, ...]) -> None:
+def agree(
+    run: Callable[..., Any],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    eager_args: tuple[Any, ...],
+) -> None:
     """The artifact on ``args`` and eager fn on ``eager_args`` (twins of them) give the same
     result and leave the same tensors behind."""
     assert_same(run(*args), fn(*eager_args))
@@ -113,8 +118,12 @@ def test_submodule_class_swap_is_refused(backend: str) -> None:
         agree(run, forward, (m, x), (m, x))
     model[1] = nn.Tanh()
     x = new_x()
-    with refused(r"module '1' is a torch\.nn\.modules\.activation\.Tanh, but was a "
-                 r"torch\.nn\.modules\.activation\.ReLU at capture", model, x):
+    with refused(
+        r"module '1' is a torch\.nn\.modules\.activation\.Tanh, but was a "
+        r"torch\.nn\.modules\.activation\.ReLU at capture",
+        model,
+        x,
+    ):
         run(model, x)
     model[1] = nn.ReLU()
     x = new_x()
@@ -132,16 +141,24 @@ def test_module_hooks_added_after_capture_are_refused(backend: str) -> None:
     handle = model[0].register_forward_hook(double_output)
     try:
         x = new_x()
-        with refused(r"module '0' has hooks forward: \S*double_output, but had none at "
-                     "capture", model, x):
+        with refused(
+            r"module '0' has hooks forward: \S*double_output, but had none at "
+            "capture",
+            model,
+            x,
+        ):
             run(model, x)
     finally:
         handle.remove()
     handle = nn.modules.module.register_module_forward_hook(double_output)
     try:
         x = new_x()
-        with refused(r"the process \(global module hooks.*\) has hooks forward: \S*double_output, "
-                     "but had none at capture", other, x):
+        with refused(
+            r"the process \(global module hooks.*\) has hooks forward: \S*double_output, "
+            "but had none at capture",
+            other,
+            x,
+        ):
             run(other, x)
     finally:
         handle.remove()
@@ -161,8 +178,11 @@ def test_module_hooks_present_at_capture(backend: str) -> None:
 
     handle = model[0].register_forward_hook(store)
     try:
-        with refused(r"fn changed the 'feats' it closes over, which forward hook \S*store "
-                     "reaches, while it was traced", model):
+        with refused(
+            r"fn changed the 'feats' it closes over, which forward hook \S*store "
+            "reaches, while it was traced",
+            model,
+        ):
             precompile(forward, model, new_x(), backend=backend)
     finally:
         handle.remove()
@@ -176,8 +196,9 @@ def test_module_hooks_present_at_capture(backend: str) -> None:
     finally:
         handles[0].remove()
     x = new_x()
-    with refused(r"module '0' has hooks none, but had forward: \S*double_output at capture",
-                 model, x):
+    with refused(
+        r"module '0' has hooks none, but had forward: \S*double_output at capture", model, x
+    ):
         run(model, x)
     handles[1].remove()
     x = new_x()
@@ -198,8 +219,12 @@ def test_tensor_hooks_on_parameters(backend: str) -> None:
     handle = model[0].weight.register_hook(triple_grad)
     try:
         x = new_x()
-        with refused(r"model parameter '0\.weight' has hooks grad: \S*triple_grad, but had "
-                     "none at capture", model, x):
+        with refused(
+            r"model parameter '0\.weight' has hooks grad: \S*triple_grad, but had "
+            "none at capture",
+            model,
+            x,
+        ):
             run(model, x)
     finally:
         handle.remove()
@@ -213,8 +238,12 @@ def test_tensor_hooks_on_parameters(backend: str) -> None:
     finally:
         handles[0].remove()
     x = new_x()
-    with refused(r"model parameter '0\.weight' has hooks none, but had grad: \S*triple_grad "
-                 "at capture", model, x):
+    with refused(
+        r"model parameter '0\.weight' has hooks none, but had grad: \S*triple_grad "
+        "at capture",
+        model,
+        x,
+    ):
         hooked(model, x)
     x = new_x()
     agree(hooked, train_step, (other, x), (other_twin, x))
@@ -259,8 +288,12 @@ def test_python_values_read_by_the_trace(backend: str) -> None:
 
     model.scaling = 2.0
     x = new_x()
-    with refused(r"attribute 'scaling' of the model is 2\.0, but was 0\.5 when the trace "
-                 "read it", model, x):
+    with refused(
+        r"attribute 'scaling' of the model is 2\.0, but was 0\.5 when the trace "
+        "read it",
+        model,
+        x,
+    ):
         run(model, x)
     model.scaling = 0.5
     x = new_x()
@@ -334,8 +367,13 @@ def test_requires_grad_with_optimizer_inside_fn(backend: str) -> None:
     agree(run, opt_step, (other, other_opt, x), (other_twin, other_twin_opt, x))
     model[0].requires_grad_(False)
     x = new_x()
-    with refused(r"model parameter '0\.weight' has requires_grad=False, but was captured "
-                 "with requires_grad=True", model, opt, x):
+    with refused(
+        r"model parameter '0\.weight' has requires_grad=False, but was captured "
+        "with requires_grad=True",
+        model,
+        opt,
+        x,
+    ):
         run(model, opt, x)
     model[0].requires_grad_(True)
     x = new_x()
@@ -354,11 +392,15 @@ def test_training_step_under_no_grad_is_refused(backend: str) -> None:
     x = new_x()
     with pytest.raises(RuntimeError, match="does not require grad"), torch.no_grad():
         train_step(copy.deepcopy(model), x)
-    with refused(r"fn runs a backward, but this call is under torch\.no_grad\(\)", model, x), \
-            torch.no_grad():
+    with (
+        refused(r"fn runs a backward, but this call is under torch\.no_grad\(\)", model, x),
+        torch.no_grad(),
+    ):
         run(model, x)
-    with refused(r"fn runs a backward, but this call is under torch\.no_grad\(\)", other, x), \
-            torch.inference_mode():
+    with (
+        refused(r"fn runs a backward, but this call is under torch\.no_grad\(\)", other, x),
+        torch.inference_mode(),
+    ):
         run(other, x)
     x = new_x()
     agree(run, train_step, (model, x), (twin, x))
@@ -371,8 +413,7 @@ def plus_ones(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class PassThrough(TorchDispatchMode):
     """A dispatch mode that only calls the operator."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return func(*args, **(kwargs or {}))
 
 
@@ -388,8 +429,10 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 @contextmanager
 def deterministic() -> Iterator[None]:
-    previous = (torch.are_deterministic_algorithms_enabled(),
-                torch.is_deterministic_algorithms_warn_only_enabled())
+    previous = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     torch.use_deterministic_algorithms(True)
     try:
         yield
@@ -414,16 +457,34 @@ def test_ambient_state_must_be_as_at_capture(backend: str) -> None:
     x = new_x()
     with default_dtype(torch.float64):
         assert plus_ones(model, x).dtype == torch.float64
-        with refused(r"the default dtype at this call: torch\.float64; at capture: "
-                     r"torch\.float32", model, x):
+        with refused(
+            r"the default dtype at this call: torch\.float64; at capture: "
+            r"torch\.float32",
+            model,
+            x,
+        ):
             run(model, x)
     x = new_x()
-    with deterministic(), refused(r"deterministic algorithms at this call: True; at capture: "
-                                  "False", other, x):
+    with (
+        deterministic(),
+        refused(
+            r"deterministic algorithms at this call: True; at capture: "
+            "False",
+            other,
+            x,
+        ),
+    ):
         run(other, x)
     x = new_x()
-    with PassThrough(), refused(r"active torch function and dispatch modes at this call: "
-                                r"\S*PassThrough; at capture: none", other, x):
+    with (
+        PassThrough(),
+        refused(
+            r"active torch function and dispatch modes at this call: "
+            r"\S*PassThrough; at capture: none",
+            other,
+            x,
+        ),
+    ):
         run(other, x)
     for m in (model, other):
         x = new_x()
@@ -457,11 +518,19 @@ def test_written_input_aliasing_another_is_refused(backend: str) -> None:
         x, y = new_x(), new_x()
         agree(run, scale_x_read_y, (m, x, y), (m, x.clone(), y.clone()))
     t = new_x()
-    with refused(r"input x shares memory with input y at this call, and the artifact writes "
-                 "the first in place", model, t):
+    with refused(
+        r"input x shares memory with input y at this call, and the artifact writes "
+        "the first in place",
+        model,
+        t,
+    ):
         run(model, t, t)
-    with refused(r"fn writes input x in place, and it shares memory with input y in the "
-                 "example", model, t):
+    with refused(
+        r"fn writes input x in place, and it shares memory with input y in the "
+        "example",
+        model,
+        t,
+    ):
         precompile(scale_x_read_y, model, t, t, backend=backend)
     x, y = new_x(), new_x()
     agree(run, scale_x_read_y, (other, x, y), (other, x.clone(), y.clone()))
@@ -516,8 +585,12 @@ def test_refused_call_leaves_every_tensor_as_it_was(backend: str) -> None:
     agree(run, train_step, (model, x), (twin, x))
     for _ in range(2):
         x = new_x()
-        with refused(r"this call left the path the artifact was captured on: a tensor value "
-                     r"read into Python .* was 1 at capture and is 2 now", model, x):
+        with refused(
+            r"this call left the path the artifact was captured on: a tensor value "
+            r"read into Python .* was 1 at capture and is 2 now",
+            model,
+            x,
+        ):
             run(model, x)
     assert int(model.steps) == 1
     x = new_x()
@@ -567,8 +640,10 @@ def test_changes_after_a_passing_call_are_seen(backend: str) -> None:
     model.scaling = 0.5
     passes()
     model[1] = nn.Tanh()
-    refuses(r"module '1' is a torch\.nn\.modules\.activation\.Tanh, but was a "
-            r"torch\.nn\.modules\.activation\.ReLU")
+    refuses(
+        r"module '1' is a torch\.nn\.modules\.activation\.Tanh, but was a "
+        r"torch\.nn\.modules\.activation\.ReLU"
+    )
     model[1] = nn.ReLU()
     passes()
     model[2].bias.requires_grad_(False)
@@ -605,8 +680,12 @@ def test_class_reassigned_in_place_after_a_passing_call(backend: str) -> None:
         agree(run, forward, (m, x), (m, x))
     model[1].__class__ = nn.Tanh
     x = new_x()
-    with refused(r"module '1' is a torch\.nn\.modules\.activation\.Tanh, but was a "
-                 r"torch\.nn\.modules\.activation\.ReLU at capture", model, x):
+    with refused(
+        r"module '1' is a torch\.nn\.modules\.activation\.Tanh, but was a "
+        r"torch\.nn\.modules\.activation\.ReLU at capture",
+        model,
+        x,
+    ):
         run(model, x)
 
 
@@ -635,16 +714,25 @@ def test_transformers_static_cache_wrapper_decodes_as_eager(backend: str) -> Non
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=16)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
 
     def wrapper(seed: int) -> nn.Module:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).eval()
         model.generation_config = GenerationConfig(
-            use_cache=True, cache_implementation="static", max_length=8,
-            cache_config={"batch_size": 1, "max_cache_len": 8, "device": "cpu"})
+            use_cache=True,
+            cache_implementation="static",
+            max_length=8,
+            cache_config={"batch_size": 1, "max_cache_len": 8, "device": "cpu"},
+        )
         return TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=8)
 
     def decode(m: nn.Module, ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -656,10 +744,12 @@ def test_transformers_static_cache_wrapper_decodes_as_eager(backend: str) -> Non
         eager, artifact = wrapper(seed), wrapper(seed)
         for step in range(3):
             ids, position = torch.tensor([[5 + step]]), torch.tensor([step])
-            torch.testing.assert_close(run(artifact, ids, position),
-                                       decode(eager, ids, position), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(dict(artifact.named_buffers()),
-                                   dict(eager.named_buffers()), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                run(artifact, ids, position), decode(eager, ids, position), rtol=1e-4, atol=1e-5
+            )
+        torch.testing.assert_close(
+            dict(artifact.named_buffers()), dict(eager.named_buffers()), rtol=1e-4, atol=1e-5
+        )
 
 
 def seeded_dropout(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -700,6 +790,7 @@ def test_checkpointed_dropout_uses_the_forwards_mask() -> None:
     """Before: the backward's recomputation drew a new dropout mask (gradients off by
     4.7e-2). Now the region runs once and the gradients are eager's (eager backend: the same
     draws)."""
+
     def block(seed: int) -> nn.Module:
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 4))
@@ -711,8 +802,9 @@ def test_checkpointed_dropout_uses_the_forwards_mask() -> None:
         checkpointed_step(eager, x)
         torch.manual_seed(seed + 10)
         run(artifact, x)
-        torch.testing.assert_close([p.grad for p in artifact.parameters()],
-                                   [p.grad for p in eager.parameters()])
+        torch.testing.assert_close(
+            [p.grad for p in artifact.parameters()], [p.grad for p in eager.parameters()]
+        )
 
 
 def test_the_remembered_check_reads_any_attribute_name() -> None:

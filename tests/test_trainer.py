@@ -19,9 +19,17 @@ BATCH, SEQ = 4, 16
 
 
 def tiny_gpt2() -> Any:
-    config = transformers.GPT2Config(vocab_size=64, n_positions=SEQ, n_embd=32, n_layer=2,
-                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     use_cache=False)
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
 
@@ -37,9 +45,18 @@ def dataset() -> list[dict[str, torch.Tensor]]:
 
 def train(model: Any, out: Path) -> list[float]:
     args = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=3, per_device_train_batch_size=BATCH,
-        learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
-        use_cpu=True, seed=0, remove_unused_columns=False, disable_tqdm=True)
+        output_dir=str(out),
+        max_steps=3,
+        per_device_train_batch_size=BATCH,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset())
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -56,7 +73,8 @@ def test_a_trainer_trains_the_module_form_like_the_model(tmp_path: Path, backend
     losses = train(wrapped, tmp_path / "ours")
     eager_losses = train(eager_model, tmp_path / "eager")
     assert len(losses) == 3
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), atol=1e-4,
-                               rtol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(eager_losses), atol=1e-4, rtol=1e-4
+    )
     for (name, p), q in zip(model.named_parameters(), eager_model.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=name)

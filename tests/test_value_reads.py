@@ -28,8 +28,10 @@ except ImportError:  # an optional dependency: the .numpy() test needs it
     np = None
 
 TOLIST_READ = r"values of a tensor read with \.tolist\(\) at test_value_reads\.py:\d+ "
-PACKED_READ = (r"lengths given to pack_padded_sequence \(aten\._pack_padded_sequence\) at "
-               r"test_value_reads\.py:\d+ \(forward\) equal those at capture \(\[5, 3, 2\]\)")
+PACKED_READ = (
+    r"lengths given to pack_padded_sequence \(aten\._pack_padded_sequence\) at "
+    r"test_value_reads\.py:\d+ \(forward\) equal those at capture \(\[5, 3, 2\]\)"
+)
 
 
 class Tagger(torch.nn.Module):
@@ -71,21 +73,20 @@ def mean_over_lengths(model: Tagger, x: torch.Tensor, lengths: torch.Tensor) -> 
     return torch.stack([h[i, :n].mean(0) for i, n in enumerate(lengths.tolist())])
 
 
-def mean_over_numpy_lengths(model: Tagger, x: torch.Tensor, lengths: torch.Tensor
-                            ) -> torch.Tensor:
+def mean_over_numpy_lengths(model: Tagger, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     h = model(x)
-    return torch.stack([h[i, :int(n)].mean(0) for i, n in enumerate(lengths.numpy())])
+    return torch.stack([h[i, : int(n)].mean(0) for i, n in enumerate(lengths.numpy())])
 
 
-def mean_over_asarray_lengths(model: Tagger, x: torch.Tensor, lengths: torch.Tensor
-                              ) -> torch.Tensor:
+def mean_over_asarray_lengths(
+    model: Tagger, x: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
     h = model(x)
-    return torch.stack([h[i, :int(n)].mean(0) for i, n in enumerate(np.asarray(lengths))])
+    return torch.stack([h[i, : int(n)].mean(0) for i, n in enumerate(np.asarray(lengths))])
 
 
-def mean_over_first_steps(model: Tagger, x: torch.Tensor, steps: torch.Tensor
-                          ) -> torch.Tensor:
-    return model(x)[:, :steps.tolist()].mean(1)
+def mean_over_first_steps(model: Tagger, x: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    return model(x)[:, : steps.tolist()].mean(1)
 
 
 def packed_sum(model: PackedLSTM, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -100,8 +101,13 @@ def lengths_of(*values: int) -> torch.Tensor:
     return torch.tensor(values)
 
 
-def check_call(run: Callable[..., Any], fn: Callable[..., Any], model: torch.nn.Module,
-               *inputs: torch.Tensor, refused: str | None = None) -> None:
+def check_call(
+    run: Callable[..., Any],
+    fn: Callable[..., Any],
+    model: torch.nn.Module,
+    *inputs: torch.Tensor,
+    refused: str | None = None,
+) -> None:
     """The call matches eager, or (``refused`` a pattern of its message) is refused and
     leaves the model's parameters and buffers and the inputs unchanged."""
     if refused is None:
@@ -126,10 +132,12 @@ def second_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 # -- Tensor.tolist() ------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module", params=BACKENDS)
 def tolist_run(request: pytest.FixtureRequest) -> Callable[..., Any]:
-    code, cache = precompile(mean_over_lengths, Tagger(0), x_of(0), lengths_of(5, 3, 2),
-                             backend=request.param)
+    code, cache = precompile(
+        mean_over_lengths, Tagger(0), x_of(0), lengths_of(5, 3, 2), backend=request.param
+    )
     return precompile.load(code, cache)
 
 
@@ -141,11 +149,19 @@ def test_tolist_lengths_are_guarded(tolist_run: Callable[..., Any]) -> None:
     """
     model = Tagger(0)
     check_call(tolist_run, mean_over_lengths, model, x_of(1), lengths_of(5, 3, 2))
-    check_call(tolist_run, mean_over_lengths, model, x_of(2), lengths_of(4, 4, 2),
-               refused=r"left the path.*whether the " + TOLIST_READ +
-               r"\(mean_over_lengths\) equal those at capture was True at capture and is False")
-    check_call(tolist_run, mean_over_lengths, model, x_of(3), lengths_of(2, 3, 5),
-               refused=TOLIST_READ)
+    check_call(
+        tolist_run,
+        mean_over_lengths,
+        model,
+        x_of(2),
+        lengths_of(4, 4, 2),
+        refused=r"left the path.*whether the "
+        + TOLIST_READ
+        + r"\(mean_over_lengths\) equal those at capture was True at capture and is False",
+    )
+    check_call(
+        tolist_run, mean_over_lengths, model, x_of(3), lengths_of(2, 3, 5), refused=TOLIST_READ
+    )
     check_call(tolist_run, mean_over_lengths, model, x_of(4), lengths_of(5, 3, 2))
 
 
@@ -157,8 +173,9 @@ def test_tolist_guard_holds_with_second_weights(tolist_run: Callable[..., Any]) 
     """
     model = second_weights(Tagger(0), seed=1)
     check_call(tolist_run, mean_over_lengths, model, x_of(5), lengths_of(5, 3, 2))
-    check_call(tolist_run, mean_over_lengths, model, x_of(6), lengths_of(5, 5, 5),
-               refused=TOLIST_READ)
+    check_call(
+        tolist_run, mean_over_lengths, model, x_of(6), lengths_of(5, 5, 5), refused=TOLIST_READ
+    )
     check_call(tolist_run, mean_over_lengths, model, x_of(7), lengths_of(5, 3, 2))
 
 
@@ -195,9 +212,15 @@ def test_one_value_read_with_tolist_names_both_values() -> None:
     assert [g.expected for g in guards] == [("const", 3)]
     model = Tagger(0)
     check_call(run, fn, model, x_of(1), torch.tensor(3))
-    check_call(run, fn, model, x_of(2), torch.tensor(4),
-               refused=r"the value of a tensor read with \.tolist\(\) at test_value_reads\.py:"
-               r"\d+ \(mean_over_first_steps\) was 3 at capture and is 4 now")
+    check_call(
+        run,
+        fn,
+        model,
+        x_of(2),
+        torch.tensor(4),
+        refused=r"the value of a tensor read with \.tolist\(\) at test_value_reads\.py:"
+        r"\d+ \(mean_over_first_steps\) was 3 at capture and is 4 now",
+    )
     check_call(run, fn, model, x_of(3), torch.tensor(3))
     second_weights(model, seed=1)
     check_call(run, fn, model, x_of(4), torch.tensor(3))
@@ -225,24 +248,35 @@ def test_same_values_with_nan_pass_the_guard() -> None:
     check_call(run, scaled, model, x_of(4), weights.clone())
 
 
-@pytest.mark.parametrize("read", [lambda t: [int(v) for v in t], lambda t: list(map(int, t)),
-                                  lambda t: [float(v) for v in list(t)]])
-def test_iterating_then_converting_is_guarded_per_element(read: Callable[..., list[Any]]
-                                                          ) -> None:
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda t: [int(v) for v in t],
+        lambda t: list(map(int, t)),
+        lambda t: [float(v) for v in list(t)],
+    ],
+)
+def test_iterating_then_converting_is_guarded_per_element(read: Callable[..., list[Any]]) -> None:
     """``for v in t`` and ``list(t)`` yield tensors (no read); int()/float() of each is an
     .item() read, guarded element by element."""
 
     def fn(model: Tagger, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         h = model(x)
-        return torch.stack([h[i, :int(n)].mean(0) for i, n in enumerate(read(lengths))])
+        return torch.stack([h[i, : int(n)].mean(0) for i, n in enumerate(read(lengths))])
 
     code, cache = precompile(fn, Tagger(0), x_of(0), lengths_of(5, 3, 2), backend="eager")
     run = precompile.load(code, cache)
     assert len(precompile.inspect(code).value_guards) == 3
     model = Tagger(0)
     check_call(run, fn, model, x_of(1), lengths_of(5, 3, 2))
-    check_call(run, fn, model, x_of(2), lengths_of(5, 4, 2),
-               refused=r"a tensor value read into Python .* was 3 at capture and is 4 now")
+    check_call(
+        run,
+        fn,
+        model,
+        x_of(2),
+        lengths_of(5, 4, 2),
+        refused=r"a tensor value read into Python .* was 3 at capture and is 4 now",
+    )
     check_call(run, fn, model, x_of(3), lengths_of(5, 3, 2))
 
 
@@ -252,9 +286,12 @@ def test_reading_too_many_values_is_refused_at_capture() -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:
         return x * max(x.tolist())
 
-    with pytest.raises(PrecompileError, match=r"fn reads 70000 values of a tensor with "
-                       r"\.tolist\(\) at test_value_reads\.py:\d+ \(fn\).*Keep the computation "
-                       "on tensors"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"fn reads 70000 values of a tensor with "
+        r"\.tolist\(\) at test_value_reads\.py:\d+ \(fn\).*Keep the computation "
+        "on tensors",
+    ):
         precompile(fn, torch.rand(70000), backend="eager")
     assert "tolist" not in vars(torch.Tensor)
 
@@ -311,16 +348,19 @@ def test_reads_of_another_thread_are_not_recorded() -> None:
 
     code, _ = precompile(fn, Tagger(0), x_of(0), lengths_of(5, 3, 2), backend="eager")
     descriptions = [g.description for g in precompile.inspect(code).value_guards]
-    assert len(descriptions) == 1 and re.search(TOLIST_READ + r"\(mean_over_lengths\)",
-                                                descriptions[0])
+    assert len(descriptions) == 1 and re.search(
+        TOLIST_READ + r"\(mean_over_lengths\)", descriptions[0]
+    )
 
 
 # -- pack_padded_sequence -------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module", params=BACKENDS)
 def packed_run(request: pytest.FixtureRequest) -> Callable[..., Any]:
-    code, cache = precompile(packed_sum, PackedLSTM(0), x_of(0), lengths_of(5, 3, 2),
-                             backend=request.param)
+    code, cache = precompile(
+        packed_sum, PackedLSTM(0), x_of(0), lengths_of(5, 3, 2), backend=request.param
+    )
     return precompile.load(code, cache)
 
 
@@ -335,9 +375,15 @@ def test_packed_lengths_are_guarded(packed_run: Callable[..., Any]) -> None:
     """
     model = PackedLSTM(0)
     check_call(packed_run, packed_sum, model, x_of(1), lengths_of(2, 5, 3))
-    check_call(packed_run, packed_sum, model, x_of(2), lengths_of(4, 4, 2),
-               refused=r"left the path.*whether the " + PACKED_READ + " was True at capture "
-               "and is False now")
+    check_call(
+        packed_run,
+        packed_sum,
+        model,
+        x_of(2),
+        lengths_of(4, 4, 2),
+        refused=r"left the path.*whether the " + PACKED_READ + " was True at capture "
+        "and is False now",
+    )
     check_call(packed_run, packed_sum, model, x_of(3), lengths_of(5, 4, 1), refused=PACKED_READ)
     check_call(packed_run, packed_sum, model, x_of(4), lengths_of(4, 4, 1), refused=PACKED_READ)
     check_call(packed_run, packed_sum, model, x_of(5), lengths_of(3, 2, 5))
@@ -349,8 +395,7 @@ def test_packing_has_one_guard_the_lengths() -> None:
 
     before: two guards, both on batch_sizes[0] (the longest length), none on the lengths.
     """
-    code, _ = precompile(packed_sum, PackedLSTM(0), x_of(0), lengths_of(5, 3, 2),
-                         backend="eager")
+    code, _ = precompile(packed_sum, PackedLSTM(0), x_of(0), lengths_of(5, 3, 2), backend="eager")
     guards = precompile.inspect(code).value_guards
     assert [g.expected for g in guards] == [("const", True)]
     assert re.search(PACKED_READ, guards[0].description)
@@ -373,13 +418,13 @@ def test_packed_training_step_matches_eager() -> None:
         loss.backward()
         return loss
 
-    code, cache = precompile(step, PackedLSTM(0), x_of(0), lengths_of(5, 3, 2),
-                             backend="eager")
+    code, cache = precompile(step, PackedLSTM(0), x_of(0), lengths_of(5, 3, 2), backend="eager")
     run = precompile.load(code, cache)
     for seed, lengths in [(1, lengths_of(3, 5, 2)), (2, lengths_of(5, 3, 2))]:
         ours, theirs = PackedLSTM(seed), PackedLSTM(seed)
-        torch.testing.assert_close(run(ours, x_of(seed), lengths), step(theirs, x_of(seed),
-                                                                        lengths))
+        torch.testing.assert_close(
+            run(ours, x_of(seed), lengths), step(theirs, x_of(seed), lengths)
+        )
         for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
             torch.testing.assert_close(a.grad, b.grad)
     check_call(run, step, PackedLSTM(3), x_of(3), lengths_of(4, 4, 2), refused=PACKED_READ)
@@ -397,9 +442,12 @@ def test_packing_with_a_dynamic_dim_is_refused_by_inductor() -> None:
 
     x = x_of(0)
     mark_unbacked(x, 2)
-    with pytest.raises(PrecompileError, match=r"pack_padded_sequence \(aten\._pack_padded_"
-                       r"sequence\) at test_value_reads\.py:\d+.*Leave the dims static.*pad "
-                       "and mask"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"pack_padded_sequence \(aten\._pack_padded_"
+        r"sequence\) at test_value_reads\.py:\d+.*Leave the dims static.*pad "
+        "and mask",
+    ):
         precompile(pack_only, x, lengths_of(5, 3, 2), backend="inductor")
 
 
@@ -415,12 +463,12 @@ def test_pad_packed_sequence_returns_the_lengths(backend: str) -> None:
     the artifact returned uninitialized memory in their place (tensor([94330578363312, ...])
     for [5, 3, 2])."""
     x = torch.randn(3, 5, 2)
-    run = precompile.load(*precompile(unpack_lengths, x, torch.tensor([5, 3, 2]),
-                                      backend=backend))
+    run = precompile.load(*precompile(unpack_lengths, x, torch.tensor([5, 3, 2]), backend=backend))
     for lengths in ([5, 3, 2], [2, 5, 3], [3, 2, 5]):
         x = torch.randn(3, 5, 2)
-        torch.testing.assert_close(run(x, torch.tensor(lengths)),
-                                   unpack_lengths(x, torch.tensor(lengths)))
+        torch.testing.assert_close(
+            run(x, torch.tensor(lengths)), unpack_lengths(x, torch.tensor(lengths))
+        )
 
 
 MAIN_SCRIPT = """
@@ -453,8 +501,13 @@ def test_a_global_of_the_main_script_is_checked_by_script_name(tmp_path) -> None
     (tmp_path / "serve.py").write_text(MAIN_SCRIPT)
 
     def run(*args: str) -> str:
-        proc = subprocess.run([sys.executable, "serve.py", *args], cwd=tmp_path, text=True,
-                              capture_output=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "serve.py", *args],
+            cwd=tmp_path,
+            text=True,
+            capture_output=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc.stdout
 

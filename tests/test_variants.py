@@ -91,21 +91,27 @@ def test_variants_share_the_kernels_inductor_emits_for_both(tmp_path: Path) -> N
         assert_same(run(model, x, scale), fn(model, x, scale))
 
 
-def test_a_fresh_process_runs_each_variant_without_a_compiler(variants_pair: Path,
-                                                               tmp_path: Path) -> None:
+def test_a_fresh_process_runs_each_variant_without_a_compiler(
+    variants_pair: Path, tmp_path: Path
+) -> None:
     env, marker = poisoned_toolchain(tmp_path)
-    proc = run_python(_FRESH_SCRIPT.format(path=str(variants_pair), cache=True), env=env,
-                      timeout=600)
+    proc = run_python(
+        _FRESH_SCRIPT.format(path=str(variants_pair), cache=True), env=env, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.splitlines()[-1])
     assert result == {"inductor_imported": False, "refused": True}
     assert not marker.exists(), marker.read_text()
 
 
-def test_without_the_cache_each_variant_builds_its_kernels(variants_pair: Path,
-                                                           tmp_path: Path) -> None:
-    proc = run_python(_FRESH_SCRIPT.format(path=str(variants_pair), cache=False),
-                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ic")}, timeout=900)
+def test_without_the_cache_each_variant_builds_its_kernels(
+    variants_pair: Path, tmp_path: Path
+) -> None:
+    proc = run_python(
+        _FRESH_SCRIPT.format(path=str(variants_pair), cache=False),
+        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ic")},
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1])["inductor_imported"] is True
 
@@ -134,13 +140,19 @@ def test_a_call_that_fits_no_variant_names_them_all_and_the_nearest(variants_pai
     with pytest.raises(PrecompileError) as refused:
         run(model, x, t)
     message = str(refused.value)
-    assert message.startswith("this call fits none of the artifact's 2 variants (1: x (5, 4), "
-                              "t (5, 3), training; 2: x (8, 4), t (8, 3), eval)")
-    assert ("Nearest is variant 1 (closest input shapes): input x: expected shape (5, 4), got "
-            "(6, 4)") in message
+    assert message.startswith(
+        "this call fits none of the artifact's 2 variants (1: x (5, 4), "
+        "t (5, 3), training; 2: x (8, 4), t (8, 3), eval)"
+    )
+    assert (
+        "Nearest is variant 1 (closest input shapes): input x: expected shape (5, 4), got (6, 4)"
+    ) in message
     model, x, t = _call(8, True, 0)  # the shape of variant 2, the mode of variant 1
-    with pytest.raises(PrecompileError, match=r"Nearest is variant 2 \(closest input shapes\): "
-                                              "the model is in training mode"):
+    with pytest.raises(
+        PrecompileError,
+        match=r"Nearest is variant 2 \(closest input shapes\): "
+        "the model is in training mode",
+    ):
         run(model, x, t)
     assert refused.value.__cause__ is None and refused.value.__suppress_context__
 
@@ -152,8 +164,11 @@ def test_python_values_and_structures_make_variants(tmp_path: Path, backend: str
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    calls = [(torch.randn(3, 4), 2.0, {}), (torch.randn(3, 4), 3.0, {}),
-             (torch.randn(3, 4), 2.0, {"bias": torch.randn(2)})]
+    calls = [
+        (torch.randn(3, 4), 2.0, {}),
+        (torch.randn(3, 4), 3.0, {}),
+        (torch.randn(3, 4), 2.0, {"bias": torch.randn(2)}),
+    ]
     with capture(fn, artifact_path=tmp_path / "a.py", backend=backend) as cap:
         for x, scale, extra in calls:
             assert_same(cap(model, x, scale, extra), fn(model, x, scale, extra))
@@ -171,9 +186,13 @@ def test_a_capture_whose_calls_take_other_arguments_is_refused(tmp_path: Path) -
         return a(b) if isinstance(a, torch.nn.Module) else b(a)
 
     layer = torch.nn.Linear(4, 4)
-    with (pytest.raises(PrecompileError, match="must take the same arguments.*a: model, b: "
-                                               "input.*a: input, b: model"),
-          capture(fn, artifact_path=tmp_path / "a.py", backend="eager") as cap):
+    with (
+        pytest.raises(
+            PrecompileError,
+            match="must take the same arguments.*a: model, b: input.*a: input, b: model",
+        ),
+        capture(fn, artifact_path=tmp_path / "a.py", backend="eager") as cap,
+    ):
         cap(layer, torch.randn(2, 4))
         cap(torch.randn(2, 4), layer)
     assert not (tmp_path / "a.py").exists()
@@ -209,8 +228,9 @@ def test_compile_on_one_rank_takes_one_kind_of_call(tmp_path: Path) -> None:
             print("refused:", e)
         dist.destroy_process_group()
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "refused: with compile_on_one_rank=True a capture takes one kind of call" in proc.stdout
 

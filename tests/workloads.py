@@ -167,8 +167,11 @@ WORKLOADS: dict[str, Workload] = {
         pytree_fn,
         lambda: (
             _mlp(False),
-            {"x": torch.randn(5, 4), "scale": 2.0,
-             "extras": [torch.randn(2, 2), (torch.randn(3), "tag")]},
+            {
+                "x": torch.randn(5, 4),
+                "scale": 2.0,
+                "extras": [torch.randn(2, 2), (torch.randn(3), "tag")],
+            },
         ),
     ),
     "literals": Workload(literal_fn, lambda: (_mlp(False), torch.randn(5, 4))),

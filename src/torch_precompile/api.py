@@ -92,9 +92,15 @@ class Precompile:
         compile_on_one_rank: bool = False,
         wrapper: str = "auto",
     ) -> ArtifactPair:
-        options = BuildOptions(backend=backend, tracer=tracer, decompositions=decompositions,
-                               sign_key=sign_key, progress=progress,
-                               compile_on_one_rank=compile_on_one_rank, wrapper=wrapper)
+        options = BuildOptions(
+            backend=backend,
+            tracer=tracer,
+            decompositions=decompositions,
+            sign_key=sign_key,
+            progress=progress,
+            compile_on_one_rank=compile_on_one_rank,
+            wrapper=wrapper,
+        )
         return build(fn, example_inputs, options)
 
     def load(
@@ -131,8 +137,13 @@ class Precompile:
                 python_code = storage.read_source(Path(python_code))
         elif _names_a_file(cache):
             cache = storage.read_cache(Path(cache))
-        return runtime.load(python_code, cache, verify_key=verify_key,
-                            require_prebuilt=require_prebuilt, cache_absence=absence)
+        return runtime.load(
+            python_code,
+            cache,
+            verify_key=verify_key,
+            require_prebuilt=require_prebuilt,
+            cache_absence=absence,
+        )
 
     def module(
         self,
@@ -160,11 +171,16 @@ class Precompile:
             if example_inputs or example_kwargs or modes or options:
                 raise PrecompileError(
                     "precompile.module(model, artifact=...) wraps a loaded artifact as it is; "
-                    "it takes no examples, modes or build options.")
+                    "it takes no examples, modes or build options."
+                )
             return wrap_loaded(model, artifact)
-        return build_module(model, example_inputs, example_kwargs,
-                            tuple(modes) if modes is not None else None,
-                            _module_options(options))
+        return build_module(
+            model,
+            example_inputs,
+            example_kwargs,
+            tuple(modes) if modes is not None else None,
+            _module_options(options),
+        )
 
     def stages(
         self,
@@ -208,7 +224,10 @@ class Precompile:
         return parse_spec(python_code)
 
     def load_file(
-        self, path: str | os.PathLike[str], *, verify_key: bytes | None = None,
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verify_key: bytes | None = None,
         require_prebuilt: bool = False,
     ) -> runtime.LoadedArtifact:
         """Load a pair written by ``save`` (or ``capture``); ``verify_key`` and
@@ -220,8 +239,13 @@ class Precompile:
         there instead and the artifact runs from the source alone.
         """
         saved = storage.read_saved(path)
-        return runtime.load(saved.code, saved.cache, verify_key=verify_key,
-                            require_prebuilt=require_prebuilt, cache_absence=saved.absence)
+        return runtime.load(
+            saved.code,
+            saved.cache,
+            verify_key=verify_key,
+            require_prebuilt=require_prebuilt,
+            cache_absence=saved.absence,
+        )
 
     def __repr__(self) -> str:
         return "torch_precompile.precompile"
@@ -244,7 +268,8 @@ def _module_options(options: Mapping[str, Any]) -> BuildOptions:
     if unknown:
         raise PrecompileError(
             f"got unknown keywords {unknown}; the module form takes precompile()'s build "
-            f"keywords ({', '.join(sorted(_MODULE_OPTIONS))}).")
+            f"keywords ({', '.join(sorted(_MODULE_OPTIONS))})."
+        )
     return BuildOptions(**options)
 
 
@@ -256,8 +281,9 @@ def _grad_mode() -> bool:
 
 def _names_a_file(value: object) -> bool:
     """A path, or a non-empty string of one line: an artifact's source always has many."""
-    return isinstance(value, os.PathLike) or (isinstance(value, str) and bool(value)
-                                              and "\n" not in value)
+    return isinstance(value, os.PathLike) or (
+        isinstance(value, str) and bool(value) and "\n" not in value
+    )
 
 
 class ArtifactPair(NamedTuple):
@@ -288,13 +314,13 @@ class BuildOptions:
 
     def __post_init__(self) -> None:
         if self.wrapper not in WRAPPERS:
-            raise PrecompileError(
-                f"wrapper must be one of {WRAPPERS}, got {self.wrapper!r}.")
+            raise PrecompileError(f"wrapper must be one of {WRAPPERS}, got {self.wrapper!r}.")
         if self.wrapper == "cpp" and self.backend != "inductor":
             raise PrecompileError(
                 f"wrapper={self.wrapper!r} chooses how the inductor backend calls its kernels; "
                 f"backend={self.backend!r} has none. Leave wrapper out, or use "
-                "backend='inductor'.")
+                "backend='inductor'."
+            )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
         if self.tracer not in TRACERS:
@@ -310,8 +336,9 @@ class BuildOptions:
             )
 
 
-def build(fn: Callable[..., Any], example_inputs: tuple[Any, ...],
-          options: BuildOptions | None = None) -> ArtifactPair:
+def build(
+    fn: Callable[..., Any], example_inputs: tuple[Any, ...], options: BuildOptions | None = None
+) -> ArtifactPair:
     """The pipeline behind ``precompile()``; ``options.progress`` hears about each stage."""
     options = options if options is not None else BuildOptions()
     if not callable(fn):
@@ -320,12 +347,17 @@ def build(fn: Callable[..., Any], example_inputs: tuple[Any, ...],
         return _build(fn, example_inputs, options)
     from torch_precompile.one_rank import build_on_rank_zero
 
-    return ArtifactPair(*build_on_rank_zero(
-        lambda: _build(fn, example_inputs, options, on_fakes=True)))
+    return ArtifactPair(
+        *build_on_rank_zero(lambda: _build(fn, example_inputs, options, on_fakes=True))
+    )
 
 
-def _build(fn: Callable[..., Any], example_inputs: tuple[Any, ...], options: BuildOptions,
-           on_fakes: bool = False) -> ArtifactPair:
+def _build(
+    fn: Callable[..., Any],
+    example_inputs: tuple[Any, ...],
+    options: BuildOptions,
+    on_fakes: bool = False,
+) -> ArtifactPair:
     return package([compile_variant(fn, example_inputs, options, on_fakes)], options)
 
 
@@ -338,9 +370,13 @@ class CompiledVariant:
     origin: str  # fn's name and where it is defined, for the artifact's header
 
 
-def compile_variant(fn: Callable[..., Any], example_inputs: tuple[Any, ...],
-                    options: BuildOptions, on_fakes: bool = False,
-                    origin: str | None = None) -> CompiledVariant:
+def compile_variant(
+    fn: Callable[..., Any],
+    example_inputs: tuple[Any, ...],
+    options: BuildOptions,
+    on_fakes: bool = False,
+    origin: str | None = None,
+) -> CompiledVariant:
     """Capture and lower one call of ``fn``; ``options.progress`` hears about each stage.
     ``origin`` says what the header names as captured (default: ``fn`` and its file)."""
     report = options.progress or (lambda stage: None)
@@ -351,8 +387,9 @@ def compile_variant(fn: Callable[..., Any], example_inputs: tuple[Any, ...],
     with _lock:
         report("capture")
         with progress.step("tracing fn (one traced run)"):
-            captured = capture(fn, example_inputs, options.backend, options.decompositions,
-                               on_fakes=on_fakes)
+            captured = capture(
+                fn, example_inputs, options.backend, options.decompositions, on_fakes=on_fakes
+            )
         report("lower")
         with progress.step(f"lowering with the {options.backend} backend"):
             lowered = _lower(captured, options.backend, options.wrapper)
@@ -364,8 +401,9 @@ def compile_variant(fn: Callable[..., Any], example_inputs: tuple[Any, ...],
     return CompiledVariant(spec, graphs, origin or describe_callable(fn))
 
 
-def _with_backward(captured: Capture, lowered: LoweredGraph, options: BuildOptions,
-                   on_fakes: bool) -> tuple[VariantGraphs, Autograd | None]:
+def _with_backward(
+    captured: Capture, lowered: LoweredGraph, options: BuildOptions, on_fakes: bool
+) -> tuple[VariantGraphs, Autograd | None]:
     """The plain graph, and where fn runs no backward but its results would carry history,
     the forward and backward graphs that give them history (see ``trace.differentiable``)."""
     from torch_precompile.lower import VariantGraphs
@@ -377,30 +415,36 @@ def _with_backward(captured: Capture, lowered: LoweredGraph, options: BuildOptio
     inputs = differentiable.differentiable_inputs(spec)
     if not inputs:
         return VariantGraphs(lowered), Autograd()
-    reason = differentiable.why_not_differentiable(spec, captured.fake_mode is not None
-                                                   or on_fakes)
+    reason = differentiable.why_not_differentiable(spec, captured.fake_mode is not None or on_fakes)
     if reason is None and not options.grad_mode:
-        reason = ("results carry no autograd history because it was precompiled under "
-                  "torch.no_grad()")
+        reason = (
+            "results carry no autograd history because it was precompiled under torch.no_grad()"
+        )
     if reason is not None:
         return VariantGraphs(lowered), Autograd(inputs=tuple(inputs), unavailable=reason)
     try:
         with progress.step("tracing the backward (results with autograd history)"):
-            split = differentiable.differentiate(captured, options.backend,
-                                                 _decompositions(options))
+            split = differentiable.differentiate(
+                captured, options.backend, _decompositions(options)
+            )
         if not split.record.outputs:
             return VariantGraphs(lowered), split.record
-        with progress.step(f"lowering the forward and backward with the {options.backend} "
-                           "backend"):
+        with progress.step(f"lowering the forward and backward with the {options.backend} backend"):
             forward = _lower(split.forward, options.backend, options.wrapper)
             backward = _lower(split.backward, options.backend, options.wrapper)
     except Exception as e:  # the plain graph serves every call that needs no history
         first = (str(e).strip().splitlines() or [""])[0][:200]
-        log.warning("results of this artifact will carry no autograd history: its backward "
-                    "could not be built (%s: %s).", type(e).__name__, first)
+        log.warning(
+            "results of this artifact will carry no autograd history: its backward "
+            "could not be built (%s: %s).",
+            type(e).__name__,
+            first,
+        )
         return VariantGraphs(lowered), Autograd(
-            inputs=tuple(inputs), unavailable="results carry no autograd history because its "
-            f"backward could not be built ({type(e).__name__}: {first})")
+            inputs=tuple(inputs),
+            unavailable="results carry no autograd history because its "
+            f"backward could not be built ({type(e).__name__}: {first})",
+        )
     return VariantGraphs(lowered, forward, backward), split.record
 
 
@@ -422,12 +466,15 @@ def package(variants: Sequence[CompiledVariant], options: BuildOptions) -> Artif
     (options.progress or (lambda stage: None))("render")
     spec = variants[0].spec.with_variants([v.spec for v in variants[1:]])
     with progress.step("writing the artifact source"):
-        python_code, compiled = bytecode.seal(render(spec, [v.graphs for v in variants],
-                                                     origin=variants[0].origin))
-    payloads = [g.acceleration for v in variants for g in v.graphs.all
-                if g.acceleration is not None]
-    acceleration = (payloads[0] if len(payloads) <= 1 else merged_payloads(payloads)
-                    ) if payloads else None
+        python_code, compiled = bytecode.seal(
+            render(spec, [v.graphs for v in variants], origin=variants[0].origin)
+        )
+    payloads = [
+        g.acceleration for v in variants for g in v.graphs.all if g.acceleration is not None
+    ]
+    acceleration = (
+        (payloads[0] if len(payloads) <= 1 else merged_payloads(payloads)) if payloads else None
+    )
     cache = envelope.pack(options.backend, python_code, acceleration, compiled)
     if options.sign_key is not None:
         cache = signature.sign(options.sign_key, python_code, cache)

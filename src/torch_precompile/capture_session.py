@@ -42,8 +42,14 @@ class _State(enum.Enum):
 class CaptureSession:
     """The object ``capture()`` returns: enter it, call it like ``fn``, leave it."""
 
-    def __init__(self, fn: Callable[..., Any], artifact_path: Path, cache_path: Path | None,
-                 options: BuildOptions, save_each: bool = False) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        artifact_path: Path,
+        cache_path: Path | None,
+        options: BuildOptions,
+        save_each: bool = False,
+    ) -> None:
         self._fn = fn
         self.artifact_path = artifact_path
         self.cache_path = cache_path
@@ -57,15 +63,15 @@ class CaptureSession:
 
     def __enter__(self) -> CaptureSession:
         if self._state is not _State.NEW:
-            raise PrecompileError("a capture is single-use: call capture() again to capture "
-                                  "again.")
+            raise PrecompileError("a capture is single-use: call capture() again to capture again.")
         self._state = _State.OPEN
         return self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._state is not _State.OPEN:
-            raise PrecompileError(f"this capture is {self._state.value}: call it inside its "
-                                  "with block.")
+            raise PrecompileError(
+                f"this capture is {self._state.value}: call it inside its with block."
+            )
         if kwargs:
             raise PrecompileError(
                 f"call the capture with positional arguments only (got {sorted(kwargs)}): the "
@@ -105,13 +111,22 @@ class CaptureSession:
         """Write the pair now (atomically); the block's end then leaves it as it is."""
         if self._pair is None:
             raise PrecompileError("nothing to save: the capture has not taken a call yet.")
-        path = storage.save_pair(self._pair.code, self._pair.cache, self.artifact_path,
-                                 self.cache_path, sign_key=self._options.sign_key)
+        path = storage.save_pair(
+            self._pair.code,
+            self._pair.cache,
+            self.artifact_path,
+            self.cache_path,
+            sign_key=self._options.sign_key,
+        )
         self._saved = True
         return path
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
         self._state = _State.CLOSED
         if kind is not None:
             return  # the block failed: write nothing beyond what save() already wrote
@@ -164,16 +179,23 @@ def capture(
             f"{', '.join(f.name for f in dataclasses.fields(BuildOptions))}."
         )
     if save not in ("end", "each"):
-        raise PrecompileError(f"save must be 'end' (write the pair when the block ends) or "
-                              f"'each' (also after every call that adds a variant), got "
-                              f"{save!r}.")
-    return CaptureSession(fn, _path(artifact_path, "artifact_path"),
-                          None if cache_path is None else _path(cache_path, "cache_path"),
-                          BuildOptions(**options), save_each=save == "each")
+        raise PrecompileError(
+            f"save must be 'end' (write the pair when the block ends) or "
+            f"'each' (also after every call that adds a variant), got "
+            f"{save!r}."
+        )
+    return CaptureSession(
+        fn,
+        _path(artifact_path, "artifact_path"),
+        None if cache_path is None else _path(cache_path, "cache_path"),
+        BuildOptions(**options),
+        save_each=save == "each",
+    )
 
 
 def _path(value: Any, name: str) -> Path:
     if not isinstance(value, str | os.PathLike) or not str(value):
-        raise PrecompileError(f"{name} must be a file's path (a str or os.PathLike), got "
-                              f"{value!r}.")
+        raise PrecompileError(
+            f"{name} must be a file's path (a str or os.PathLike), got {value!r}."
+        )
     return Path(value)

@@ -24,8 +24,10 @@ from typing import Any
 
 PROG = "torch-precompile"
 EXIT_FAILED, EXIT_USAGE, EXIT_UNVERIFIED_SIGNATURE = 1, 2, 3
-EXIT_STATUS = ("Exit status: 0 success, 1 failure (or a pair that does not verify), 2 usage "
-               "error, 3 a signed pair verified without its key (signature unchecked).")
+EXIT_STATUS = (
+    "Exit status: 0 success, 1 failure (or a pair that does not verify), 2 usage "
+    "error, 3 a signed pair verified without its key (signature unchecked)."
+)
 
 
 class UsageError(Exception):
@@ -54,53 +56,78 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Precompile PyTorch computations ahead of time.",
+        prog=PROG,
+        description="Precompile PyTorch computations ahead of time.",
         epilog=EXIT_STATUS,
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     compile_cmd = commands.add_parser(
-        "compile", help="precompile FACTORY's fn and save the pair",
+        "compile",
+        help="precompile FACTORY's fn and save the pair",
         description="Import MODULE, call FACTORY() -> (fn, example_inputs), precompile it and "
-                    "save the pair at PATH (the source) with its cache beside it.",
+        "save the pair at PATH (the source) with its cache beside it.",
     )
     compile_cmd.add_argument("target", type=_target, metavar="MODULE:FACTORY")
     compile_cmd.add_argument("-o", "--output", required=True, type=_output_path, metavar="PATH")
     compile_cmd.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
-    compile_cmd.add_argument("--sign-key-file", type=_key_file, dest="sign_key", metavar="FILE",
-                             help="sign the pair with the key in FILE")
-    compile_cmd.add_argument("--inference", action="store_true",
-                             help="precompile under torch.no_grad(): no backward is built, and "
-                                  "results carry no autograd history")
+    compile_cmd.add_argument(
+        "--sign-key-file",
+        type=_key_file,
+        dest="sign_key",
+        metavar="FILE",
+        help="sign the pair with the key in FILE",
+    )
+    compile_cmd.add_argument(
+        "--inference",
+        action="store_true",
+        help="precompile under torch.no_grad(): no backward is built, and "
+        "results carry no autograd history",
+    )
     compile_cmd.set_defaults(run=_compile, command_parser=compile_cmd)
 
     inspect_cmd = commands.add_parser(
-        "inspect", help="describe a saved pair without executing it",
+        "inspect",
+        help="describe a saved pair without executing it",
         description="Print the calling convention, parameters, inputs (with dynamic dims), "
-                    "kernels, sizes, fingerprint and signature state of a saved pair.",
+        "kernels, sizes, fingerprint and signature state of a saved pair.",
     )
     inspect_cmd.add_argument("path", type=_existing_file, metavar="PATH")
     inspect_cmd.add_argument("--json", action="store_true", help="print JSON")
     inspect_cmd.set_defaults(run=_inspect, command_parser=inspect_cmd)
 
     verify_cmd = commands.add_parser(
-        "verify", help="check a saved pair: pairing, kernels, signature",
+        "verify",
+        help="check a saved pair: pairing, kernels, signature",
         description="Check that the cache belongs to the source, that its kernels are intact "
-                    "and built for this machine, and (with --key-file) the signature. A signed "
-                    "pair checked without its key exits 3: its signature is unverified.",
+        "and built for this machine, and (with --key-file) the signature. A signed "
+        "pair checked without its key exits 3: its signature is unverified.",
         epilog=EXIT_STATUS,
     )
     verify_cmd.add_argument("path", type=_existing_file, metavar="PATH")
-    verify_cmd.add_argument("--key-file", type=_key_file, dest="key", metavar="FILE",
-                            help="the key the pair was signed with")
+    verify_cmd.add_argument(
+        "--key-file",
+        type=_key_file,
+        dest="key",
+        metavar="FILE",
+        help="the key the pair was signed with",
+    )
     verify_cmd.set_defaults(run=_verify, command_parser=verify_cmd)
 
     demo = commands.add_parser("demo", help="precompile a built-in MLP and check it end to end")
-    demo.add_argument("--out", type=_out_dir, default=Path("demo-out"),
-                      help="folder for the artifact pairs (default: ./demo-out)")
-    demo.add_argument("--backend", default="inductor", choices=["inductor", "eager"],
-                      help="how the captured graph runs (default: inductor)")
+    demo.add_argument(
+        "--out",
+        type=_out_dir,
+        default=Path("demo-out"),
+        help="folder for the artifact pairs (default: ./demo-out)",
+    )
+    demo.add_argument(
+        "--backend",
+        default="inductor",
+        choices=["inductor", "eager"],
+        help="how the captured graph runs (default: inductor)",
+    )
     demo.set_defaults(run=_demo, command_parser=demo)
     return parser
 
@@ -124,8 +151,10 @@ def _compile(args: argparse.Namespace) -> int:
         code, cache = precompile(fn, *inputs, backend=args.backend)
     with progress.step(f"saving {args.output}"):
         storage.save(code, cache, args.output, sign_key=args.sign_key)
-    print(f"{args.output} ({len(code) / 1024:.1f} KiB) and "
-          f"{storage.cache_path(args.output, code).name} ({len(cache) / 1024:.1f} KiB)")
+    print(
+        f"{args.output} ({len(code) / 1024:.1f} KiB) and "
+        f"{storage.cache_path(args.output, code).name} ({len(cache) / 1024:.1f} KiB)"
+    )
     return 0
 
 
@@ -137,13 +166,17 @@ def _factory(module_name: str, factory_name: str) -> Any:
     except ModuleNotFoundError as e:
         if e.name is None or not f"{module_name}.".startswith(f"{e.name}."):
             raise  # a module that MODULE imports is missing: MODULE's own failure
-        raise UsageError(f"no module named {module_name!r}: run from the folder that holds "
-                         "it, or add that folder to PYTHONPATH") from None
+        raise UsageError(
+            f"no module named {module_name!r}: run from the folder that holds "
+            "it, or add that folder to PYTHONPATH"
+        ) from None
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         found = "has no" if factory is None else "has a non-callable"
-        raise UsageError(f"module {module_name!r} {found} {factory_name!r}: FACTORY names a "
-                         "function of MODULE that returns (fn, example_inputs)")
+        raise UsageError(
+            f"module {module_name!r} {found} {factory_name!r}: FACTORY names a "
+            "function of MODULE that returns (fn, example_inputs)"
+        )
     return factory
 
 
@@ -170,8 +203,10 @@ def _verify(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     if result.unchecked is not None:
         print(f"UNCHECKED: {result.unchecked}")
-        print(f"{args.path}: NOT verified: signed, signature unchecked (exit status "
-              f"{EXIT_UNVERIFIED_SIGNATURE})")
+        print(
+            f"{args.path}: NOT verified: signed, signature unchecked (exit status "
+            f"{EXIT_UNVERIFIED_SIGNATURE})"
+        )
         return EXIT_UNVERIFIED_SIGNATURE
     done = "signature valid" if args.key is not None else "unsigned: no signature to check"
     print(f"{args.path}: verified ({done})")
@@ -188,7 +223,8 @@ def _target(text: str) -> str:
     module_name, _, factory_name = text.partition(":")
     if not module_name or not factory_name:
         raise argparse.ArgumentTypeError(
-            f"expected MODULE:FACTORY (say mymodels:make_step), got {text!r}")
+            f"expected MODULE:FACTORY (say mymodels:make_step), got {text!r}"
+        )
     return text
 
 
@@ -197,7 +233,8 @@ def _key_file(text: str) -> bytes:
         key = Path(text).read_bytes().strip()
     except OSError as e:
         raise argparse.ArgumentTypeError(
-            f"cannot read the key file {text}: {e.strerror or e}") from None
+            f"cannot read the key file {text}: {e.strerror or e}"
+        ) from None
     if not key:
         raise argparse.ArgumentTypeError(f"the key file {text} is empty: put the key in it")
     return key
@@ -209,7 +246,8 @@ def _existing_file(text: str) -> Path:
         found = "is a directory" if path.is_dir() else "does not exist"
         raise argparse.ArgumentTypeError(
             f"{text} {found}: give the path of an artifact's source file (the .py that "
-            "precompile.save or compile wrote)")
+            "precompile.save or compile wrote)"
+        )
     return path
 
 
@@ -218,7 +256,8 @@ def _output_path(text: str) -> Path:
     if path.is_dir() or not path.parent.is_dir():
         found = "is a directory" if path.is_dir() else f"{path.parent} is not a directory"
         raise argparse.ArgumentTypeError(
-            f"cannot write {text}: {found}; give a file path in an existing folder")
+            f"cannot write {text}: {found}; give a file path in an existing folder"
+        )
     return path
 
 

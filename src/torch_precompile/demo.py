@@ -101,11 +101,15 @@ def _prebuilt_note(code: str, cache: bytes, report: dict[str, Any]) -> tuple[str
 
     judged = judge(code, cache)
     loaded = count_objects(report["loaded"])
-    built = ("built here (a compiler ran)" if report["inductor_imported"]
-             else "nothing built, no compiler run")
+    built = (
+        "built here (a compiler ran)"
+        if report["inductor_imported"]
+        else "nothing built, no compiler run"
+    )
     note = f"\n                 {loaded} loaded from the cache, {built}"
     agrees = sorted(judged.prebuilt) == report["loaded"] and (
-        report["inductor_imported"] == bool(judged.to_build))
+        report["inductor_imported"] == bool(judged.to_build)
+    )
     if not agrees:
         note += f"\n                 MISMATCH: inspect says a load {judged.outcome}"
     return note, agrees
@@ -128,7 +132,9 @@ def run_demo(out_dir: Path, backend: str) -> int:
         spec = precompile.inspect(code)
         proc = subprocess.run(
             [sys.executable, "-c", _CHECK, kind, str(path)],
-            capture_output=True, text=True, timeout=900,
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         if proc.returncode != 0:
             print(f"[{kind}] FAILED in the fresh process:\n{proc.stderr[-3000:]}")
@@ -140,20 +146,25 @@ def run_demo(out_dir: Path, backend: str) -> int:
         failures += (not ok) + (not agrees)
         grads = sum(t.gets_grad for t in spec.model)
         print(f"[{kind}] {'inference (eval mode)' if kind == 'infer' else 'training step'}")
-        print(f"  captured : {len(spec.parameters)} parameters, {len(spec.buffers)} buffers, "
-              f"inputs {[leaf.path for leaf in spec.inputs]}"
-              f"{f', {grads} gradients harvested' if grads else ''}")
-        print(f"  artifact : {path.name} {len(code) / 1024:.1f} KiB, "
-              f"{cache_path(path, code).name} {len(cache) / 1024:.1f} KiB, "
-              f"built in {build_s:.2f} s")
-        print(f"  fresh process: import torch {report['import_torch_s']:.2f} s, "
-              f"load {report['load_s']:.3f} s, first call {report['first_call_s']:.3f} s"
-              f"{note}")
+        print(
+            f"  captured : {len(spec.parameters)} parameters, {len(spec.buffers)} buffers, "
+            f"inputs {[leaf.path for leaf in spec.inputs]}"
+            f"{f', {grads} gradients harvested' if grads else ''}"
+        )
+        print(
+            f"  artifact : {path.name} {len(code) / 1024:.1f} KiB, "
+            f"{cache_path(path, code).name} {len(cache) / 1024:.1f} KiB, "
+            f"built in {build_s:.2f} s"
+        )
+        print(
+            f"  fresh process: import torch {report['import_torch_s']:.2f} s, "
+            f"load {report['load_s']:.3f} s, first call {report['first_call_s']:.3f} s"
+            f"{note}"
+        )
         checked = "output" if kind == "infer" else "loss, gradients, buffers over 4 SGD steps"
-        print(f"  vs eager ({checked}): max abs diff {report['max_abs_diff']:.2e} "
-              f"-> {'OK' if ok else 'MISMATCH'}\n")
+        print(
+            f"  vs eager ({checked}): max abs diff {report['max_abs_diff']:.2e} "
+            f"-> {'OK' if ok else 'MISMATCH'}\n"
+        )
     print("demo passed" if not failures else f"demo FAILED ({failures} problem(s))")
     return 1 if failures else 0
-
-
-

@@ -71,14 +71,23 @@ def describe(path: Path) -> dict[str, Any]:
     code, spec, cache = pair.code, pair.spec, pair.cache
     judged = judge(code, cache, spec=spec)
     report: dict[str, Any] = {
-        "source": {"path": str(path), "bytes": len(code.encode()), "backend": spec.backend,
-                   "schema_version": spec.schema_version,
-                   "torch": f"{spec.torch.version} (git {spec.torch.git[:12]})"},
+        "source": {
+            "path": str(path),
+            "bytes": len(code.encode()),
+            "backend": spec.backend,
+            "schema_version": spec.schema_version,
+            "torch": f"{spec.torch.version} (git {spec.torch.git[:12]})",
+        },
         "call": f"forward({', '.join(a.name for a in spec.args)})",
         "models": list(spec.model_names),
         "parameters": [
-            {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "device": t.device,
-             "gets_grad": t.gets_grad}
+            {
+                "name": t.name,
+                "shape": list(t.shape),
+                "dtype": t.dtype,
+                "device": t.device,
+                "gets_grad": t.gets_grad,
+            }
             for t in spec.parameters
         ],
         "buffers": [
@@ -89,22 +98,33 @@ def describe(path: Path) -> dict[str, Any]:
         "modes": _describe_modes(spec),
         "inputs": [_describe_input(leaf) for leaf in spec.inputs],
         "dynamic_dims": [
-            {"shape_id": dim.shape_id or None,
-             "dims": [f"{spec.inputs[leaf].path}[{d}]" for leaf, d in dim.places]}
+            {
+                "shape_id": dim.shape_id or None,
+                "dims": [f"{spec.inputs[leaf].path}[{d}]" for leaf, d in dim.places],
+            }
             for dim in spec.dynamic_dims
         ],
         "size_rules": [relation.readable for relation in spec.size_relations],
         "value_guards": [guard.description for guard in spec.value_guards],
         "meshes": [
-            {"device_type": m.device_type, "shape": list(m.shape),
-             "dim_names": list(m.dim_names) if m.dim_names else None,
-             "serves": "every rank" if m.coordinate is None
-             else f"coordinate {list(m.coordinate)} only"}
+            {
+                "device_type": m.device_type,
+                "shape": list(m.shape),
+                "dim_names": list(m.dim_names) if m.dim_names else None,
+                "serves": "every rank"
+                if m.coordinate is None
+                else f"coordinate {list(m.coordinate)} only",
+            }
             for m in spec.meshes
         ],
         "dtensors": [
-            {"name": d.name, "mesh": d.mesh, "placements": list(d.placements),
-             "shape": list(d.shape), "local_shape": list(d.local_shape)}
+            {
+                "name": d.name,
+                "mesh": d.mesh,
+                "placements": list(d.placements),
+                "shape": list(d.shape),
+                "local_shape": list(d.local_shape),
+            }
             for d in spec.distributed
         ],
         "optimizers": _describe_optimizers(spec),
@@ -114,9 +134,13 @@ def describe(path: Path) -> dict[str, Any]:
         "autograd": _describe_autograd(spec),
         "variants": [variant_label(v) for v in spec.all_variants] if spec.variants else [],
         "cache": _describe_cache(pair, judged),
-        "load": {"outcome": judged.outcome, "refused": judged.refusal is not None,
-                 "prebuilt": count_objects(judged.prebuilt), "to_build": judged.to_build,
-                 "problems": [f.text for f in judged.findings if f.effect in (DEFECT, REFUSAL)]},
+        "load": {
+            "outcome": judged.outcome,
+            "refused": judged.refusal is not None,
+            "prebuilt": count_objects(judged.prebuilt),
+            "to_build": judged.to_build,
+            "problems": [f.text for f in judged.findings if f.effect in (DEFECT, REFUSAL)],
+        },
     }
     return report
 
@@ -126,8 +150,10 @@ def _describe_wrapper(code: str, spec: ArtifactSpec) -> str | None:
     if spec.backend != "inductor":
         return None
     # One line per graph that says (indented in a variant's function); none: Python.
-    said = [_shown_wrapper(line) for line in re.findall(
-        f"^ *{re.escape(WRAPPER_LINE)}(.*)$", code, re.MULTILINE)]
+    said = [
+        _shown_wrapper(line)
+        for line in re.findall(f"^ *{re.escape(WRAPPER_LINE)}(.*)$", code, re.MULTILINE)
+    ]
     shown = sorted({*said, *["python"] * (len(spec.all_variants) - len(said))})
     return shown[0] if len(shown) == 1 else "per variant: " + "; ".join(shown)
 
@@ -144,14 +170,19 @@ def _describe_data_parallel(spec: ArtifactSpec) -> list[str]:
     for d in spec.data_parallel:
         sync = "averaged over" if d.sync_grads else "not synced (no_sync) over"
         buffers = ", buffers broadcast from rank 0 first" if d.forward_sync else ""
-        lines.append(f"{d.argument}: DistributedDataParallel, gradients {sync} "
-                     f"{d.world_size} ranks{buffers}")
+        lines.append(
+            f"{d.argument}: DistributedDataParallel, gradients {sync} {d.world_size} ranks{buffers}"
+        )
     for g in spec.fully_sharded:
-        dtypes = "".join(f", {kind} {dtype}" for kind, dtype in (
-            ("gathered in", g.param_dtype), ("reduced in", g.reduce_dtype)) if dtype)
+        dtypes = "".join(
+            f", {kind} {dtype}"
+            for kind, dtype in (("gathered in", g.param_dtype), ("reduced in", g.reduce_dtype))
+            if dtype
+        )
         reshard = "resharded after forward" if g.reshard_after_forward else "kept after forward"
-        lines.append(f"{spec.model_names[g.model]}.{g.module or '(root)'}: fully_shard, "
-                     f"{reshard}{dtypes}")
+        lines.append(
+            f"{spec.model_names[g.model]}.{g.module or '(root)'}: fully_shard, {reshard}{dtypes}"
+        )
     return lines
 
 
@@ -164,26 +195,44 @@ def _describe_optimizers(spec: ArtifactSpec) -> list[dict[str, Any]]:
         for entry in spec.optimizer_state:
             if entry.optimizer == number:
                 state.setdefault(entry.param, {})[entry.key] = (
-                    f"{tuple(entry.shape)} {entry.dtype.removeprefix('torch.')}")
-        described.append({
-            "argument": optimizer.argument, "class": optimizer.cls,
-            "param_groups": [
-                {"params": list(g.params), "read_at_every_call": list(g.call_time),
-                 "baked": {k: list(v) if isinstance(v, tuple) else v for k, (_, v) in g.baked},
-                 "fresh_start": g.fresh_start or "zero state"}
-                for g in spec.param_groups if g.optimizer == number],
-            "state": state,
-        })
+                    f"{tuple(entry.shape)} {entry.dtype.removeprefix('torch.')}"
+                )
+        described.append(
+            {
+                "argument": optimizer.argument,
+                "class": optimizer.cls,
+                "param_groups": [
+                    {
+                        "params": list(g.params),
+                        "read_at_every_call": list(g.call_time),
+                        "baked": {
+                            k: list(v) if isinstance(v, tuple) else v for k, (_, v) in g.baked
+                        },
+                        "fresh_start": g.fresh_start or "zero state",
+                    }
+                    for g in spec.param_groups
+                    if g.optimizer == number
+                ],
+                "state": state,
+            }
+        )
     return described
 
 
 def _describe_subclasses(spec: ArtifactSpec) -> list[dict[str, Any]]:
     """Each tensor subclass carried by its inner tensors: class, flatten context, inners."""
     return [
-        {"name": w.name, "class": w.cls, "shape": list(w.shape),
-         "context": _shown_context(w.context),
-         "inner": {t.attr: f"{tuple(t.shape)} {t.dtype.removeprefix('torch.')}"
-                   for t in spec.wrapped_inner if t.wrapper == number}}
+        {
+            "name": w.name,
+            "class": w.cls,
+            "shape": list(w.shape),
+            "context": _shown_context(w.context),
+            "inner": {
+                t.attr: f"{tuple(t.shape)} {t.dtype.removeprefix('torch.')}"
+                for t in spec.wrapped_inner
+                if t.wrapper == number
+            },
+        }
         for number, w in enumerate(spec.wrapped)
     ]
 
@@ -193,11 +242,13 @@ def _shown_context(encoded: Any) -> str:
     kind, value = encoded
     if kind in ("list", "tuple"):
         items = [_shown_context(v) for v in value]
-        return (f"[{', '.join(items)}]" if kind == "list"
-                else f"({', '.join(items)}{',' if len(items) == 1 else ''})")
+        return (
+            f"[{', '.join(items)}]"
+            if kind == "list"
+            else f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+        )
     if kind == "dict":
-        return "{" + ", ".join(f"{_shown_context(k)}: {_shown_context(v)}"
-                               for k, v in value) + "}"
+        return "{" + ", ".join(f"{_shown_context(k)}: {_shown_context(v)}" for k, v in value) + "}"
     if kind in ("dataclass", "frozen"):
         fields = ", ".join(f"{name}={_shown_context(v)}" for name, v in value[1])
         return f"{value[0].rsplit('.', 1)[-1]}({fields})"
@@ -217,11 +268,18 @@ def _describe_autograd(spec: ArtifactSpec) -> dict[str, Any] | None:
     if record is None:
         return None
     if not record.outputs:
-        said = record.unavailable or ("no: nothing required grad at capture" if not record.inputs
-                                      else "no: no result depends on what requires grad")
+        said = record.unavailable or (
+            "no: nothing required grad at capture"
+            if not record.inputs
+            else "no: no result depends on what requires grad"
+        )
         return {"differentiable": False, "why": said}
-    return {"differentiable": True, "gradients_for": len(record.inputs),
-            "results_with_history": list(record.outputs), "saved": list(record.saved)}
+    return {
+        "differentiable": True,
+        "gradients_for": len(record.inputs),
+        "results_with_history": list(record.outputs),
+        "saved": list(record.saved),
+    }
 
 
 def _describe_modes(spec: ArtifactSpec) -> str:
@@ -235,8 +293,12 @@ def _describe_input(leaf: InputLeaf) -> dict[str, Any]:
         kind, value = leaf.value
         return {"name": leaf.path, "value": value[1] if kind == "repr" else value}
     assert leaf.shape is not None
-    described = {"name": leaf.path, "shape": ["*" if s is None else s for s in leaf.shape],
-                 "dtype": leaf.dtype, "device": leaf.device}
+    described = {
+        "name": leaf.path,
+        "shape": ["*" if s is None else s for s in leaf.shape],
+        "dtype": leaf.dtype,
+        "device": leaf.device,
+    }
     if leaf.bounds:
         described["bounds"] = {str(d): list(b) for d, b in leaf.bounds.items()}
     return described
@@ -246,16 +308,24 @@ def _describe_cache(pair: _Pair, judged: Judgement) -> dict[str, Any]:
     code, spec, cache = pair.code, pair.spec, pair.cache
     if cache is None:
         return {"path": str(pair.cache_file), "present": False, "absence": pair.absence}
-    info: dict[str, Any] = {"path": str(pair.cache_file), "present": True, "bytes": len(cache),
-                            "signed": judged.signed}
+    info: dict[str, Any] = {
+        "path": str(pair.cache_file),
+        "present": True,
+        "bytes": len(cache),
+        "signed": judged.signed,
+    }
     try:
         outer = envelope.decode(signature.split(cache)[1])
     except Exception as e:
         info["readable"] = f"no ({type(e).__name__})"
         return info
-    info.update(readable="yes", format=outer.get("format"), version=outer.get("version"),
-                matches_source=outer.get("code_hash") == envelope.code_hash(code)
-                and outer.get("backend") == spec.backend)
+    info.update(
+        readable="yes",
+        format=outer.get("format"),
+        version=outer.get("version"),
+        matches_source=outer.get("code_hash") == envelope.code_hash(code)
+        and outer.get("backend") == spec.backend,
+    )
     if judged.module is not None:
         info["compiled_module"] = judged.module
     payload = judged.payload
@@ -269,8 +339,9 @@ def _describe_cache(pair: _Pair, judged: Judgement) -> dict[str, Any]:
     return info
 
 
-def _describe_objects(payload: PayloadExamination, pinned: dict[str, str] | None
-                      ) -> list[dict[str, Any]]:
+def _describe_objects(
+    payload: PayloadExamination, pinned: dict[str, str] | None
+) -> list[dict[str, Any]]:
     """Each prebuilt object of the cache: what it is, and what a load here does with it."""
     described = []
     for key, entry in payload.entries.items():
@@ -285,38 +356,60 @@ def _describe_objects(payload: PayloadExamination, pinned: dict[str, str] | None
             state = "not mapped: built elsewhere, so built from the source"
         else:
             state = "mapped"
-        described.append({"key": key[:16], "kind": object_kind(entry),
-                          "bytes": len(entry["object"]), "named_by_source": named,
-                          "load": state})
-    described.extend({"key": str(key)[:16], "kind": "malformed entry", "bytes": 0,
-                      "named_by_source": False, "load": f"skipped ({why})"}
-                     for key, why in payload.skipped.items() if key not in payload.entries)
+        described.append(
+            {
+                "key": key[:16],
+                "kind": object_kind(entry),
+                "bytes": len(entry["object"]),
+                "named_by_source": named,
+                "load": state,
+            }
+        )
+    described.extend(
+        {
+            "key": str(key)[:16],
+            "kind": "malformed entry",
+            "bytes": 0,
+            "named_by_source": False,
+            "load": f"skipped ({why})",
+        }
+        for key, why in payload.skipped.items()
+        if key not in payload.entries
+    )
     return described
 
 
 def render(report: dict[str, Any]) -> str:
     """The report as text for a terminal."""
     source = report["source"]
-    lines = [f"{source['path']}: backend {source['backend']}, {source['bytes'] / 1024:.1f} KiB, "
-             f"spec schema {source['schema_version']}, torch {source['torch']}",
-             f"  call      : {report['call']}   (models: {', '.join(report['models']) or '-'})"]
+    lines = [
+        f"{source['path']}: backend {source['backend']}, {source['bytes'] / 1024:.1f} KiB, "
+        f"spec schema {source['schema_version']}, torch {source['torch']}",
+        f"  call      : {report['call']}   (models: {', '.join(report['models']) or '-'})",
+    ]
     grads = sum(p["gets_grad"] for p in report["parameters"])
-    lines.append(f"  parameters: {len(report['parameters'])} ({grads} get gradients)"
-                 f", buffers: {len(report['buffers'])}, tied: {len(report['tied'])}, "
-                 f"{report['modes']}")
+    lines.append(
+        f"  parameters: {len(report['parameters'])} ({grads} get gradients)"
+        f", buffers: {len(report['buffers'])}, tied: {len(report['tied'])}, "
+        f"{report['modes']}"
+    )
     for p in report["parameters"]:
-        lines.append(f"    {p['name']:<40} {tuple(p['shape'])!s:<16} {p['dtype']:<16} "
-                     f"{p['device']}{'  grad' if p['gets_grad'] else ''}")
+        lines.append(
+            f"    {p['name']:<40} {tuple(p['shape'])!s:<16} {p['dtype']:<16} "
+            f"{p['device']}{'  grad' if p['gets_grad'] else ''}"
+        )
     for b in report["buffers"]:
-        lines.append(f"    {b['name']:<40} {tuple(b['shape'])!s:<16} {b['dtype']:<16} "
-                     f"{b['device']}  buffer")
+        lines.append(
+            f"    {b['name']:<40} {tuple(b['shape'])!s:<16} {b['dtype']:<16} {b['device']}  buffer"
+        )
     lines.append("  inputs    :")
     for item in report["inputs"]:
         if "shape" in item:
             shape = "(" + ", ".join(str(s) for s in item["shape"]) + ")"
             bounds = f"  bounds {item['bounds']}" if "bounds" in item else ""
-            lines.append(f"    {item['name']:<30} {shape:<16} {item['dtype']:<16} "
-                         f"{item['device']}{bounds}")
+            lines.append(
+                f"    {item['name']:<30} {shape:<16} {item['dtype']:<16} {item['device']}{bounds}"
+            )
         else:
             lines.append(f"    {item['name']:<30} = {item['value']!r} (baked)")
     for dim in report["dynamic_dims"]:
@@ -326,11 +419,15 @@ def render(report: dict[str, Any]) -> str:
     lines.extend(f"  guard     : {guard}" for guard in report["value_guards"])
     for index, mesh in enumerate(report["meshes"]):
         names = f" {tuple(mesh['dim_names'])}" if mesh["dim_names"] else ""
-        lines.append(f"  mesh {index}    : {mesh['device_type']} {tuple(mesh['shape'])}{names}, "
-                     f"serves {mesh['serves']}")
+        lines.append(
+            f"  mesh {index}    : {mesh['device_type']} {tuple(mesh['shape'])}{names}, "
+            f"serves {mesh['serves']}"
+        )
     for d in report["dtensors"]:
-        lines.append(f"    {d['name']:<40} ({', '.join(d['placements'])}) on mesh {d['mesh']}, "
-                     f"global {tuple(d['shape'])}, local {tuple(d['local_shape'])}")
+        lines.append(
+            f"    {d['name']:<40} ({', '.join(d['placements'])}) on mesh {d['mesh']}, "
+            f"global {tuple(d['shape'])}, local {tuple(d['local_shape'])}"
+        )
     lines.extend(f"  data par. : {line}" for line in report.get("data_parallel", ()))
     lines.extend(_render_optimizer(o) for o in report.get("optimizers", ()))
     for w in report.get("subclasses", ()):
@@ -341,23 +438,28 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  wrapper   : {report['wrapper']}")
     lines.extend(_render_autograd(report.get("autograd")))
     for number, label in enumerate(report.get("variants", ()), 1):
-        lines.append(f"  variant {number} : {label}" + ("   (the spec's top level, shown above)"
-                                                      if number == 1 else ""))
+        lines.append(
+            f"  variant {number} : {label}"
+            + ("   (the spec's top level, shown above)" if number == 1 else "")
+        )
     cache = report["cache"]
     if not cache["present"]:
         lines.append(f"  cache     : missing: {cache['absence']}")
     else:
-        lines.append(f"  cache     : {Path(cache['path']).name}, {cache['bytes'] / 1024:.1f} KiB, "
-                     f"{'signed' if cache['signed'] else 'unsigned'}, readable {cache['readable']}"
-                     + (f", matches source {cache['matches_source']}"
-                        if "matches_source" in cache else ""))
+        lines.append(
+            f"  cache     : {Path(cache['path']).name}, {cache['bytes'] / 1024:.1f} KiB, "
+            f"{'signed' if cache['signed'] else 'unsigned'}, readable {cache['readable']}"
+            + (f", matches source {cache['matches_source']}" if "matches_source" in cache else "")
+        )
         if "compiled_module" in cache:
             lines.append(f"  module    : compiled in the cache: {cache['compiled_module']}")
         if isinstance(cache.get("kernels"), list):
             total = sum(k["bytes"] for k in cache["kernels"])
             held = count_objects(k["kind"] for k in cache["kernels"])
-            lines.append(f"  prebuilt  : {held}, {total / 1024:.1f} KiB; built for "
-                         f"{cache['built_for']}; runs here: {cache['runs_here']}")
+            lines.append(
+                f"  prebuilt  : {held}, {total / 1024:.1f} KiB; built for "
+                f"{cache['built_for']}; runs here: {cache['runs_here']}"
+            )
         elif "kernels" in cache:
             lines.append(f"  prebuilt  : {cache['kernels']}")
     load = report["load"]
@@ -373,20 +475,25 @@ def _render_autograd(autograd: dict[str, Any] | None) -> list[str]:
     if not autograd["differentiable"]:
         return [f"  autograd  : results carry no history ({autograd['why']})"]
     saved = autograd["saved"]
-    return [f"  autograd  : differentiable: results {autograd['results_with_history']} carry "
-            f"history; the backward gives {autograd['gradients_for']} gradients; "
-            f"{len(saved)} values saved for backward:",
-            *(f"    {entry}" for entry in saved)]
+    return [
+        f"  autograd  : differentiable: results {autograd['results_with_history']} carry "
+        f"history; the backward gives {autograd['gradients_for']} gradients; "
+        f"{len(saved)} values saved for backward:",
+        *(f"    {entry}" for entry in saved),
+    ]
 
 
 def _render_optimizer(optimizer: dict[str, Any]) -> str:
-    lines = [f"  optimizer : {optimizer['argument']} ({optimizer['class']}), state updated in "
-             "place"]
+    lines = [
+        f"  optimizer : {optimizer['argument']} ({optimizer['class']}), state updated in place"
+    ]
     for index, group in enumerate(optimizer["param_groups"]):
         baked = ", ".join(f"{k}={v!r}" for k, v in group["baked"].items())
-        lines.append(f"    group {index}: {len(group['params'])} parameters; read at every call: "
-                     f"{', '.join(group['read_at_every_call'])}; baked: {baked}; a fresh "
-                     f"state: {group['fresh_start']}")
+        lines.append(
+            f"    group {index}: {len(group['params'])} parameters; read at every call: "
+            f"{', '.join(group['read_at_every_call'])}; baked: {baked}; a fresh "
+            f"state: {group['fresh_start']}"
+        )
     for param, entries in optimizer["state"].items():
         shown = ", ".join(f"{k} {v}" for k, v in entries.items())
         lines.append(f"    {param:<40} {shown}")
@@ -416,14 +523,20 @@ def verify(path: Path, key: bytes | None) -> Verification:
 
     checked = [f"{path.name}: a precompiled artifact, backend {spec.backend!r}", *said(OK)]
     # A refusal is among the problems, in load's words.
-    notes = [*said(NOTE), "a load here refuses the pair, running nothing" if judged.refusal
-             else f"a load here {judged.outcome}"]
+    notes = [
+        *said(NOTE),
+        "a load here refuses the pair, running nothing"
+        if judged.refusal
+        else f"a load here {judged.outcome}",
+    ]
     if cache is None:
         notes.insert(0, str(pair.absence))
     unchecked = None
     if judged.signed and not judged.signature_checked:
-        unchecked = ("the pair is signed, but no key was given, so its signature was not "
-                     "checked: pass the signing key with --key-file FILE")
+        unchecked = (
+            "the pair is signed, but no key was given, so its signature was not "
+            "checked: pass the signing key with --key-file FILE"
+        )
     elif not judged.signed and cache is not None:
         notes.insert(0, "unsigned: only the pairing binds the cache to the source")
     # Damage and refusals both fail verification, in the order a load meets them.

@@ -43,8 +43,13 @@ class KernelLoader:
     from ``PRECOMPILED_KERNELS_ONLY`` in the namespace ``load`` filled.
     """
 
-    def __init__(self, prebuilt: Mapping[str, Callable[..., Any]], vector_bits: int,
-                 resolve_now: bool = False, prebuilt_only: bool | None = None) -> None:
+    def __init__(
+        self,
+        prebuilt: Mapping[str, Callable[..., Any]],
+        vector_bits: int,
+        resolve_now: bool = False,
+        prebuilt_only: bool | None = None,
+    ) -> None:
         self.prebuilt = prebuilt
         self.vector_bits = vector_bits
         self.resolve_now = resolve_now
@@ -59,7 +64,9 @@ class KernelLoader:
     def cpp_pybinding(self, argtypes: list[str], source_code: str, **options: Any) -> Any:
         return self._prebuilt_or_built(
             kernel_key(argtypes, source_code, options),
-            lambda: self._jit().cpp_pybinding(argtypes, source_code, **options), "C++ kernel")
+            lambda: self._jit().cpp_pybinding(argtypes, source_code, **options),
+            "C++ kernel",
+        )
 
     def load_pybinding(self, argtypes: list[str], main_code: str, **options: Any) -> Any:
         """Replaces ``CppWrapperCodeCache.load_pybinding``: the C++ wrapper's entry point."""
@@ -67,11 +74,13 @@ class KernelLoader:
         def build() -> Any:
             from torch._inductor.codecache import CppWrapperCodeCache
 
-            return CppWrapperCodeCache.load_pybinding(argtypes=argtypes, main_code=main_code,
-                                                      **options)
+            return CppWrapperCodeCache.load_pybinding(
+                argtypes=argtypes, main_code=main_code, **options
+            )
 
-        return self._prebuilt_or_built(kernel_key(argtypes, main_code, options), build,
-                                       "C++ wrapper library")
+        return self._prebuilt_or_built(
+            kernel_key(argtypes, main_code, options), build, "C++ wrapper library"
+        )
 
     def _prebuilt_or_built(self, key: str, build: Callable[[], Any], kind: str) -> Any:
         prebuilt = self.prebuilt.get(key)

@@ -34,8 +34,12 @@ class PrecompiledModule(torch.nn.Module):
     (None when made from a loaded artifact); ``save(path)`` writes it.
     """
 
-    def __init__(self, model: torch.nn.Module, artifact: Callable[..., Any],
-                 pair: tuple[str, bytes | None] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        artifact: Callable[..., Any],
+        pair: tuple[str, bytes | None] | None = None,
+    ) -> None:
         super().__init__()
         self.model = model
         self.__dict__["artifact"] = artifact  # a plain attribute, not a submodule
@@ -47,8 +51,9 @@ class PrecompiledModule(torch.nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.model.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
-                        assign: bool = False) -> Any:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __getattr__(self, name: str) -> Any:
@@ -65,7 +70,8 @@ class PrecompiledModule(torch.nn.Module):
         if self.pair is None:
             raise PrecompileError(
                 "this module was made from a loaded artifact, which keeps no pair to save; "
-                "save the files it was loaded from instead.")
+                "save the files it was loaded from instead."
+            )
         from torch_precompile.api import precompile
 
         return precompile.save(self.pair[0], self.pair[1], path, sign_key=sign_key)
@@ -79,13 +85,18 @@ def wrap_loaded(model: torch.nn.Module, artifact: Any) -> PrecompiledModule:
     if not isinstance(model, torch.nn.Module) or not callable(artifact):
         raise PrecompileError(
             "precompile.module(model, artifact=...) takes an nn.Module and what precompile.load "
-            f"returned, got {type(model).__name__} and {type(artifact).__name__}.")
+            f"returned, got {type(model).__name__} and {type(artifact).__name__}."
+        )
     return PrecompiledModule(model, artifact)
 
 
-def build_module(model: torch.nn.Module, example_inputs: tuple[Any, ...],
-                 example_kwargs: Mapping[str, Any] | None, modes: tuple[str, ...] | None,
-                 options: Any) -> PrecompiledModule:
+def build_module(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    example_kwargs: Mapping[str, Any] | None,
+    modes: tuple[str, ...] | None,
+    options: Any,
+) -> PrecompiledModule:
     """``model`` wrapped with the artifact of its call on the examples (see ``module_pair``)."""
     from torch_precompile.api import precompile
 
@@ -93,24 +104,29 @@ def build_module(model: torch.nn.Module, example_inputs: tuple[Any, ...],
     return PrecompiledModule(model, precompile.load(*pair), pair)
 
 
-def module_pair(model: torch.nn.Module, example_inputs: tuple[Any, ...],
-                example_kwargs: Mapping[str, Any] | None, modes: tuple[str, ...] | None,
-                options: Any) -> tuple[str, bytes | None]:
+def module_pair(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    example_kwargs: Mapping[str, Any] | None,
+    modes: tuple[str, ...] | None,
+    options: Any,
+) -> tuple[str, bytes | None]:
     """Capture ``model`` called on the examples, once per mode asked for (each a variant)."""
     from torch_precompile.api import compile_variant, package
     from torch_precompile.internals.origin import describe_callable
 
     if not isinstance(model, torch.nn.Module):
         raise PrecompileError(
-            f"precompile.module takes an nn.Module first, got {type(model).__name__}.")
+            f"precompile.module takes an nn.Module first, got {type(model).__name__}."
+        )
     wanted = modes if modes is not None else (MODES[0] if model.training else MODES[1],)
     unknown = [m for m in wanted if m not in MODES]
     if unknown or not wanted:
         raise PrecompileError(f"modes must name some of {MODES}, got {modes!r}.")
     if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
         raise PrecompileError(
-            "example_kwargs must be a dict of keyword inputs, got "
-            f"{type(example_kwargs).__name__}.")
+            f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}."
+        )
     kwargs = dict(example_kwargs or {})
     origin = describe_callable(type(model).forward)
     was_training = model.training
@@ -121,8 +137,14 @@ def module_pair(model: torch.nn.Module, example_inputs: tuple[Any, ...],
             # An eval variant serves evaluation, under no_grad: it gets no backward.
             grad = contextlib.nullcontext() if mode == "train" else torch.no_grad()
             with grad:
-                variants.append(compile_variant(call_module, (model, example_inputs, kwargs),
-                                                _with_grad_mode(options), origin=origin))
+                variants.append(
+                    compile_variant(
+                        call_module,
+                        (model, example_inputs, kwargs),
+                        _with_grad_mode(options),
+                        origin=origin,
+                    )
+                )
     finally:
         model.train(was_training)
     code, cache = package(variants, options)
@@ -135,18 +157,26 @@ def _with_grad_mode(options: Any) -> Any:
     return dataclasses.replace(options, grad_mode=torch.is_grad_enabled())
 
 
-def build_stages(make_stage: Callable[[int], tuple[torch.nn.Module, tuple[Any, ...]]],
-                 num_stages: int, stage_index: int, options: Any) -> PrecompiledModule:
+def build_stages(
+    make_stage: Callable[[int], tuple[torch.nn.Module, tuple[Any, ...]]],
+    num_stages: int,
+    stage_index: int,
+    options: Any,
+) -> PrecompiledModule:
     """Rank 0 of the default process group builds every pipeline stage's pair and sends them
     to every rank; this rank wraps its own stage (``make_stage(stage_index)``) with its pair."""
     from torch_precompile.api import precompile
     from torch_precompile.one_rank import build_on_rank_zero
 
-    if not (isinstance(num_stages, int) and isinstance(stage_index, int)
-            and 0 <= stage_index < num_stages):
+    if not (
+        isinstance(num_stages, int)
+        and isinstance(stage_index, int)
+        and 0 <= stage_index < num_stages
+    ):
         raise PrecompileError(
             f"num_stages must be a positive int and stage_index one of 0..num_stages - 1, got "
-            f"{num_stages!r} and {stage_index!r}.")
+            f"{num_stages!r} and {stage_index!r}."
+        )
 
     def build_all() -> list[tuple[str, bytes | None]]:
         built = []
@@ -160,12 +190,18 @@ def build_stages(make_stage: Callable[[int], tuple[torch.nn.Module, tuple[Any, .
     return PrecompiledModule(module, precompile.load(*pairs[stage_index]), pairs[stage_index])
 
 
-def _made_stage(make_stage: Callable[[int], Any], index: int
-                ) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+def _made_stage(
+    make_stage: Callable[[int], Any], index: int
+) -> tuple[torch.nn.Module, tuple[Any, ...]]:
     made = make_stage(index)
-    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)
-            and isinstance(made[1], tuple | list)):
+    if not (
+        isinstance(made, tuple)
+        and len(made) == 2
+        and isinstance(made[0], torch.nn.Module)
+        and isinstance(made[1], tuple | list)
+    ):
         raise PrecompileError(
             f"make_stage({index}) must return (stage module, example inputs as a tuple), got "
-            f"{type(made).__name__}.")
+            f"{type(made).__name__}."
+        )
     return made[0], tuple(made[1])

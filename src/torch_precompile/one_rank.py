@@ -36,8 +36,6 @@ def build_on_rank_zero(build: Callable[[], Built]) -> Built:
         raise failure
     kind, payload = outcome[0]  # type: ignore[misc]
     if kind == "failed":
-        raise PrecompileError(
-            f"rank 0 could not precompile, so no rank has an artifact: {payload}"
-        )
+        raise PrecompileError(f"rank 0 could not precompile, so no rank has an artifact: {payload}")
     built: Built = payload
     return built

@@ -25,9 +25,11 @@ NAMESPACE_FLAG = "PRECOMPILED_KERNELS_ONLY"  # what kernel_loader reads
 _ON = ("1", "true", "yes", "on")
 _OFF = ("", "0", "false", "no", "off")
 _SHOWN = 4  # missing objects a message names before "and N more"
-_FIX = ("Pass the cache precompile() made with this source, built on a machine like this one "
-        "(precompile.save writes it beside the source), or load without require_prebuilt "
-        f"(and without {VARIABLE}=1) to let it build.")
+_FIX = (
+    "Pass the cache precompile() made with this source, built on a machine like this one "
+    "(precompile.save writes it beside the source), or load without require_prebuilt "
+    f"(and without {VARIABLE}=1) to let it build."
+)
 
 
 def required(require_prebuilt: bool) -> bool:
@@ -42,9 +44,14 @@ def required(require_prebuilt: bool) -> bool:
     return bool(require_prebuilt) or value in _ON
 
 
-def refuse_builds(python_code: str, spec: ArtifactSpec, cache: bytes | None,
-                  contents: envelope.CacheContents | None, absence: str | None,
-                  problems: list[str]) -> None:
+def refuse_builds(
+    python_code: str,
+    spec: ArtifactSpec,
+    cache: bytes | None,
+    contents: envelope.CacheContents | None,
+    absence: str | None,
+    problems: list[str],
+) -> None:
     """Raise ``PrecompileError`` when loading would build a compiled object here, as far as
     the spec and the cache tell before anything runs. ``absence`` says why ``cache`` is None
     (a pair read from files); ``problems`` why the envelope is unusable."""
@@ -68,16 +75,22 @@ def refuse_builds(python_code: str, spec: ArtifactSpec, cache: bytes | None,
     whole = found.unreadable or found.mismatch
     if named is None:  # schema < 3 names nothing: the loader refuses what it misses
         if whole or not found.mapped:
-            raise PrecompileError(f"require_prebuilt: {_whole_payload(found)}, so this "
-                                  f"inductor artifact would build its kernels here. {_FIX}")
+            raise PrecompileError(
+                f"require_prebuilt: {_whole_payload(found)}, so this "
+                f"inductor artifact would build its kernels here. {_FIX}"
+            )
         return
     missing = [key for key in named if key not in found.mapped]
     if missing:
         raise PrecompileError(_missing(python_code, named, missing, found))
 
 
-def _why_no_kernels(cache: bytes | None, contents: envelope.CacheContents | None,
-                    absence: str | None, problems: list[str]) -> str:
+def _why_no_kernels(
+    cache: bytes | None,
+    contents: envelope.CacheContents | None,
+    absence: str | None,
+    problems: list[str],
+) -> str:
     if cache is None:
         return absence or "no cache was given"
     if contents is None:
@@ -96,13 +109,13 @@ def _whole_payload(found: PayloadExamination) -> str:
     if found.unreadable is not None:
         return f"the cache's kernel payload is unreadable ({found.unreadable})"
     if found.mismatch is not None:
-        return ("the cache's objects were built for another machine or torch "
-                f"({found.mismatch})")
+        return f"the cache's objects were built for another machine or torch ({found.mismatch})"
     return "the cache holds no usable kernel object"
 
 
-def _missing(python_code: str, named: list[str], missing: list[str],
-             found: PayloadExamination) -> str:
+def _missing(
+    python_code: str, named: list[str], missing: list[str], found: PayloadExamination
+) -> str:
     """The refusal for objects the artifact names that a load here could not map."""
     from torch_precompile.artifact.kernel_payload import object_kind
 
@@ -119,9 +132,11 @@ def _missing(python_code: str, named: list[str], missing: list[str],
         listed += f" and {len(missing) - _SHOWN} more"
     whole = found.unreadable or found.mismatch
     because = f"; {_whole_payload(found)}" if whole else ""
-    return (f"require_prebuilt: the cache lacks {len(missing)} of the {len(named)} compiled "
-            f"objects this artifact names: {listed}{because}. Loading it would build them here. "
-            f"{_FIX}")
+    return (
+        f"require_prebuilt: the cache lacks {len(missing)} of the {len(named)} compiled "
+        f"objects this artifact names: {listed}{because}. Loading it would build them here. "
+        f"{_FIX}"
+    )
 
 
 def _kind_in_source(python_code: str) -> str:

@@ -48,8 +48,9 @@ class StderrProgress(logging.Handler):
             stream.flush()
         if not ends:
             self._ticking = threading.Event()
-            threading.Thread(target=self._tick, args=(stream, text, self._ticking),
-                             daemon=True).start()
+            threading.Thread(
+                target=self._tick, args=(stream, text, self._ticking), daemon=True
+            ).start()
 
     def _tick(self, stream: TextIO, text: str, stop: threading.Event) -> None:
         started = time.perf_counter()

@@ -58,8 +58,12 @@ class LoadedArtifact:
 
 
 def load(
-    python_code: str, cache: bytes | None, verify_key: bytes | None = None,
-    require_prebuilt: bool = False, *, cache_absence: str | None = None,
+    python_code: str,
+    cache: bytes | None,
+    verify_key: bytes | None = None,
+    require_prebuilt: bool = False,
+    *,
+    cache_absence: str | None = None,
 ) -> LoadedArtifact:
     """Check the pair, make the cache's kernels available, execute ``python_code``.
 
@@ -85,8 +89,13 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _load(python_code: str, cache: bytes | None, verify_key: bytes | None, strict: bool,
-          cache_absence: str | None) -> LoadedArtifact:
+def _load(
+    python_code: str,
+    cache: bytes | None,
+    verify_key: bytes | None,
+    strict: bool,
+    cache_absence: str | None,
+) -> LoadedArtifact:
     if verify_key is not None:
         if not isinstance(python_code, str):
             raise PrecompileError("python_code must be a str.")
@@ -94,10 +103,16 @@ def _load(python_code: str, cache: bytes | None, verify_key: bytes | None, stric
     # Under require_prebuilt why a cache is unusable may become the refusal: kept, not logged.
     problems: list[str] | None = [] if strict else None
     contents = envelope.read(cache, problems) if isinstance(python_code, str) else None
-    compiled = (bytecode.unseal(python_code, contents.compiled)
-                if contents is not None and contents.belongs_to(python_code) else None)
-    spec = (ArtifactSpec.from_literal(compiled.spec_literal) if compiled is not None
-            else parse_spec(python_code))
+    compiled = (
+        bytecode.unseal(python_code, contents.compiled)
+        if contents is not None and contents.belongs_to(python_code)
+        else None
+    )
+    spec = (
+        ArtifactSpec.from_literal(compiled.spec_literal)
+        if compiled is not None
+        else parse_spec(python_code)
+    )
     check_torch_build(spec)
     envelope.check_pairing(contents, spec.backend, python_code)
     if problems is not None:
@@ -111,8 +126,9 @@ def _load(python_code: str, cache: bytes | None, verify_key: bytes | None, stric
     if contents is not None and contents.acceleration is not None and spec.backend == "inductor":
         from torch_precompile.artifact.kernel_payload import load_built_kernels
 
-        pinned = ({k.key: k.sha256 for k in spec.kernels} if spec.schema_version >= 3
-                  else None)  # older schemas name no kernel objects
+        pinned = (
+            {k.key: k.sha256 for k in spec.kernels} if spec.schema_version >= 3 else None
+        )  # older schemas name no kernel objects
         namespace["PRECOMPILED_KERNELS"] = load_built_kernels(contents.acceleration, pinned)
     if strict and spec.backend == "inductor":
         prebuilt.guard_namespace(python_code, namespace)
@@ -145,7 +161,8 @@ def _announce_execution(python_code: str) -> None:
     log.warning(
         "precompile.load is executing python_code (sha256 %s…): it is a program, so only load "
         "artifacts you made or trust. Said once per source per process; "
-        "logging.getLogger('torch_precompile').setLevel(logging.ERROR) silences it.", digest[:12]
+        "logging.getLogger('torch_precompile').setLevel(logging.ERROR) silences it.",
+        digest[:12],
     )
 
 
@@ -153,9 +170,12 @@ def _announce_execution(python_code: str) -> None:
 _LOADER_WITHOUT_WIDTH = "KernelLoader(globals().get('PRECOMPILED_KERNELS', {}))"
 
 
-def _unrecorded_kernel_width(python_code: str, spec: ArtifactSpec,
-                             contents: envelope.CacheContents | None,
-                             namespace: dict[str, Any]) -> int | None:
+def _unrecorded_kernel_width(
+    python_code: str,
+    spec: ArtifactSpec,
+    contents: envelope.CacheContents | None,
+    namespace: dict[str, Any],
+) -> int | None:
     """The vector width to build an older artifact's missing kernels for (None: nothing to do).
 
     Its source does not say which width its kernels were generated for, and built for another
@@ -180,8 +200,12 @@ def _unrecorded_kernel_width(python_code: str, spec: ArtifactSpec,
     return bits
 
 
-def _execute(python_code: str, compiled: bytecode.CompiledModule | None,
-             namespace: dict[str, Any], vector_bits: int | None = None) -> None:
+def _execute(
+    python_code: str,
+    compiled: bytecode.CompiledModule | None,
+    namespace: dict[str, Any],
+    vector_bits: int | None = None,
+) -> None:
     """Run the artifact's module: its code from the cache, else compiled from the source
     (with an older artifact's kernels built for ``vector_bits``, when given)."""
     filename = bytecode.filename(python_code)

@@ -48,8 +48,11 @@ def shipped_source(module: ModuleType) -> ShippedSource:
     first = statements[0].lineno - 1 if statements else len(lines)
     while first > 0 and lines[first - 1].startswith("#"):  # comments above the first statement
         first -= 1
-    kept = tuple(i for i in imports
-                 if not (isinstance(i, ast.ImportFrom) and (i.module or "").startswith(_SIBLINGS)))
+    kept = tuple(
+        i
+        for i in imports
+        if not (isinstance(i, ast.ImportFrom) and (i.module or "").startswith(_SIBLINGS))
+    )
     comment = "\n".join(f"# {line}".rstrip() for line in docstring.splitlines())
     return ShippedSource(kept, comment, "\n".join(lines[first:]).strip("\n") + "\n")
 
@@ -66,10 +69,14 @@ def import_block(imports: Sequence[ast.Import | ast.ImportFrom]) -> str:
                     plain.append(text)
         else:
             merged = names.setdefault(node.module or "", [])
-            merged.extend(a.name + (f" as {a.asname}" if a.asname else "") for a in node.names
-                          if a.name not in merged)
-    lines = plain + [f"from {module} import {', '.join(sorted(set(found)))}"
-                     for module, found in names.items()]
+            merged.extend(
+                a.name + (f" as {a.asname}" if a.asname else "")
+                for a in node.names
+                if a.name not in merged
+            )
+    lines = plain + [
+        f"from {module} import {', '.join(sorted(set(found)))}" for module, found in names.items()
+    ]
 
     def order(line: str) -> tuple[bool, str]:
         module = line.split()[1]

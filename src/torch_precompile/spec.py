@@ -42,48 +42,84 @@ class SchemaChange:
 
 
 SCHEMA_HISTORY = (
-    SchemaChange(1, "2026-11-30", "First typed spec, replacing 28 separate metadata literals: "
-                 "args, model (one record per parameter or buffer name), submodules, inputs "
-                 "(one record per leaf), value_guards, dynamic_dims, size_relations, "
-                 "output_aliases, backend, torch."),
-    SchemaChange(2, "2026-11-30", "DTensors: meshes (device type, shape, dim names, ranks, "
-                 "the graph's group name per mesh dim, the capturing coordinate when the graph "
-                 "depends on it) and distributed (per DTensor flat input or result leaf)."),
-    SchemaChange(3, "2026-12-01", "kernels: the SHA-256 of every built kernel object, by "
-                 "kernel key, so the source names the exact objects its cache may hold."),
-    SchemaChange(4, "2026-12-01", "Optimizers as arguments: Argument.is_optimizer; optimizers "
-                 "(class per optimizer argument, whether fn clears its gradients first), "
-                 "param_groups (parameters by name, options read at call time, baked options "
-                 "and their values, whether a fresh state may start from zeros) and "
-                 "optimizer_state (one flat input per state tensor). Python values are encoded "
-                 "by kind (const, float, dtype, device, enum, frozen), never by repr."),
-    SchemaChange(5, "2026-12-01", "Traceable tensor subclasses: wrapped (per subclass flat "
-                 "input or result leaf: class, flatten context, outer shape and strides) and "
-                 "wrapped_inner (per inner tensor: attribute, shape, dtype, device, strides). "
-                 "Encoded values gain the kinds none, list, tuple, dict, size and dataclass "
-                 "(in flatten contexts)."),
-    SchemaChange(6, "2026-12-01", "Data parallelism: data_parallel (per DistributedDataParallel "
-                 "model argument: the graph's name for its process group, the world size its "
-                 "gradients are averaged over, whether they are (no_sync), and DDP's "
-                 "forward-sync flag before and after the call when it broadcasts buffers) and "
-                 "fully_sharded (per FSDP2 param group: its module, whether it reshards after "
-                 "forward, its mixed-precision dtypes)."),
-    SchemaChange(7, "2026-12-02", "Variants: variants (the artifact's further variants, each "
-                 "a spec of its own less the fields all variants share: schema_version, "
-                 "backend, torch, args and kernels, which the top level holds for all). The top "
-                 "level is the first variant."),
-    SchemaChange(8, "2026-12-03", "Facts the trace relied on beyond tensors: Submodule.cls "
-                 "(each module's class), Submodule.hooks and ModelTensor.hooks (hooks by kind "
-                 "and name), "
-                 "global_hooks (process-wide module hooks), read_values (Python values the "
-                 "traced code read: module attributes and module globals), ambient (autocast, "
-                 "default dtype, deterministic algorithms and active modes at capture), "
-                 "mutated (the flat inputs the graph writes) and seed (a seed fn sets before "
-                 "its first random draw, set again before every call)."),
-    SchemaChange(9, "2026-12-04", "Differentiable results: autograd (for an artifact whose fn "
-                 "runs no backward: the flat inputs its backward graph gives gradients, the "
-                 "result leaves with history and their tangents' layouts, what the forward "
-                 "saves for backward, or why results carry no history)."),
+    SchemaChange(
+        1,
+        "2026-11-30",
+        "First typed spec, replacing 28 separate metadata literals: "
+        "args, model (one record per parameter or buffer name), submodules, inputs "
+        "(one record per leaf), value_guards, dynamic_dims, size_relations, "
+        "output_aliases, backend, torch.",
+    ),
+    SchemaChange(
+        2,
+        "2026-11-30",
+        "DTensors: meshes (device type, shape, dim names, ranks, "
+        "the graph's group name per mesh dim, the capturing coordinate when the graph "
+        "depends on it) and distributed (per DTensor flat input or result leaf).",
+    ),
+    SchemaChange(
+        3,
+        "2026-12-01",
+        "kernels: the SHA-256 of every built kernel object, by "
+        "kernel key, so the source names the exact objects its cache may hold.",
+    ),
+    SchemaChange(
+        4,
+        "2026-12-01",
+        "Optimizers as arguments: Argument.is_optimizer; optimizers "
+        "(class per optimizer argument, whether fn clears its gradients first), "
+        "param_groups (parameters by name, options read at call time, baked options "
+        "and their values, whether a fresh state may start from zeros) and "
+        "optimizer_state (one flat input per state tensor). Python values are encoded "
+        "by kind (const, float, dtype, device, enum, frozen), never by repr.",
+    ),
+    SchemaChange(
+        5,
+        "2026-12-01",
+        "Traceable tensor subclasses: wrapped (per subclass flat "
+        "input or result leaf: class, flatten context, outer shape and strides) and "
+        "wrapped_inner (per inner tensor: attribute, shape, dtype, device, strides). "
+        "Encoded values gain the kinds none, list, tuple, dict, size and dataclass "
+        "(in flatten contexts).",
+    ),
+    SchemaChange(
+        6,
+        "2026-12-01",
+        "Data parallelism: data_parallel (per DistributedDataParallel "
+        "model argument: the graph's name for its process group, the world size its "
+        "gradients are averaged over, whether they are (no_sync), and DDP's "
+        "forward-sync flag before and after the call when it broadcasts buffers) and "
+        "fully_sharded (per FSDP2 param group: its module, whether it reshards after "
+        "forward, its mixed-precision dtypes).",
+    ),
+    SchemaChange(
+        7,
+        "2026-12-02",
+        "Variants: variants (the artifact's further variants, each "
+        "a spec of its own less the fields all variants share: schema_version, "
+        "backend, torch, args and kernels, which the top level holds for all). The top "
+        "level is the first variant.",
+    ),
+    SchemaChange(
+        8,
+        "2026-12-03",
+        "Facts the trace relied on beyond tensors: Submodule.cls "
+        "(each module's class), Submodule.hooks and ModelTensor.hooks (hooks by kind "
+        "and name), "
+        "global_hooks (process-wide module hooks), read_values (Python values the "
+        "traced code read: module attributes and module globals), ambient (autocast, "
+        "default dtype, deterministic algorithms and active modes at capture), "
+        "mutated (the flat inputs the graph writes) and seed (a seed fn sets before "
+        "its first random draw, set again before every call).",
+    ),
+    SchemaChange(
+        9,
+        "2026-12-04",
+        "Differentiable results: autograd (for an artifact whose fn "
+        "runs no backward: the flat inputs its backward graph gives gradients, the "
+        "result leaves with history and their tangents' layouts, what the forward "
+        "saves for backward, or why results carry no history).",
+    ),
 )
 SCHEMA_VERSION = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""
@@ -466,13 +502,27 @@ class ArtifactSpec:
     # What every variant has in common, held once at the top level (the first variant's).
     SHARED: ClassVar[tuple[str, ...]] = ("schema_version", "backend", "torch", "args", "kernels")
     RECORDS: ClassVar[dict[str, type]] = {
-        "torch": TorchBuild, "args": Argument, "model": ModelTensor, "submodules": Submodule,
-        "inputs": InputLeaf, "value_guards": ValueGuard, "dynamic_dims": DynamicDim,
-        "size_relations": SizeRelation, "output_aliases": OutputAlias, "meshes": Mesh,
-        "distributed": DistributedTensor, "kernels": KernelObject, "optimizers": Optimizer,
-        "param_groups": ParamGroup, "optimizer_state": OptimizerState,
-        "wrapped": WrappedTensor, "wrapped_inner": InnerTensor, "data_parallel": DataParallel,
-        "fully_sharded": FullyShardedGroup, "read_values": ReadValue, "ambient": Ambient,
+        "torch": TorchBuild,
+        "args": Argument,
+        "model": ModelTensor,
+        "submodules": Submodule,
+        "inputs": InputLeaf,
+        "value_guards": ValueGuard,
+        "dynamic_dims": DynamicDim,
+        "size_relations": SizeRelation,
+        "output_aliases": OutputAlias,
+        "meshes": Mesh,
+        "distributed": DistributedTensor,
+        "kernels": KernelObject,
+        "optimizers": Optimizer,
+        "param_groups": ParamGroup,
+        "optimizer_state": OptimizerState,
+        "wrapped": WrappedTensor,
+        "wrapped_inner": InnerTensor,
+        "data_parallel": DataParallel,
+        "fully_sharded": FullyShardedGroup,
+        "read_values": ReadValue,
+        "ambient": Ambient,
         "autograd": Autograd,
     }
     # Fields that hold one record (or None), not a list of them.
@@ -509,27 +559,38 @@ class ArtifactSpec:
             return self
         # A DTensor's layout is its local tensor's: the driver checks it after unwrapping.
         local = {d.index: d for d in self.distributed if d.role == "input"}
-        distributed = [dataclasses.replace(local[i], local_strides=s)
-                       for i, s in enumerate(strides) if i in local]
+        distributed = [
+            dataclasses.replace(local[i], local_strides=s)
+            for i, s in enumerate(strides)
+            if i in local
+        ]
         # So is a subclass's: its inner tensors' layouts are recorded with them.
         unwrapped = local.keys() | {w.index for w in self.wrapped if w.role == "input"}
         flat = iter(None if i in unwrapped else s for i, s in enumerate(strides))
-        model = tuple(dataclasses.replace(t, strides=next(flat)) if t.tied_to is None else t
-                      for t in self.model)
-        inputs = tuple(dataclasses.replace(leaf, strides=next(flat)) if leaf.kind == "tensor"
-                       else leaf for leaf in self.inputs)
+        model = tuple(
+            dataclasses.replace(t, strides=next(flat)) if t.tied_to is None else t
+            for t in self.model
+        )
+        inputs = tuple(
+            dataclasses.replace(leaf, strides=next(flat)) if leaf.kind == "tensor" else leaf
+            for leaf in self.inputs
+        )
         state = tuple(dataclasses.replace(t, strides=next(flat)) for t in self.optimizer_state)
         results = tuple(d for d in self.distributed if d.role != "input")
-        return dataclasses.replace(self, model=model, inputs=inputs, optimizer_state=state,
-                                   distributed=(*distributed, *results),
-                                   wrapped_inner=self._inner_strides(strides))
+        return dataclasses.replace(
+            self,
+            model=model,
+            inputs=inputs,
+            optimizer_state=state,
+            distributed=(*distributed, *results),
+            wrapped_inner=self._inner_strides(strides),
+        )
 
     def _inner_strides(self, strides: Sequence[Layout]) -> tuple[InnerTensor, ...]:
         """Inner tensors of subclass inputs take the strides of their graph inputs: the first
         at the subclass's flat index, the others after every flat input (see the module)."""
         first = {w: r.index for w, r in enumerate(self.wrapped) if r.role == "input"}
-        extra = len(strides) - sum(1 for t in self.wrapped_inner if t.wrapper in first) + len(
-            first)
+        extra = len(strides) - sum(1 for t in self.wrapped_inner if t.wrapper in first) + len(first)
         inner = []
         for record in self.wrapped_inner:
             if record.wrapper not in first:
@@ -540,8 +601,9 @@ class ArtifactSpec:
             else:
                 position, extra = extra, extra + 1
             layout = strides[position]
-            inner.append(dataclasses.replace(
-                record, strides=layout if isinstance(layout, tuple) else None))
+            inner.append(
+                dataclasses.replace(record, strides=layout if isinstance(layout, tuple) else None)
+            )
         return tuple(inner)
 
     def with_kernels(self, kernels: Sequence[KernelObject]) -> ArtifactSpec:
@@ -566,15 +628,18 @@ class ArtifactSpec:
         kernels = {k.key: k for spec in (self, *others) for k in spec.kernels}
         kept = tuple(sorted(kernels.values(), key=lambda k: k.key))
         return dataclasses.replace(
-            self, kernels=kept,
-            variants=tuple(dataclasses.replace(o, kernels=kept, variants=()) for o in others))
+            self,
+            kernels=kept,
+            variants=tuple(dataclasses.replace(o, kernels=kept, variants=()) for o in others),
+        )
 
     def to_literal(self) -> dict[str, Any]:
         """The spec as plain dicts, tuples and scalars (what ``ARTIFACT_SPEC`` holds)."""
         literal = dataclasses.asdict(dataclasses.replace(self, variants=()))
         literal["variants"] = tuple(
             {k: v for k, v in variant.to_literal().items() if k not in (*self.SHARED, "variants")}
-            for variant in self.variants)
+            for variant in self.variants
+        )
         return literal
 
     def source(self, notes: Mapping[str, str] | None = None) -> str:
@@ -626,11 +691,11 @@ class ArtifactSpec:
 def _arguments(spec: ArtifactSpec) -> str:
     return ", ".join(
         f"{a.name}: {'model' if a.is_model else 'optimizer' if a.is_optimizer else 'input'}"
-        for a in spec.args)
+        for a in spec.args
+    )
 
 
-def _field_lines(literal: Mapping[str, Any], indent: str, notes: Mapping[str, str]
-                 ) -> list[str]:
+def _field_lines(literal: Mapping[str, Any], indent: str, notes: Mapping[str, str]) -> list[str]:
     lines = []
     for name, value in literal.items():
         if name in notes:
@@ -638,8 +703,11 @@ def _field_lines(literal: Mapping[str, Any], indent: str, notes: Mapping[str, st
         if name == "variants" and value:
             lines.append(f"{indent}'variants': (")
             for variant in value:
-                lines += [f"{indent}    {{", *_field_lines(variant, indent + "        ", {}),
-                          f"{indent}    }},"]
+                lines += [
+                    f"{indent}    {{",
+                    *_field_lines(variant, indent + "        ", {}),
+                    f"{indent}    }},",
+                ]
             lines.append(f"{indent}),")
         elif isinstance(value, tuple) and value and isinstance(value[0], dict):
             lines.append(f"{indent}{name!r}: (")
@@ -661,7 +729,7 @@ def _wrapped(value: Any, indent: str, prefix: str = "") -> str:
         if len(indent + prefix) + 1 + len(text) > 100:  # a long item gets lines of its own
             lines.append(line)
             inner = indent + " " * len(prefix) + " "
-            text = _wrapped(item, inner, f"{key!r}: ").lstrip() + text[len(f"{key!r}: {item!r}"):]
+            text = _wrapped(item, inner, f"{key!r}: ").lstrip() + text[len(f"{key!r}: {item!r}") :]
             line = inner + text
             continue
         if len(line) + 1 + len(text) > 100 and not line.endswith("{"):
@@ -675,8 +743,11 @@ def _wrapped(value: Any, indent: str, prefix: str = "") -> str:
 def check_schema_version(version: Any) -> None:
     """Refuse a spec this version cannot read, naming both sides."""
     if not isinstance(version, int) or not OLDEST_READABLE_SCHEMA <= version <= SCHEMA_VERSION:
-        readable = (f"{SCHEMA_VERSION}" if OLDEST_READABLE_SCHEMA == SCHEMA_VERSION
-                    else f"{OLDEST_READABLE_SCHEMA} to {SCHEMA_VERSION}")
+        readable = (
+            f"{SCHEMA_VERSION}"
+            if OLDEST_READABLE_SCHEMA == SCHEMA_VERSION
+            else f"{OLDEST_READABLE_SCHEMA} to {SCHEMA_VERSION}"
+        )
         newer = isinstance(version, int) and version > SCHEMA_VERSION
         raise PrecompileError(
             f"python_code has artifact spec schema version {version!r}; this torch-precompile "
@@ -690,9 +761,14 @@ def check_schema_version(version: Any) -> None:
 def _field_names(cls: type) -> tuple[frozenset[str], frozenset[str]]:
     """A record class's field names, and those without a default."""
     fields = dataclasses.fields(cls)
-    return (frozenset(f.name for f in fields),
-            frozenset(f.name for f in fields if f.default is dataclasses.MISSING
-                      and f.default_factory is dataclasses.MISSING))
+    return (
+        frozenset(f.name for f in fields),
+        frozenset(
+            f.name
+            for f in fields
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ),
+    )
 
 
 def _record_fields(cls: type, literal: Any) -> dict[str, Any]:
@@ -745,8 +821,12 @@ def _assigned_literal(source: str) -> Any:
             f"python_code does not parse (line {e.lineno}: {e.msg}); {_NOT_AN_ARTIFACT}."
         ) from e
     for node in tree.body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == SPEC_NAME):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id == SPEC_NAME
+        ):
             try:
                 return ast.literal_eval(node.value)
             except (ValueError, TypeError, SyntaxError) as e:

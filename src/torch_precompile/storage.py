@@ -84,15 +84,15 @@ def save_pair(
     cache = bytes(cache) if sign_key is None else signature.sign(sign_key, python_code, cache)
     for target in (path, cache_file):
         if not target.parent.is_dir():
-            raise PrecompileError(f"cannot save to {target}: {target.parent} is not a "
-                                  "directory.")
+            raise PrecompileError(f"cannot save to {target}: {target.parent} is not a directory.")
     _write_atomically(cache_file, cache)
     _write_atomically(path, python_code.encode())
     return path
 
 
-def read_pair(path: str | os.PathLike[str], cache_file: str | os.PathLike[str] | None
-              ) -> tuple[str, bytes | None]:
+def read_pair(
+    path: str | os.PathLike[str], cache_file: str | os.PathLike[str] | None
+) -> tuple[str, bytes | None]:
     """The source at ``path`` and the cache at ``cache_file`` (None: the one beside it)."""
     if cache_file is None:
         return load_file(path)
@@ -173,13 +173,17 @@ class CacheSearch:
         if len(self.others) == 1:
             other, digest = self.others[0]
             made_for = f"sha256 {digest[:12]}…" if digest else "another sha256"
-            return (f"no cache for {self.source.name}: {other.name} beside it belongs to "
-                    f"another source (made for {made_for}; this source's is {mine})")
+            return (
+                f"no cache for {self.source.name}: {other.name} beside it belongs to "
+                f"another source (made for {made_for}; this source's is {mine})"
+            )
         names = [other.name for other, _ in self.others[:_NAMED_OTHERS]]
         more = len(self.others) - len(names)
         listed = ", ".join(names) + (f" and {more} more" if more else "")
-        return (f"no cache for {self.source.name}: the caches beside it ({listed}) belong to "
-                f"other sources (none was made for this source, sha256 {mine})")
+        return (
+            f"no cache for {self.source.name}: the caches beside it ({listed}) belong to "
+            f"other sources (none was made for this source, sha256 {mine})"
+        )
 
 
 def find_cache(path: str | os.PathLike[str], python_code: str) -> CacheSearch:
@@ -206,12 +210,20 @@ def _caches_beside(path: Path, expected: Path, short_hash: str) -> list[Path]:
     """The ``*.cache`` files in ``path``'s directory: first those ``save`` named after this
     hash (the source was renamed or copied), then those named after its stem."""
     try:
-        found = sorted(entry for entry in path.parent.iterdir()
-                       if entry.name.endswith(".cache") and entry != expected)
+        found = sorted(
+            entry
+            for entry in path.parent.iterdir()
+            if entry.name.endswith(".cache") and entry != expected
+        )
     except OSError:
         return []
-    return sorted(found, key=lambda entry: (not entry.name.endswith(f".{short_hash}.cache"),
-                                            not entry.name.startswith(f"{path.stem}.")))
+    return sorted(
+        found,
+        key=lambda entry: (
+            not entry.name.endswith(f".{short_hash}.cache"),
+            not entry.name.startswith(f"{path.stem}."),
+        ),
+    )
 
 
 def _envelope_of(candidate: Path, digest: str) -> envelope.CacheContents | None:
@@ -237,8 +249,9 @@ def _version_1_envelope(body: bytes, digest: str) -> envelope.CacheContents | No
     if envelope.FORMAT.encode() not in body:
         return None  # an archive, but not one of ours
     if digest.encode() not in body:
-        return envelope.CacheContents(backend=None, code_hash=None, acceleration=None,
-                                      compiled=None)
+        return envelope.CacheContents(
+            backend=None, code_hash=None, acceleration=None, compiled=None
+        )
     return envelope.read(body, problems=[])
 
 
@@ -246,8 +259,9 @@ def read_cache(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except FileNotFoundError:
-        raise PrecompileError(f"no cache at {path}: pass None as the cache to run from the "
-                              "source alone.") from None
+        raise PrecompileError(
+            f"no cache at {path}: pass None as the cache to run from the source alone."
+        ) from None
     except OSError as e:
         raise PrecompileError(f"cannot read the cache at {path}: {e}") from e
 
@@ -273,8 +287,10 @@ def _write_atomically(target: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             temp.unlink()
         if isinstance(e, OSError):
-            raise PrecompileError(f"cannot write {target}: {e}. Nothing there was replaced; "
-                                  "pick a writable path that is not a directory.") from e
+            raise PrecompileError(
+                f"cannot write {target}: {e}. Nothing there was replaced; "
+                "pick a writable path that is not a directory."
+            ) from e
         raise
     _sync_directory(target.parent)
 

@@ -35,8 +35,14 @@ class ExternKernels:
     """Replaces ``select_algorithm.extern_kernels``: the common ones are plain torch functions."""
 
     _TORCH_FUNCTIONS: ClassVar[dict[str, str]] = {
-        "mm": "mm", "addmm": "addmm", "bmm": "bmm", "baddbmm": "baddbmm",
-        "convolution": "convolution", "mm_dtype": "mm", "bmm_dtype": "bmm", "_int_mm": "_int_mm",
+        "mm": "mm",
+        "addmm": "addmm",
+        "bmm": "bmm",
+        "baddbmm": "baddbmm",
+        "convolution": "convolution",
+        "mm_dtype": "mm",
+        "bmm_dtype": "bmm",
+        "_int_mm": "_int_mm",
     }
 
     def __getattr__(self, name: str) -> Any:
@@ -44,7 +50,8 @@ class ExternKernels:
             value = getattr(torch, self._TORCH_FUNCTIONS[name])
         else:
             importlib.import_module("torch._inductor.kernel")
-            value = getattr(importlib.import_module("torch._inductor.select_algorithm")
-                            .extern_kernels, name)
+            value = getattr(
+                importlib.import_module("torch._inductor.select_algorithm").extern_kernels, name
+            )
         setattr(self, name, value)
         return value

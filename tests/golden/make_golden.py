@@ -47,14 +47,15 @@ def main(out: Path) -> None:
     for backend in ("eager", "inductor"):
         path = out / f"schema{SCHEMA_VERSION}-{backend}.artifact"
         if SCHEMA_VERSION < 7:
-            code, cache = precompile(train_step, golden_model(), *golden_inputs(),
-                                     backend=backend)
+            code, cache = precompile(train_step, golden_model(), *golden_inputs(), backend=backend)
             precompile.save(code, cache, path)
         else:
             from torch._inductor import config
 
-            with (config.patch({"cpp.simdlen": 256}),
-                  capture(train_step, artifact_path=path, backend=backend) as cap):
+            with (
+                config.patch({"cpp.simdlen": 256}),
+                capture(train_step, artifact_path=path, backend=backend) as cap,
+            ):
                 cap(golden_model(), *golden_inputs())
                 cap(golden_model(), *wider_inputs())
         print(path)

@@ -27,7 +27,8 @@ log = logging.getLogger("torch_precompile")
 MAGIC = importlib.util.MAGIC_NUMBER.hex()
 _SEAL = re.compile(
     r"\n# The cache holds this file compiled by CPython \(magic ([0-9a-f]+)\); load\(\) runs that "
-    r"copy\n# only if this seal matches it and the lines above:\n# sha256 ([0-9a-f]{64})\.\n\Z")
+    r"copy\n# only if this seal matches it and the lines above:\n# sha256 ([0-9a-f]{64})\.\n\Z"
+)
 _SEAL_CHARS = 400  # the seal is the file's last lines: search only the file's end
 
 
@@ -43,9 +44,11 @@ def seal(python_code: str) -> tuple[str, dict[str, Any]]:
     """The source with its seal line, and the cache entry holding its compiled form."""
     code = compile(python_code, filename(python_code), "exec")
     blob = marshal.dumps((code, spec_literal(python_code)))
-    sealed = (f"{python_code}\n# The cache holds this file compiled by CPython (magic {MAGIC}); "
-              "load() runs that copy\n# only if this seal matches it and the lines above:\n"
-              f"# sha256 {_digest(python_code, blob)}.\n")
+    sealed = (
+        f"{python_code}\n# The cache holds this file compiled by CPython (magic {MAGIC}); "
+        "load() runs that copy\n# only if this seal matches it and the lines above:\n"
+        f"# sha256 {_digest(python_code, blob)}.\n"
+    )
     return sealed, {"magic": MAGIC, "sha256": hashlib.sha256(blob).hexdigest(), "module": blob}
 
 
@@ -89,8 +92,10 @@ def unseal(python_code: str, entry: Any) -> CompiledModule | None:
         return None
     if match.group(1) != MAGIC or _digest(python_code[: match.start()], blob) != match.group(2):
         if hashlib.sha256(blob).hexdigest() != entry.get("sha256"):
-            log.warning("precompile cache: its compiled module is damaged (it does not match "
-                        "its checksum); compiling the source.")
+            log.warning(
+                "precompile cache: its compiled module is damaged (it does not match "
+                "its checksum); compiling the source."
+            )
             return None
         raise PrecompileError(
             "the cache holds a compiled module that the seal on python_code's last line does "

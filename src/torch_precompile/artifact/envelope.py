@@ -51,8 +51,12 @@ class CacheContents:
         return self.code_hash == code_hash(python_code)
 
 
-def pack(backend: str, python_code: str, acceleration: bytes | None,
-         compiled: dict[str, Any] | None = None) -> bytes:
+def pack(
+    backend: str,
+    python_code: str,
+    acceleration: bytes | None,
+    compiled: dict[str, Any] | None = None,
+) -> bytes:
     header: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -76,7 +80,7 @@ def decode(body: bytes) -> dict[str, Any]:
     if not body.startswith(_MAGIC):
         return _decode_version_1(body)
     start = len(_MAGIC) + _LENGTH_BYTES
-    end = start + int.from_bytes(body[len(_MAGIC):start], "little")
+    end = start + int.from_bytes(body[len(_MAGIC) : start], "little")
     header = json.loads(body[start:end])
     if not isinstance(header, dict):
         raise ValueError("the envelope's header is not a JSON object")
@@ -87,7 +91,7 @@ def decode(body: bytes) -> dict[str, Any]:
         size = place[name]
         if not isinstance(size, int) or size < 0 or end + size > len(body):
             raise ValueError(f"the envelope's {name} runs past its end")
-        place[name] = body[end:end + size]
+        place[name] = body[end : end + size]
         end += size
     if end != len(body):
         raise ValueError("the envelope's blobs do not add up to its length")
@@ -122,15 +126,21 @@ def read(cache: bytes | None, problems: list[str] | None = None) -> CacheContent
     try:
         fields = decode(signature.split(bytes(cache))[1])
     except Exception as e:
-        return _unusable(f"precompile cache unreadable ({type(e).__name__}: {e}); running from "
-                         "python_code alone, which builds its kernels on first use.", problems)
+        return _unusable(
+            f"precompile cache unreadable ({type(e).__name__}: {e}); running from "
+            "python_code alone, which builds its kernels on first use.",
+            problems,
+        )
     why = _unreadable_version(fields)
     if why is not None:
         return _unusable(why, problems)
     artifact = fields.get("artifact")
-    return CacheContents(backend=fields.get("backend"), code_hash=fields.get("code_hash"),
-                         acceleration=artifact if isinstance(artifact, bytes) else None,
-                         compiled=fields.get("compiled"))
+    return CacheContents(
+        backend=fields.get("backend"),
+        code_hash=fields.get("code_hash"),
+        acceleration=artifact if isinstance(artifact, bytes) else None,
+        compiled=fields.get("compiled"),
+    )
 
 
 def _unusable(why: str, problems: list[str] | None) -> None:
@@ -142,12 +152,15 @@ def _unusable(why: str, problems: list[str] | None) -> None:
 
 def _unreadable_version(fields: dict[str, Any]) -> str | None:
     if fields.get("format") != FORMAT:
-        return ("precompile cache is not a torch-precompile envelope; running from python_code "
-                "alone.")
+        return (
+            "precompile cache is not a torch-precompile envelope; running from python_code alone."
+        )
     if fields.get("version") not in READABLE_VERSIONS:
-        return (f"precompile cache has version {fields.get('version')!r}, this "
-                f"torch-precompile reads {' and '.join(map(str, READABLE_VERSIONS))}; running "
-                "from python_code alone.")
+        return (
+            f"precompile cache has version {fields.get('version')!r}, this "
+            f"torch-precompile reads {' and '.join(map(str, READABLE_VERSIONS))}; running "
+            "from python_code alone."
+        )
     return None
 
 
@@ -158,7 +171,7 @@ def header_end(head: bytes) -> int | None:
     start = len(head) - len(body) + len(_MAGIC) + _LENGTH_BYTES
     if not body.startswith(_MAGIC) or len(head) < start:
         return None
-    length = int.from_bytes(head[start - _LENGTH_BYTES:start], "little")
+    length = int.from_bytes(head[start - _LENGTH_BYTES : start], "little")
     return start + length if length <= _HEADER_LIMIT else None
 
 
@@ -176,8 +189,12 @@ def read_header(head: bytes) -> CacheContents | None:
         return None
     if not isinstance(fields, dict) or _unreadable_version(fields) is not None:
         return None
-    return CacheContents(backend=fields.get("backend"), code_hash=fields.get("code_hash"),
-                         acceleration=None, compiled=None)
+    return CacheContents(
+        backend=fields.get("backend"),
+        code_hash=fields.get("code_hash"),
+        acceleration=None,
+        compiled=None,
+    )
 
 
 def check_pairing(contents: CacheContents | None, backend: str, python_code: str) -> None:

@@ -83,11 +83,14 @@ class Judgement:
         if self.to_build is None and not self.prebuilt:
             return f"runs, but builds every kernel from the source{_BUILD}"
         if self.to_build is None:
-            return (f"runs: {mapped}; its source (schema {self.spec.schema_version}) names no "
-                    f"objects, so any other it needs is built on first use{_BUILD}")
+            return (
+                f"runs: {mapped}; its source (schema {self.spec.schema_version}) names no "
+                f"objects, so any other it needs is built on first use{_BUILD}"
+            )
         built = f"{self.to_build} object{'' if self.to_build == 1 else 's'}"
-        return (f"runs, but builds {built} from the source{_BUILD}"
-                + (f"; {mapped}" if self.prebuilt else ""))
+        return f"runs, but builds {built} from the source{_BUILD}" + (
+            f"; {mapped}" if self.prebuilt else ""
+        )
 
 
 def pins(spec: ArtifactSpec) -> dict[str, str] | None:
@@ -95,8 +98,12 @@ def pins(spec: ArtifactSpec) -> dict[str, str] | None:
     return {k.key: k.sha256 for k in spec.kernels} if spec.schema_version >= 3 else None
 
 
-def judge(python_code: str, cache: bytes | None, key: bytes | None = None,
-          spec: ArtifactSpec | None = None) -> Judgement:
+def judge(
+    python_code: str,
+    cache: bytes | None,
+    key: bytes | None = None,
+    spec: ArtifactSpec | None = None,
+) -> Judgement:
     """How ``load(python_code, cache, verify_key=key)`` treats the pair, in load's order:
     signature, envelope, compiled module, torch build, pairing, kernel objects (``spec``: the
     source's, when already parsed)."""
@@ -108,8 +115,9 @@ def judge(python_code: str, cache: bytes | None, key: bytes | None = None,
     contents = envelope.read(cache, unusable)
     if cache is None:
         builds = f", building every kernel{_BUILD}" if spec.backend == "inductor" else ""
-        findings.append(Finding(DEFECT, f"there is no cache: a load runs from the source alone"
-                                        f"{builds}"))
+        findings.append(
+            Finding(DEFECT, f"there is no cache: a load runs from the source alone{builds}")
+        )
     findings.extend(Finding(DEFECT, why) for why in unusable)
     if contents is not None and contents.belongs_to(python_code):
         finding, module = _module(python_code, contents.compiled)
@@ -164,39 +172,68 @@ def _module(python_code: str, entry: Any) -> tuple[Finding, str]:
         except PrecompileError as e:
             return Finding(REFUSAL, str(e)), "refused (the source's seal does not name it)"
         state, effect = (
-            ("damaged (a load warns and compiles the source)", DEFECT) if sealed is None
-            else ("used (sealed by the source, for this Python)", OK))
+            ("damaged (a load warns and compiles the source)", DEFECT)
+            if sealed is None
+            else ("used (sealed by the source, for this Python)", OK)
+        )
     return Finding(effect, f"compiled module: {state}"), state
 
 
-def _kernels(spec: ArtifactSpec, acceleration: bytes | None, findings: list[Finding]
-             ) -> PayloadExamination | None:
+def _kernels(
+    spec: ArtifactSpec, acceleration: bytes | None, findings: list[Finding]
+) -> PayloadExamination | None:
     """Append what a load does with each kernel object; the examination, where readable."""
     if spec.backend != "inductor":
         return None
     if acceleration is None:
-        findings.append(Finding(DEFECT, "the cache holds no kernel objects: a load builds "
-                                        f"every kernel from the source{_BUILD}"))
+        findings.append(
+            Finding(
+                DEFECT,
+                "the cache holds no kernel objects: a load builds "
+                f"every kernel from the source{_BUILD}",
+            )
+        )
         return None
     found = examine_payload(acceleration, pins(spec))
     if found.unreadable is not None:
-        findings.append(Finding(DEFECT, f"the kernel payload is unreadable ({found.unreadable})"
-                                        f": a load builds every kernel from the source{_BUILD}"))
+        findings.append(
+            Finding(
+                DEFECT,
+                f"the kernel payload is unreadable ({found.unreadable})"
+                f": a load builds every kernel from the source{_BUILD}",
+            )
+        )
         return found
     for key, why in found.skipped.items():
         kind = object_kind(found.entries.get(key, {}))
-        findings.append(Finding(DEFECT, f"{kind} {key[:12]}… is unusable ({why}): a load warns, "
-                                        f"skips it and builds it from the source{_BUILD}"))
+        findings.append(
+            Finding(
+                DEFECT,
+                f"{kind} {key[:12]}… is unusable ({why}): a load warns, "
+                f"skips it and builds it from the source{_BUILD}",
+            )
+        )
     if found.refusal is not None:
         findings.append(Finding(REFUSAL, found.refusal))
     if found.missing:
-        findings.append(Finding(DEFECT, f"the cache lacks {len(found.missing)} object(s) the "
-                                        "source names: a load warns and builds them from the "
-                                        f"source{_BUILD}"))
+        findings.append(
+            Finding(
+                DEFECT,
+                f"the cache lacks {len(found.missing)} object(s) the "
+                "source names: a load warns and builds them from the "
+                f"source{_BUILD}",
+            )
+        )
     if not (found.skipped or found.refusal or found.missing):
         intact = count_objects(object_kind(e) for e in found.entries.values())
         findings.append(Finding(OK, f"{intact} intact, each named by the source"))
-    findings.append(Finding(OK, "built for this machine") if found.mismatch is None else
-                    Finding(NOTE, f"built elsewhere ({found.mismatch}): a load here builds "
-                                  f"every kernel from the source{_BUILD}"))
+    findings.append(
+        Finding(OK, "built for this machine")
+        if found.mismatch is None
+        else Finding(
+            NOTE,
+            f"built elsewhere ({found.mismatch}): a load here builds "
+            f"every kernel from the source{_BUILD}",
+        )
+    )
     return found

@@ -92,8 +92,7 @@ class PayloadExamination:
     unreadable: str | None  # why the payload could not be read (None: it was)
 
 
-def examine_payload(acceleration: bytes, pinned: Mapping[str, str] | None
-                    ) -> PayloadExamination:
+def examine_payload(acceleration: bytes, pinned: Mapping[str, str] | None) -> PayloadExamination:
     """Judge each object of the payload as ``load_built_kernels`` does, mapping none."""
     try:
         payload = read_payload(acceleration)
@@ -117,12 +116,20 @@ def examine_payload(acceleration: bytes, pinned: Mapping[str, str] | None
         else:
             skipped[key] = verdict[1]
     mismatch = fingerprint_mismatch(built_for)
-    return PayloadExamination(entries, {} if mismatch else usable, skipped,
-                              sorted(set(pinned or ()) - set(kernels)), mismatch, refusal, None)
+    return PayloadExamination(
+        entries,
+        {} if mismatch else usable,
+        skipped,
+        sorted(set(pinned or ()) - set(kernels)),
+        mismatch,
+        refusal,
+        None,
+    )
 
 
-def load_built_kernels(acceleration: bytes, pinned: Mapping[str, str] | None
-                       ) -> dict[str, Callable[..., Any]]:
+def load_built_kernels(
+    acceleration: bytes, pinned: Mapping[str, str] | None
+) -> dict[str, Callable[..., Any]]:
     """Load the cache's kernel objects into this process; skip (with a warning) what cannot be.
 
     ``pinned`` maps each kernel key to the digest python_code names for its object (None for
@@ -131,21 +138,34 @@ def load_built_kernels(acceleration: bytes, pinned: Mapping[str, str] | None
     """
     found = examine_payload(acceleration, pinned)
     if found.unreadable is not None:
-        log.warning("precompile cache: kernel payload unreadable (%s); kernels will be built "
-                    "from python_code on first use.", found.unreadable)
+        log.warning(
+            "precompile cache: kernel payload unreadable (%s); kernels will be built "
+            "from python_code on first use.",
+            found.unreadable,
+        )
         return {}
     for key, why in found.skipped.items():
-        log.warning("precompile cache: kernel %s… is unusable (%s); it will be built from "
-                    "python_code on first use.", key[:12], why)
+        log.warning(
+            "precompile cache: kernel %s… is unusable (%s); it will be built from "
+            "python_code on first use.",
+            key[:12],
+            why,
+        )
     if found.refusal is not None:
         raise PrecompileError(found.refusal)
     if found.missing:
-        log.warning("precompile cache: it lacks %d kernel object(s) python_code names (%s); "
-                    "they will be built from python_code on first use.", len(found.missing),
-                    ", ".join(f"{key[:12]}…" for key in found.missing[:4]))
+        log.warning(
+            "precompile cache: it lacks %d kernel object(s) python_code names (%s); "
+            "they will be built from python_code on first use.",
+            len(found.missing),
+            ", ".join(f"{key[:12]}…" for key in found.missing[:4]),
+        )
     if found.mismatch is not None:
-        log.warning("precompile cache: its kernels were built for another machine or torch "
-                    "(%s); they will be built from python_code on first use.", found.mismatch)
+        log.warning(
+            "precompile cache: its kernels were built for another machine or torch "
+            "(%s); they will be built from python_code on first use.",
+            found.mismatch,
+        )
         return {}
     enable_prebuilt_kernel_imports()
     loaded: dict[str, Callable[..., Any]] = {}
@@ -153,8 +173,12 @@ def load_built_kernels(acceleration: bytes, pinned: Mapping[str, str] | None
         try:
             loaded[key] = _load_object(key, entry)
         except Exception as e:
-            log.warning("precompile cache: kernel %s… is unusable (%s); it will be built from "
-                        "python_code on first use.", key[:12], e)
+            log.warning(
+                "precompile cache: kernel %s… is unusable (%s); it will be built from "
+                "python_code on first use.",
+                key[:12],
+                e,
+            )
     return loaded
 
 
@@ -174,12 +198,26 @@ def built_vector_bits(acceleration: bytes | None) -> int | None:
 
 def write_payload(fingerprint: dict[str, Any], kernels: Mapping[str, dict[str, Any]]) -> bytes:
     """The payload of ``kernels`` ({key: {"module", "object", "sha256"}})."""
-    header = {"fingerprint": fingerprint,
-              "kernels": {key: {"module": entry["module"], "sha256": entry["sha256"],
-                                "size": len(entry["object"])} for key, entry in kernels.items()}}
+    header = {
+        "fingerprint": fingerprint,
+        "kernels": {
+            key: {
+                "module": entry["module"],
+                "sha256": entry["sha256"],
+                "size": len(entry["object"]),
+            }
+            for key, entry in kernels.items()
+        },
+    }
     text = json.dumps(header).encode()
-    return b"".join([_MAGIC, len(text).to_bytes(_LENGTH_BYTES, "little"), text,
-                     *(entry["object"] for entry in kernels.values())])
+    return b"".join(
+        [
+            _MAGIC,
+            len(text).to_bytes(_LENGTH_BYTES, "little"),
+            text,
+            *(entry["object"] for entry in kernels.values()),
+        ]
+    )
 
 
 def merged_payloads(payloads: Sequence[bytes]) -> bytes:
@@ -200,20 +238,24 @@ def read_payload(data: bytes) -> dict[str, Any]:
             raise ValueError(f"kernel payload version {version!r}")
         return payload
     start = len(_MAGIC) + _LENGTH_BYTES
-    end = start + int.from_bytes(data[len(_MAGIC):start], "little")
+    end = start + int.from_bytes(data[len(_MAGIC) : start], "little")
     header = json.loads(data[start:end])
     kernels = {}
     for key, entry in header["kernels"].items():
-        kernels[key] = {"module": entry["module"], "sha256": entry["sha256"],
-                        "object": data[end:end + entry["size"]]}
+        kernels[key] = {
+            "module": entry["module"],
+            "sha256": entry["sha256"],
+            "object": data[end : end + entry["size"]],
+        }
         end += entry["size"]
     if end != len(data):
         raise ValueError("the kernel payload's objects do not add up to its length")
     return {"version": PAYLOAD_VERSION, "fingerprint": header["fingerprint"], "kernels": kernels}
 
 
-def _object_verdict(key: str, entry: Mapping[str, Any], pinned: Mapping[str, str] | None
-                    ) -> tuple[bool, str] | None:
+def _object_verdict(
+    key: str, entry: Mapping[str, Any], pinned: Mapping[str, str] | None
+) -> tuple[bool, str] | None:
     """None for an object a load may map; else (refused, why): skipped for damaged bytes, or
     refused, with the error a load raises, for an intact object the source does not name."""
     digest = hashlib.sha256(entry["object"]).hexdigest()
@@ -222,12 +264,17 @@ def _object_verdict(key: str, entry: Mapping[str, Any], pinned: Mapping[str, str
         return None
     if pinned is None or (key in pinned and not intact):
         return False, "its bytes are damaged: they do not match their checksum"
-    named = (f"python_code names sha256 {pinned[key][:16]}…" if key in pinned
-             else "python_code names no such kernel")
-    return True, (f"the cache holds a kernel object that is not one python_code was built with "
-            f"(kernel {key[:12]}…: sha256 {digest[:16]}…, {named}). The cache was altered or "
-            "belongs to another build of this source: pass the cache precompile() returned "
-            "with it, or None to build the kernels from python_code.")
+    named = (
+        f"python_code names sha256 {pinned[key][:16]}…"
+        if key in pinned
+        else "python_code names no such kernel"
+    )
+    return True, (
+        f"the cache holds a kernel object that is not one python_code was built with "
+        f"(kernel {key[:12]}…: sha256 {digest[:16]}…, {named}). The cache was altered or "
+        "belongs to another build of this source: pass the cache precompile() returned "
+        "with it, or None to build the kernels from python_code."
+    )
 
 
 # The entry point Inductor's C++ wrapper names its shared object after (its
@@ -246,8 +293,10 @@ def count_objects(kinds: Iterable[str]) -> str:
     """``["C++ kernel", "C++ kernel"]`` as "2 C++ kernels": how reports count objects."""
     counts = Counter(kinds)
     plurals = {KERNEL: "C++ kernels", WRAPPER_LIBRARY: "C++ wrapper libraries"}
-    shown = [f"{n} {kind if n == 1 else plurals.get(kind, kind)}"
-             for kind, n in sorted(counts.items(), key=lambda item: item[0] != KERNEL)]
+    shown = [
+        f"{n} {kind if n == 1 else plurals.get(kind, kind)}"
+        for kind, n in sorted(counts.items(), key=lambda item: item[0] != KERNEL)
+    ]
     return " and ".join(shown) or "no prebuilt object"
 
 

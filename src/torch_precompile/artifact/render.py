@@ -40,7 +40,7 @@ from torch_precompile.spec import ArtifactSpec, InputLeaf
 
 _RULE = "# " + "=" * 78
 
-_HEADER = '''\
+_HEADER = """\
 {origin}
 #
 {provenance}
@@ -55,7 +55,7 @@ _HEADER = '''\
 {checks}
 #
 {sections}
-'''
+"""
 
 _CHECKS = (
     "Checked at every call: the number of arguments, the structure of the inputs, each input "
@@ -116,10 +116,10 @@ _VARIANTS_NOTE = (
     "first, and a call that fits none is refused."
 )
 
-_MAIN = '''
+_MAIN = """
 if __name__ == "__main__":
     print("This is a precompiled computation; exec it and call forward({call_example}).")
-'''
+"""
 
 
 @dataclass(frozen=True)
@@ -142,25 +142,39 @@ _OPTIMIZERS = DriverPart(optimizers, "optimizers", "OptimizerSteps")
 _DATA_PARALLEL = DriverPart(data_parallel, "data_parallel", "DataParallelSteps")
 _AUTOGRAD = DriverPart(autograd, "autograd", "differentiable")
 _VARIANTS = DriverPart(variants, None, None)
-_PART_ORDER = (_VALUES, _FACTS, _MEMO, _PLANNED, _SIZES, _DISTRIBUTED, _SUBCLASSES, _OPTIMIZERS,
-               _DATA_PARALLEL, _AUTOGRAD)
+_PART_ORDER = (
+    _VALUES,
+    _FACTS,
+    _MEMO,
+    _PLANNED,
+    _SIZES,
+    _DISTRIBUTED,
+    _SUBCLASSES,
+    _OPTIMIZERS,
+    _DATA_PARALLEL,
+    _AUTOGRAD,
+)
 
 
 def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
     """The optional parts ``spec`` needs, in the order the artifact holds them."""
     # memo's tensor guard also serves the subclass part; planned serves it and optimizers.
-    return [part for part, needed in ((_VALUES, _has_values(spec)),
-                                      (_FACTS, bool(spec.read_values)),
-                                      (_MEMO, bool(spec.model_names or spec.wrapped)),
-                                      (_PLANNED, bool(spec.optimizers or spec.wrapped)),
-                                      (_SIZES, bool(spec.dynamic_dims)),
-                                      (_DISTRIBUTED, bool(spec.meshes)),
-                                      (_SUBCLASSES, bool(spec.wrapped)),
-                                      (_OPTIMIZERS, bool(spec.optimizers)),
-                                      (_DATA_PARALLEL,
-                                       bool(spec.data_parallel or spec.fully_sharded)),
-                                      (_AUTOGRAD, spec.autograd is not None))
-            if needed]
+    return [
+        part
+        for part, needed in (
+            (_VALUES, _has_values(spec)),
+            (_FACTS, bool(spec.read_values)),
+            (_MEMO, bool(spec.model_names or spec.wrapped)),
+            (_PLANNED, bool(spec.optimizers or spec.wrapped)),
+            (_SIZES, bool(spec.dynamic_dims)),
+            (_DISTRIBUTED, bool(spec.meshes)),
+            (_SUBCLASSES, bool(spec.wrapped)),
+            (_OPTIMIZERS, bool(spec.optimizers)),
+            (_DATA_PARALLEL, bool(spec.data_parallel or spec.fully_sharded)),
+            (_AUTOGRAD, spec.autograd is not None),
+        )
+        if needed
+    ]
 
 
 def _all_parts(variants: Sequence[ArtifactSpec]) -> list[DriverPart]:
@@ -173,12 +187,19 @@ def _all_parts(variants: Sequence[ArtifactSpec]) -> list[DriverPart]:
 def _has_values(spec: ArtifactSpec) -> bool:
     """Whether a call passes more than positional tensors, or fn decided on tensor values."""
     positional = pytree.treespec_dumps(pytree.tree_flatten(tuple(spec.inputs))[1])
-    return (spec.in_spec != positional or bool(spec.value_guards)
-            or any(leaf.kind != "tensor" for leaf in spec.inputs))
+    return (
+        spec.in_spec != positional
+        or bool(spec.value_guards)
+        or any(leaf.kind != "tensor" for leaf in spec.inputs)
+    )
 
 
-def render(spec: ArtifactSpec, graphs: Sequence[VariantGraphs], tracer: str = "make_fx",
-           origin: str | None = None) -> str:
+def render(
+    spec: ArtifactSpec,
+    graphs: Sequence[VariantGraphs],
+    tracer: str = "make_fx",
+    origin: str | None = None,
+) -> str:
     """Return the artifact's source: the graphs of each variant of ``spec`` (one, mostly); the
     driver's modules are copied in (see ``shipped``). ``origin`` names the captured function
     and where it is defined."""
@@ -188,21 +209,26 @@ def render(spec: ArtifactSpec, graphs: Sequence[VariantGraphs], tracer: str = "m
     call_example = ", ".join(a.name for a in spec.args)
     named = _named_graphs(variants, graphs)
     graph_section = _graph_section(named)
-    driver_source = _driver_source([core, *(p.module for p in _all_parts(variants))],
-                                   graph_section)
+    driver_source = _driver_source([core, *(p.module for p in _all_parts(variants))], graph_section)
     _check_no_clash(graph_section, driver_source)
     all_named = [g for per_variant in named for g in per_variant]
     sections = [
         _HEADER.format(
             origin=_origin(variants, call_example, origin),
-            provenance=_provenance(spec, tracer), call_example=call_example,
-            checks=_checks(variants), sections=_sections_line(all_named),
+            provenance=_provenance(spec, tracer),
+            call_example=call_example,
+            checks=_checks(variants),
+            sections=_sections_line(all_named),
         ),
         _section(1, "The spec: the calling convention, read by load() without executing"),
         spec.source(_structure_notes(spec)),
-        _section(2, "The compiled graph: call(flat_inputs) -> flat_outputs" if len(all_named) == 1
-                 else "The compiled graphs: " + ", ".join(
-                     f"{g.function}()" if g.lazy else g.name for g in all_named)),
+        _section(
+            2,
+            "The compiled graph: call(flat_inputs) -> flat_outputs"
+            if len(all_named) == 1
+            else "The compiled graphs: "
+            + ", ".join(f"{g.function}()" if g.lazy else g.name for g in all_named),
+        ),
         graph_section,
         _section(3, "The driver: forward and the checks it runs"),
         driver_source,
@@ -230,27 +256,45 @@ class _NamedGraph:
         return self.name.replace("call", "graph", 1)
 
 
-def _named_graphs(specs: Sequence[ArtifactSpec], graphs: Sequence[VariantGraphs]
-                  ) -> list[list[_NamedGraph]]:
+def _named_graphs(
+    specs: Sequence[ArtifactSpec], graphs: Sequence[VariantGraphs]
+) -> list[list[_NamedGraph]]:
     """Each variant's graphs, named."""
     named = []
     for number, (spec, held) in enumerate(zip(specs, graphs, strict=True), 1):
         base = "call" if len(specs) == 1 else f"call_{number}"
-        whose = (f"Variant {number} of {len(specs)} ({variants.variant_label(spec)})"
-                 if len(specs) > 1 else "The computation")
-        per_variant = [_NamedGraph(base, f"{whose}: the plain graph"
-                                   + (", for calls whose results need no history."
-                                      if held.forward else "."), held.plain)]
+        whose = (
+            f"Variant {number} of {len(specs)} ({variants.variant_label(spec)})"
+            if len(specs) > 1
+            else "The computation"
+        )
+        per_variant = [
+            _NamedGraph(
+                base,
+                f"{whose}: the plain graph"
+                + (", for calls whose results need no history." if held.forward else "."),
+                held.plain,
+            )
+        ]
         if held.forward is not None and held.backward is not None:
             ready = "readied at the first call that needs history"
             per_variant += [
-                _NamedGraph(f"{base}_forward", f"{whose}: the forward, for calls whose results "
-                            "carry autograd history; it returns the results, then what the "
-                            f"backward needs ({ready}).", held.forward, lazy=True),
-                _NamedGraph(f"{base}_backward", f"{whose}: the backward; it takes the saved "
-                            "values, then one tangent per result with history, and returns "
-                            f"the gradients of the inputs that required grad ({ready}).",
-                            held.backward, lazy=True),
+                _NamedGraph(
+                    f"{base}_forward",
+                    f"{whose}: the forward, for calls whose results "
+                    "carry autograd history; it returns the results, then what the "
+                    f"backward needs ({ready}).",
+                    held.forward,
+                    lazy=True,
+                ),
+                _NamedGraph(
+                    f"{base}_backward",
+                    f"{whose}: the backward; it takes the saved "
+                    "values, then one tangent per result with history, and returns "
+                    f"the gradients of the inputs that required grad ({ready}).",
+                    held.backward,
+                    lazy=True,
+                ),
             ]
         named.append(per_variant)
     return named
@@ -261,34 +305,44 @@ def _sections_line(named: Sequence[_NamedGraph]) -> str:
     if len(named) == 1:
         graphs = "the compiled graph, call(flat_inputs)"
     elif any(g.lazy for g in named):
-        graphs = ("the compiled graphs: the plain one, and the forward and backward that give "
-                  "results autograd history")
+        graphs = (
+            "the compiled graphs: the plain one, and the forward and backward that give "
+            "results autograd history"
+        )
     else:
         graphs = "the compiled graphs, one per variant"
-    text = (f"Sections: 1. the spec (ARTIFACT_SPEC, the calling convention)  2. {graphs}  "
-            "3. the driver: forward's checks, in call order. Last, the seal.")
+    text = (
+        f"Sections: 1. the spec (ARTIFACT_SPEC, the calling convention)  2. {graphs}  "
+        "3. the driver: forward's checks, in call order. Last, the seal."
+    )
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
 
 
-def _binding(variants: Sequence[ArtifactSpec], named: Sequence[Sequence[_NamedGraph]]
-             ) -> list[str]:
+def _binding(variants: Sequence[ArtifactSpec], named: Sequence[Sequence[_NamedGraph]]) -> list[str]:
     """The lines that bind ``forward``."""
+
     def keywords(variant: ArtifactSpec, graphs: Sequence[_NamedGraph]) -> str:
-        given = {_AUTOGRAD.keyword: "differentiable("
-                 + ", ".join(g.function for g in graphs[1:]) + ")"}
-        return "".join(f", {p.keyword}={given.get(p.keyword, p.factory)}"
-                       for p in driver_parts(variant)
-                       if p.keyword and (p is not _MEMO or variant.model_names))
+        given = {
+            _AUTOGRAD.keyword: "differentiable(" + ", ".join(g.function for g in graphs[1:]) + ")"
+        }
+        return "".join(
+            f", {p.keyword}={given.get(p.keyword, p.factory)}"
+            for p in driver_parts(variant)
+            if p.keyword and (p is not _MEMO or variant.model_names)
+        )
 
     if len(variants) == 1:
-        return ["# forward: the driver over this spec and graph.",
-                f"forward = Driver(ARTIFACT_SPEC, call{keywords(variants[0], named[0])})"]
+        return [
+            "# forward: the driver over this spec and graph.",
+            f"forward = Driver(ARTIFACT_SPEC, call{keywords(variants[0], named[0])})",
+        ]
     return [
-        "# forward: a driver over each variant's spec and graph; a call runs the variant it "
-        "fits.",
+        "# forward: a driver over each variant's spec and graph; a call runs the variant it fits.",
         "forward = Variants([",
-        *(f"    Driver(variant_spec(ARTIFACT_SPEC, {n}), {graphs[0].name}{keywords(v, graphs)}),"
-          for n, (v, graphs) in enumerate(zip(variants, named, strict=True), 1)),
+        *(
+            f"    Driver(variant_spec(ARTIFACT_SPEC, {n}), {graphs[0].name}{keywords(v, graphs)}),"
+            for n, (v, graphs) in enumerate(zip(variants, named, strict=True), 1)
+        ),
         "])",
     ]
 
@@ -299,9 +353,11 @@ def _graph_section(named: Sequence[Sequence[_NamedGraph]]) -> str:
     every = [g for per_variant in named for g in per_variant]
     stand_ins = list(dict.fromkeys(module for g in every for module in g.graph.stand_ins))
     shipped = [shipped_source(module) for module in stand_ins]
-    pieces = [*(part.comment for part in shipped),
-              import_block([i for part in shipped for i in part.imports]) if shipped else "",
-              *(part.body for part in shipped)]
+    pieces = [
+        *(part.comment for part in shipped),
+        import_block([i for part in shipped for i in part.imports]) if shipped else "",
+        *(part.body for part in shipped),
+    ]
     top_level = every[0] if len(named) == 1 else None
     if top_level is not None and not shipped and len(every) == 1:
         return top_level.graph.source
@@ -318,18 +374,20 @@ def _graph_function(named: _NamedGraph) -> str:
 
         source = loader_resolving_now(source)
     bound = [] if named.lazy else ["", "", f"{named.name} = {named.function}()"]
-    return "\n".join([
-        "",
-        *textwrap.wrap(named.comment, width=96, initial_indent="# ",
-                       subsequent_indent="# "),
-        f"def {named.function}():",
-        '    """Readies this graph; returns its call(flat_inputs)."""' if named.lazy
-        else f'    """Returns {named.name}(flat_inputs)."""',
-        _indented(source).rstrip("\n"),
-        "    return call",
-        *bound,
-        "",
-    ])
+    return "\n".join(
+        [
+            "",
+            *textwrap.wrap(named.comment, width=96, initial_indent="# ", subsequent_indent="# "),
+            f"def {named.function}():",
+            '    """Readies this graph; returns its call(flat_inputs)."""'
+            if named.lazy
+            else f'    """Returns {named.name}(flat_inputs)."""',
+            _indented(source).rstrip("\n"),
+            "    return call",
+            *bound,
+            "",
+        ]
+    )
 
 
 def _indented(source: str) -> str:
@@ -346,17 +404,28 @@ def _indented(source: str) -> str:
         first = opened.pop() if token.type == fstring_end else token.start[0]
         if token.type in (tokenize.STRING, fstring_end) and token.end[0] > first:
             inside.update(range(first + 1, token.end[0] + 1))
-    return "\n".join(line if number in inside or not line.strip() else "    " + line
-                     for number, line in enumerate(source.splitlines(), 1)) + "\n"
+    return (
+        "\n".join(
+            line if number in inside or not line.strip() else "    " + line
+            for number, line in enumerate(source.splitlines(), 1)
+        )
+        + "\n"
+    )
 
 
 def _driver_source(modules: list[ModuleType], graph_source: str) -> str:
     """The driver's modules, with the imports the graph section has not made already."""
     shipped = [shipped_source(module) for module in modules]
-    made = {ast.unparse(node) for node in ast.parse(graph_source).body
-            if isinstance(node, ast.Import | ast.ImportFrom)}
-    block = [line for line in import_block([i for s in shipped for i in s.imports]).splitlines()
-             if line not in made]
+    made = {
+        ast.unparse(node)
+        for node in ast.parse(graph_source).body
+        if isinstance(node, ast.Import | ast.ImportFrom)
+    }
+    block = [
+        line
+        for line in import_block([i for s in shipped for i in s.imports]).splitlines()
+        if line not in made
+    ]
     pieces = ["\n".join(block)]
     for source in shipped:
         pieces += ["", "", source.comment, "", source.body.rstrip("\n")]
@@ -369,8 +438,9 @@ def _origin(specs: Sequence[ArtifactSpec], call_example: str, origin: str | None
     text = f"A precompiled PyTorch computation: forward({call_example})"
     if origin is not None:
         text += f", captured from {origin}"
-    tensors = [f"{leaf.path} {_tensor_type(leaf)}" for leaf in specs[0].inputs
-               if leaf.kind == "tensor"]
+    tensors = [
+        f"{leaf.path} {_tensor_type(leaf)}" for leaf in specs[0].inputs if leaf.kind == "tensor"
+    ]
     if tensors:
         text += " with " + ", ".join(tensors)
         if len(specs) > 1:
@@ -388,15 +458,18 @@ def _tensor_type(leaf: InputLeaf) -> str:
 
 
 def _provenance(spec: ArtifactSpec, tracer: str) -> str:
-    text = (f"Made by torch-precompile {torch_precompile.__version__} on {_build_date()} with "
-            f"tracer {tracer} and backend {spec.backend!r}, for torch {spec.torch.version} "
-            f"(git {spec.torch.git[:12]}) only. No weights are inside: pass your model at "
-            "every call. Do not edit: the cache made with it is bound to these exact bytes.")
+    text = (
+        f"Made by torch-precompile {torch_precompile.__version__} on {_build_date()} with "
+        f"tracer {tracer} and backend {spec.backend!r}, for torch {spec.torch.version} "
+        f"(git {spec.torch.git[:12]}) only. No weights are inside: pass your model at "
+        "every call. Do not edit: the cache made with it is bound to these exact bytes."
+    )
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
 
 
 def _checks(specs: Sequence[ArtifactSpec]) -> str:
     """The header's paragraph on what a call must pass: only what this artifact checks."""
+
     def anywhere(field: str) -> bool:
         return any(getattr(spec, field) for spec in specs)
 
@@ -425,15 +498,20 @@ def _checks(specs: Sequence[ArtifactSpec]) -> str:
 def _build_date() -> str:
     """Today (UTC), or the date of ``SOURCE_DATE_EPOCH`` for reproducible builds."""
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    moment = (datetime.datetime.fromtimestamp(int(epoch), datetime.UTC) if epoch
-              else datetime.datetime.now(datetime.UTC))
+    moment = (
+        datetime.datetime.fromtimestamp(int(epoch), datetime.UTC)
+        if epoch
+        else datetime.datetime.now(datetime.UTC)
+    )
     return moment.date().isoformat()
 
 
 def _structure_notes(spec: ArtifactSpec) -> dict[str, str]:
     """What the pytree specs encode, as comments beside them."""
-    leaves = [leaf.path if leaf.kind == "tensor" else core.Shown(repr(leaf.value[1]))
-              for leaf in spec.inputs]
+    leaves = [
+        leaf.path if leaf.kind == "tensor" else core.Shown(repr(leaf.value[1]))
+        for leaf in spec.inputs
+    ]
     notes = {"out_spec": "fn's result: " + _structure(spec.out_spec, None)}
     if spec.wrapped:
         notes["wrapped"] = "tensor subclasses, carried as their inner tensors (wrapped_inner)"
@@ -446,8 +524,9 @@ def _structure_notes(spec: ArtifactSpec) -> dict[str, str]:
 def _structure(dumped: str, names: list[object] | None) -> str:
     spec = pytree.treespec_loads(dumped)
     shown = names if names is not None else [core.Shown("Tensor")] * spec.num_leaves
-    text = repr(pytree.tree_unflatten([core.Shown(n) if isinstance(n, str) else n
-                                       for n in shown], spec))
+    text = repr(
+        pytree.tree_unflatten([core.Shown(n) if isinstance(n, str) else n for n in shown], spec)
+    )
     return text if len(text) <= 80 else text[:77] + "..."
 
 

@@ -32,9 +32,12 @@ def sign(key: bytes, python_code: str, cache: bytes) -> bytes:
 def split(cache: bytes) -> tuple[bytes | None, bytes]:
     """(signature or None, envelope bytes) of a cache."""
     if cache.startswith(MAGIC):
-        rest = cache[len(MAGIC):]
-        signature, newline, envelope = rest[:_DIGEST_LENGTH], rest[_DIGEST_LENGTH:][:1], rest[
-            _DIGEST_LENGTH + 1:]
+        rest = cache[len(MAGIC) :]
+        signature, newline, envelope = (
+            rest[:_DIGEST_LENGTH],
+            rest[_DIGEST_LENGTH:][:1],
+            rest[_DIGEST_LENGTH + 1 :],
+        )
         if newline == b"\n":
             return signature, envelope
     return None, cache

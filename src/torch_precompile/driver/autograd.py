@@ -22,9 +22,9 @@ from torch_precompile.driver.core import Driver, PrecompileError
 Graph = Callable[[list[Any]], list[Any]]
 
 
-def differentiable(forward: Callable[[], Graph] | None = None,
-                   backward: Callable[[], Graph] | None = None
-                   ) -> Callable[[Driver], "AutogradCall"]:
+def differentiable(
+    forward: Callable[[], Graph] | None = None, backward: Callable[[], Graph] | None = None
+) -> Callable[[Driver], "AutogradCall"]:
     """The ``autograd`` part of a driver whose artifact holds the functions that ready its
     ``forward`` and ``backward`` graphs (none where results carry no history)."""
     return lambda driver: AutogradCall(driver, forward, backward)
@@ -33,8 +33,12 @@ def differentiable(forward: Callable[[], Graph] | None = None,
 class AutogradCall:
     """Whether a call needs history, and the call that gives it."""
 
-    def __init__(self, driver: Driver, forward: Callable[[], Graph] | None,
-                 backward: Callable[[], Graph] | None) -> None:
+    def __init__(
+        self,
+        driver: Driver,
+        forward: Callable[[], Graph] | None,
+        backward: Callable[[], Graph] | None,
+    ) -> None:
         record = driver.spec.autograd
         self.driver = driver
         self.inputs = frozenset(record.inputs)
@@ -78,8 +82,11 @@ class AutogradCall:
     def _warn_once(self) -> None:
         if not self.warned:
             self.warned = True
-            warnings.warn(f"this precompiled artifact's {self.unavailable}; call it under "
-                          "torch.no_grad(), or keep the backward inside fn.", stacklevel=4)
+            warnings.warn(
+                f"this precompiled artifact's {self.unavailable}; call it under "
+                "torch.no_grad(), or keep the backward inside fn.",
+                stacklevel=4,
+            )
 
     def __call__(self, flat: list[torch.Tensor]) -> list[Any]:
         """Run the forward with history (grad mode on); the results as the plain call's."""
@@ -92,12 +99,17 @@ class _Compiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: AutogradCall, *flat: torch.Tensor) -> Any:
         outputs = plan.forward(list(flat))
-        results, saved = outputs[:plan.num_outputs], outputs[plan.num_outputs:]
+        results, saved = outputs[: plan.num_outputs], outputs[plan.num_outputs :]
         ctx.plan = plan
         ctx.save_for_backward(*saved)
         with_history = set(plan.outputs)
-        ctx.mark_non_differentiable(*(r for i, r in enumerate(results)
-                                      if isinstance(r, torch.Tensor) and i not in with_history))
+        ctx.mark_non_differentiable(
+            *(
+                r
+                for i, r in enumerate(results)
+                if isinstance(r, torch.Tensor) and i not in with_history
+            )
+        )
         return tuple(results)
 
     @staticmethod
@@ -109,8 +121,10 @@ class _Compiled(torch.autograd.Function):
                 "through a precompiled artifact is not supported: its backward graph is "
                 "compiled without history. Run that computation eagerly."
             )
-        tangents = [_in_layout(grads[i], strides)
-                    for i, strides in zip(plan.outputs, plan.tangent_strides, strict=True)]
+        tangents = [
+            _in_layout(grads[i], strides)
+            for i, strides in zip(plan.outputs, plan.tangent_strides, strict=True)
+        ]
         computed = plan.backward([*ctx.saved_tensors, *tangents])
         given = dict(zip(sorted(plan.inputs), computed, strict=True))
         return (None, *(given.get(i) for i in range(len(ctx.needs_input_grad) - 1)))
@@ -121,5 +135,6 @@ def _in_layout(grad: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
     hands an expanded one, with zero strides)."""
     if grad.stride() == strides:
         return grad
-    return torch.empty_strided(grad.shape, strides, dtype=grad.dtype,
-                               device=grad.device).copy_(grad)
+    return torch.empty_strided(grad.shape, strides, dtype=grad.dtype, device=grad.device).copy_(
+        grad
+    )

@@ -41,21 +41,31 @@ class Driver:
     history, where fn runs no backward).
     """
 
-    def __init__(self, literal: Mapping[str, Any], call: Callable[[list[Any]], list[Any]], *,
-                 values: Any = None, memo: Any = None, sizes: Any = None,
-                 distributed: Any = None, subclasses: Any = None,
-                 optimizers: Any = None, data_parallel: Any = None, facts: Any = None,
-                 autograd: Any = None) -> None:
+    def __init__(
+        self,
+        literal: Mapping[str, Any],
+        call: Callable[[list[Any]], list[Any]],
+        *,
+        values: Any = None,
+        memo: Any = None,
+        sizes: Any = None,
+        distributed: Any = None,
+        subclasses: Any = None,
+        optimizers: Any = None,
+        data_parallel: Any = None,
+        facts: Any = None,
+        autograd: Any = None,
+    ) -> None:
         spec = self.spec = read_spec(literal)
         self.arity = len(spec.args)
         self.arg_names = [a.name for a in spec.args]
         self.model_positions = [i for i, a in enumerate(spec.args) if a.is_model]
-        self.input_positions = [i for i, a in enumerate(spec.args)
-                                if not a.is_model and not a.is_optimizer]
-        self.arity_text = ", ".join(
-            f"{a.name} ({'model' if a.is_model else 'optimizer' if a.is_optimizer else 'input'})"
-            for a in spec.args
-        ) or "no arguments"
+        self.input_positions = [
+            i for i, a in enumerate(spec.args) if not a.is_model and not a.is_optimizer
+        ]
+        self.arity_text = (
+            ", ".join(f"{a.name} ({_argument_kind(a)})" for a in spec.args) or "no arguments"
+        )
         self.out_spec = pytree.treespec_loads(spec.out_spec)
         # A common shape of a call takes a shortcut: one tensor result.
         self.single_result = self.out_spec == pytree.tree_flatten(0)[1]
@@ -72,8 +82,9 @@ class Driver:
         for index, plan in enumerate(p for p in self.leaves if p.is_tensor):
             plan.subclass = num_model + index in carried
             plan.relayout = spec.backend == "eager" and num_model + index not in viewed
-        self.model = ModelPlan(spec, [self.arg_names[i] for i in self.model_positions], training,
-                               carried)
+        self.model = ModelPlan(
+            spec, [self.arg_names[i] for i in self.model_positions], training, carried
+        )
         self.grad_indices = [i for i, t in enumerate(self.model.interned) if t.gets_grad]
         self.value_guards = [(g.description, g.expected) for g in spec.value_guards]
         self.num_results = self.out_spec.num_leaves
@@ -83,8 +94,11 @@ class Driver:
         self.mutated = set(spec.mutated)
         first_buffer = len([t for t in self.model.interned if t.kind == "parameter"])
         end = len(self.model.interned) + sum(p.is_tensor for p in self.leaves)
-        self.separate = sorted(i for i in self.mutated | set(range(first_buffer, end))
-                               if i < end) if self.mutated & set(range(first_buffer, end)) else []
+        self.separate = (
+            sorted(i for i in self.mutated | set(range(first_buffer, end)) if i < end)
+            if self.mutated & set(range(first_buffer, end))
+            else []
+        )
         self.rollback = sorted(self.mutated) if self.value_guards else []
         self.seed = spec.seed  # set inside fn before its first random draw
         self.values = values(self) if values is not None else None
@@ -94,8 +108,11 @@ class Driver:
         self.model.facts = self.facts
         self.memo = memo(self.model) if memo is not None else None
         # Positional tensors of static shapes: a layout check the memo can remember.
-        self.plain_inputs = values is None and sizes is None and all(
-            p.is_tensor and p.static and not p.subclass for p in self.leaves)
+        self.plain_inputs = (
+            values is None
+            and sizes is None
+            and all(p.is_tensor and p.static and not p.subclass for p in self.leaves)
+        )
         self.sizes = sizes(spec) if sizes is not None else None
         self.optimizers = optimizers(self) if optimizers is not None else None
         self.data_parallel = data_parallel(self) if data_parallel is not None else None
@@ -133,8 +150,7 @@ class Driver:
             if self.reads_globals:
                 self.facts.check_globals()
             stage = 4
-            stepped = (() if self.optimizers is None
-                       else self.optimizers.flat_inputs(args, state))
+            stepped = () if self.optimizers is None else self.optimizers.flat_inputs(args, state)
         except PrecompileError as error:
             error.check_stage = stage
             raise
@@ -167,10 +183,11 @@ class Driver:
                 torch.manual_seed(self.seed)
             outputs = self.autograd(flat) if with_history else self.call(flat)
             if self.value_guards:
-                self.values.check_guards(outputs[self.guards_start:], kept)
+                self.values.check_guards(outputs[self.guards_start :], kept)
             if self.grad_indices:
-                accumulate_grads(state, self.grad_indices,
-                                 outputs[self.num_results:self.guards_start])
+                accumulate_grads(
+                    state, self.grad_indices, outputs[self.num_results : self.guards_start]
+                )
         finally:
             torch._C._set_grad_enabled(grad_enabled)
         if self.optimizers is not None:
@@ -179,7 +196,7 @@ class Driver:
             self.data_parallel.finished(args)
         if self.single_result:
             return outputs[0]
-        return pytree.tree_unflatten(outputs[:self.num_results], self.out_spec)
+        return pytree.tree_unflatten(outputs[: self.num_results], self.out_spec)
 
 
 def check_separate_writes(driver: Driver, flat: Sequence[torch.Tensor]) -> None:
@@ -208,8 +225,7 @@ def check_arguments(driver: Driver, args: Sequence[Any], kwargs: Mapping[str, An
         )
     if len(args) != driver.arity:
         raise PrecompileError(
-            f"expected {driver.arity} positional arguments ({driver.arity_text}), got "
-            f"{len(args)}."
+            f"expected {driver.arity} positional arguments ({driver.arity_text}), got {len(args)}."
         )
 
 
@@ -217,7 +233,8 @@ def positional_leaves(driver: Driver, args: Sequence[Any]) -> list[Any]:
     """The inputs, when the captured ones were positional tensors; no nesting in their place."""
     leaves = [args[i] for i in driver.input_positions]
     if not all([isinstance(a, torch.Tensor) for a in leaves]) and (
-            pytree.tree_flatten(leaves)[1] != pytree.tree_flatten(driver.leaves)[1]):
+        pytree.tree_flatten(leaves)[1] != pytree.tree_flatten(driver.leaves)[1]
+    ):
         expected = tuple(Shown(f"Tensor{p.shown}") for p in driver.leaves)
         raise structure_error(expected, tuple(leaves))
     return leaves
@@ -243,8 +260,9 @@ class Shown:
 
 def _sketch(tree: Any) -> str:
     """A structure with tensors shown as ``Tensor``, for error messages."""
-    text = repr(pytree.tree_map(
-        lambda v: Shown("Tensor") if isinstance(v, torch.Tensor) else v, tree))
+    text = repr(
+        pytree.tree_map(lambda v: Shown("Tensor") if isinstance(v, torch.Tensor) else v, tree)
+    )
     return text if len(text) <= 300 else text[:297] + "..."
 
 
@@ -313,10 +331,15 @@ def check_tensor_leaf(driver: Driver, plan: LeafPlan, leaf: Any) -> torch.Tensor
         driver.sizes.check_memory_format(leaf, plan.strides, f"input {name}")
     elif plan.strides is not None:
         if plan.relayout and layout_differs(leaf, plan.strides):
-            return torch.empty_strided(leaf.shape, plan.strides, dtype=leaf.dtype,
-                                       device=leaf.device).copy_(leaf)
+            return torch.empty_strided(
+                leaf.shape, plan.strides, dtype=leaf.dtype, device=leaf.device
+            ).copy_(leaf)
         check_layout(leaf, plan.strides, f"input {name}", driver.spec.backend)
     return leaf
+
+
+def _argument_kind(arg: Any) -> str:
+    return "model" if arg.is_model else "optimizer" if arg.is_optimizer else "input"
 
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -327,12 +350,16 @@ def subclass_error(what: str, tensor: torch.Tensor) -> PrecompileError:
     would read its wrapper as if it held the data."""
     kind = f"{type(tensor).__module__}.{type(tensor).__qualname__}"
     if kind == "torch.distributed.tensor.DTensor":
-        fix = ("A module the artifact runs was sharded after capture (fully_shard, say): its "
-               "hooks never run inside the artifact. Shard the precompiled module as a whole "
-               "(fully_shard(wrapped)), or precompile the sharded model.")
+        fix = (
+            "A module the artifact runs was sharded after capture (fully_shard, say): its "
+            "hooks never run inside the artifact. Shard the precompiled module as a whole "
+            "(fully_shard(wrapped)), or precompile the sharded model."
+        )
     else:
-        fix = ("Pass a plain tensor (the checkpoint unquantized, as at capture), or precompile "
-               "again with this one.")
+        fix = (
+            "Pass a plain tensor (the checkpoint unquantized, as at capture), or precompile "
+            "again with this one."
+        )
     return PrecompileError(f"{what} is a {kind}, but was a plain tensor at capture. {fix}")
 
 
@@ -340,11 +367,13 @@ def layout_differs(tensor: torch.Tensor, strides: Sequence[int]) -> bool:
     # Strides of dims of size 0 or 1 never matter, as in Inductor's own assert.
     return bool(tensor.numel()) and any(
         size > 1 and got != want
-        for size, got, want in zip(tensor.shape, tensor.stride(), strides, strict=True))
+        for size, got, want in zip(tensor.shape, tensor.stride(), strides, strict=True)
+    )
 
 
-def check_layout(tensor: torch.Tensor, strides: Sequence[int], name: str,
-                 backend: str = "inductor") -> None:
+def check_layout(
+    tensor: torch.Tensor, strides: Sequence[int], name: str, backend: str = "inductor"
+) -> None:
     """The graph assumes a layout; anything else is refused before it runs."""
     if not layout_differs(tensor, strides):
         return
@@ -366,8 +395,9 @@ def check_layout(tensor: torch.Tensor, strides: Sequence[int], name: str,
 class ModelPlan:
     """The captured models' structure: what the full walk over a call's models compares."""
 
-    def __init__(self, spec: Any, model_names: Sequence[str], training: bool,
-                 carried: set[int]) -> None:
+    def __init__(
+        self, spec: Any, model_names: Sequence[str], training: bool, carried: set[int]
+    ) -> None:
         self.names = list(model_names)
         self.records = spec.model
         self.interned = [t for t in self.records if t.tied_to is None]
@@ -378,8 +408,7 @@ class ModelPlan:
         self.hooks = [s.hooks for s in spec.submodules]
         self.global_hooks = spec.global_hooks
         # Tensor hooks on parameters run in a backward: they matter where fn has one.
-        self.parameter_hooks = ([(t.name, t.hooks) for t in self.interned]
-                                if training else [])
+        self.parameter_hooks = [(t.name, t.hooks) for t in self.interned] if training else []
         self.facts: Any = None  # the driver's PythonFacts, where the spec has read values
 
 
@@ -414,7 +443,7 @@ def walk_models(model: ModelPlan, models: Sequence[Any]) -> WalkedModels:
         if index >= len(records) or (records[index].kind, records[index].name) != (kind, name):
             _report_mismatch(model, index, kind, name)
     if len(members) < len(records):
-        missing = [f"{t.kind} {t.name!r}" for t in records[len(members):]]
+        missing = [f"{t.kind} {t.name!r}" for t in records[len(members) :]]
         raise PrecompileError(
             f"the runtime model lacks {', '.join(missing[:5])}"
             f"{' and more' if len(missing) > 5 else ''}, which the captured model had. Pass a "
@@ -429,8 +458,10 @@ def walk_models(model: ModelPlan, models: Sequence[Any]) -> WalkedModels:
 
 def _members(models: Sequence[torch.nn.Module]) -> Any:
     qualify = len(models) > 1
-    for kind, named in (("parameter", torch.nn.Module.named_parameters),
-                        ("buffer", torch.nn.Module.named_buffers)):
+    for kind, named in (
+        ("parameter", torch.nn.Module.named_parameters),
+        ("buffer", torch.nn.Module.named_buffers),
+    ):
         for mi, module in enumerate(models):
             for local, tensor in named(module, remove_duplicate=False):
                 yield kind, f"m{mi}.{local}" if qualify else local, tensor
@@ -442,9 +473,11 @@ def _report_mismatch(model: ModelPlan, index: int, kind: str, name: str) -> None
     argument, local = _owner(model, name)
     if index < len(records):
         expected = _owner(model, records[index].name)
-        where = (f"where the captured model {expected[0]} has {records[index].kind} "
-                 f"{expected[1]!r}, the runtime model has {kind} {local!r}"
-                 + (f" (of argument {argument})" if argument != expected[0] else ""))
+        where = (
+            f"where the captured model {expected[0]} has {records[index].kind} "
+            f"{expected[1]!r}, the runtime model has {kind} {local!r}"
+            + (f" (of argument {argument})" if argument != expected[0] else "")
+        )
     else:
         where = f"it has {kind} {local!r} beyond the captured model's parameters and buffers"
     raise PrecompileError(
@@ -506,9 +539,11 @@ def _check_model_tensor(model: ModelPlan, record: Any, tensor: torch.Tensor) -> 
 def _checked_modes(model: ModelPlan, models: Sequence[torch.nn.Module]) -> list[Any]:
     """Every submodule in walk order; each must be in the training mode it was captured in."""
     qualify = len(models) > 1
-    found = [(f"m{mi}.{name}" if qualify else name, module)
-             for mi, root in enumerate(models)
-             for name, module in root.named_modules(remove_duplicate=False)]
+    found = [
+        (f"m{mi}.{name}" if qualify else name, module)
+        for mi, root in enumerate(models)
+        for name, module in root.named_modules(remove_duplicate=False)
+    ]
     names = [name for name, _ in found]
     if names != [name for name, _ in model.submodules]:
         added = sorted(set(names) - {name for name, _ in model.submodules})
@@ -517,8 +552,9 @@ def _checked_modes(model: ModelPlan, models: Sequence[torch.nn.Module]) -> list[
             + (f" (new: {', '.join(repr(n or '<root>') for n in added[:5])})" if added else "")
             + ". Pass a model with the same modules as the example."
         )
-    for (name, module), (_, training), cls in zip(found, model.submodules, model.classes,
-                                                  strict=True):
+    for (name, module), (_, training), cls in zip(
+        found, model.submodules, model.classes, strict=True
+    ):
         if cls is not None and qualified_name(type(module)) != cls:
             raise PrecompileError(
                 f"{_shown_module(name)} is a {qualified_name(type(module))}, but was a {cls} at "
@@ -547,14 +583,22 @@ def qualified_name(obj: Any) -> str:
 
 
 # Where nn.Module keeps hooks, by the kind the spec names them.
-MODULE_HOOKS = (("forward_pre", "_forward_pre_hooks"), ("forward", "_forward_hooks"),
-                ("backward_pre", "_backward_pre_hooks"), ("backward", "_backward_hooks"))
-GLOBAL_HOOKS = (("forward_pre", "_global_forward_pre_hooks"),
-                ("forward", "_global_forward_hooks"),
-                ("backward_pre", "_global_backward_pre_hooks"),
-                ("backward", "_global_backward_hooks"))
-TENSOR_HOOKS = (("grad", "_backward_hooks"), ("post_accumulate_grad",
-                                              "_post_accumulate_grad_hooks"))
+MODULE_HOOKS = (
+    ("forward_pre", "_forward_pre_hooks"),
+    ("forward", "_forward_hooks"),
+    ("backward_pre", "_backward_pre_hooks"),
+    ("backward", "_backward_hooks"),
+)
+GLOBAL_HOOKS = (
+    ("forward_pre", "_global_forward_pre_hooks"),
+    ("forward", "_global_forward_hooks"),
+    ("backward_pre", "_global_backward_pre_hooks"),
+    ("backward", "_global_backward_hooks"),
+)
+TENSOR_HOOKS = (
+    ("grad", "_backward_hooks"),
+    ("post_accumulate_grad", "_post_accumulate_grad_hooks"),
+)
 
 
 def hook_name(hook: Any) -> str:
@@ -573,8 +617,9 @@ def hook_sets(owner: Any, places: Sequence[tuple[str, str]]) -> tuple[Any, ...]:
     found = []
     for kind, attribute in places:
         hooks = getattr(owner, attribute, None)
-        names = tuple(n for n in map(hook_name, (hooks or {}).values())
-                      if not n.startswith(DISTRIBUTED_HOOKS))
+        names = tuple(
+            n for n in map(hook_name, (hooks or {}).values()) if not n.startswith(DISTRIBUTED_HOOKS)
+        )
         if names:
             found.append((kind, names))
     return tuple(found)
@@ -585,15 +630,19 @@ DISTRIBUTED_HOOKS = "torch.distributed."
 
 def check_hooks(model: ModelPlan, walked: WalkedModels) -> None:
     """Hooks run Python the artifact does not: they must be those the trace ran through."""
-    for (name, _), captured, module in zip(model.submodules, model.hooks, walked.submodules,
-                                           strict=True):
+    for (name, _), captured, module in zip(
+        model.submodules, model.hooks, walked.submodules, strict=True
+    ):
         now = hook_sets(module, MODULE_HOOKS)
         if now != captured:
             raise hooks_error(_shown_module(name), captured, now)
     now = hook_sets(torch.nn.modules.module, GLOBAL_HOOKS)
     if now != model.global_hooks:
-        raise hooks_error("the process (global module hooks, as register_module_forward_hook "
-                          "adds)", model.global_hooks, now)
+        raise hooks_error(
+            "the process (global module hooks, as register_module_forward_hook adds)",
+            model.global_hooks,
+            now,
+        )
     for (name, captured), tensor in zip(model.parameter_hooks, walked.tensors, strict=False):
         now = hook_sets(tensor, TENSOR_HOOKS)
         if now != captured:
@@ -619,8 +668,9 @@ class AmbientPlan:
     def __init__(self, ambient: Any) -> None:
         self.recorded = ambient is not None
         self.autocast = tuple(ambient.autocast) if self.recorded else ()
-        self.default_dtype = (_dtype(ambient.default_dtype)
-                              if self.recorded and ambient.default_dtype else None)
+        self.default_dtype = (
+            _dtype(ambient.default_dtype) if self.recorded and ambient.default_dtype else None
+        )
         self.deterministic = bool(self.recorded and ambient.deterministic)
         self.modes = tuple(ambient.modes) if self.recorded else ()
 
@@ -628,20 +678,25 @@ class AmbientPlan:
         """A few C calls when nothing differs; the full comparison names what does."""
         if not self.recorded:
             return
-        if ((_ANY_AUTOCAST() or self.autocast)
-                or _DETERMINISTIC() is not self.deterministic
-                or _FUNCTION_MODES() + _DISPATCH_MODES() != len(self.modes)
-                or (self.default_dtype is not None
-                    and torch.get_default_dtype() is not self.default_dtype)):
+        if (
+            (_ANY_AUTOCAST() or self.autocast)
+            or _DETERMINISTIC() is not self.deterministic
+            or _FUNCTION_MODES() + _DISPATCH_MODES() != len(self.modes)
+            or (
+                self.default_dtype is not None
+                and torch.get_default_dtype() is not self.default_dtype
+            )
+        ):
             self._compare()
 
     def _compare(self) -> None:
         now = ambient_now()
         for what, captured, current in (
-                ("autocast", self.autocast, now[0]),
-                ("the default dtype", self.default_dtype or now[1], now[1]),
-                ("deterministic algorithms", self.deterministic, now[2]),
-                ("active torch function and dispatch modes", self.modes, now[3])):
+            ("autocast", self.autocast, now[0]),
+            ("the default dtype", self.default_dtype or now[1], now[1]),
+            ("deterministic algorithms", self.deterministic, now[2]),
+            ("active torch function and dispatch modes", self.modes, now[3]),
+        ):
             if captured != current:
                 raise PrecompileError(
                     f"{what} at this call: {_shown_state(current)}; at capture: "
@@ -654,18 +709,27 @@ class AmbientPlan:
 
 def ambient_now() -> tuple[Any, ...]:
     """(autocast per device type, default dtype, deterministic algorithms, modes) now."""
-    autocast = tuple((device, str(torch.get_autocast_dtype(device)).removeprefix("torch."))
-                     for device in ("cpu", "cuda") if torch.is_autocast_enabled(device))
-    modes = tuple(qualified_name(type(m)) for m in (
-        *torch.overrides._get_current_function_mode_stack(),
-        *torch.utils._python_dispatch._get_current_dispatch_mode_stack()))
+    autocast = tuple(
+        (device, str(torch.get_autocast_dtype(device)).removeprefix("torch."))
+        for device in ("cpu", "cuda")
+        if torch.is_autocast_enabled(device)
+    )
+    modes = tuple(
+        qualified_name(type(m))
+        for m in (
+            *torch.overrides._get_current_function_mode_stack(),
+            *torch.utils._python_dispatch._get_current_dispatch_mode_stack(),
+        )
+    )
     return autocast, torch.get_default_dtype(), _DETERMINISTIC(), modes
 
 
 def _shown_state(value: Any) -> str:
     if isinstance(value, tuple):
-        return ", ".join(" ".join(map(str, v)) if isinstance(v, tuple) else str(v)
-                         for v in value) or "none"
+        return (
+            ", ".join(" ".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in value)
+            or "none"
+        )
     return str(value)
 
 
@@ -683,8 +747,9 @@ def grad_mode_error() -> PrecompileError:
     )
 
 
-def accumulate_grads(state: Sequence[torch.Tensor], indices: Sequence[int],
-                     grads: Sequence[torch.Tensor]) -> None:
+def accumulate_grads(
+    state: Sequence[torch.Tensor], indices: Sequence[int], grads: Sequence[torch.Tensor]
+) -> None:
     """Put harvested gradients on ``.grad`` the way eager backward does: set or add in place."""
     taken: set[int] = set()
     for index, grad in zip(indices, grads, strict=True):
@@ -727,12 +792,16 @@ def value_matches(encoded: Any, value: Any) -> bool:
     if kind == "callable":
         return callable(value) and qualified_name(value) == expected
     if kind == "tuple":
-        return type(value) is tuple and len(value) == len(expected) and all(
-            value_matches(item, v) for item, v in zip(expected, value, strict=True))
+        return (
+            type(value) is tuple
+            and len(value) == len(expected)
+            and all(value_matches(item, v) for item, v in zip(expected, value, strict=True))
+        )
     if kind == "frozen":
         return _qualified(value) == expected[0] and all(
             hasattr(value, field) and value_matches(item, getattr(value, field))
-            for field, item in expected[1])
+            for field, item in expected[1]
+        )
     return type(value) is type(expected) and value == expected
 
 
@@ -769,19 +838,64 @@ def _dtype(name: str) -> torch.dtype:
 # fields, so a field the driver names that the spec lacks fails at once (and a test holds
 # this table equal to the records of torch_precompile.spec).
 SPEC_RECORDS: dict[str, tuple[str, ...]] = {
-    "ArtifactSpec": ("schema_version", "backend", "torch", "args", "model", "submodules",
-                     "inputs", "in_spec", "out_spec", "value_guards", "dynamic_dims",
-                     "size_relations", "output_aliases", "meshes", "distributed", "kernels",
-                     "optimizers", "param_groups", "optimizer_state", "wrapped",
-                     "wrapped_inner", "data_parallel", "fully_sharded", "global_hooks",
-                     "read_values", "ambient", "mutated", "seed", "autograd", "variants"),
+    "ArtifactSpec": (
+        "schema_version",
+        "backend",
+        "torch",
+        "args",
+        "model",
+        "submodules",
+        "inputs",
+        "in_spec",
+        "out_spec",
+        "value_guards",
+        "dynamic_dims",
+        "size_relations",
+        "output_aliases",
+        "meshes",
+        "distributed",
+        "kernels",
+        "optimizers",
+        "param_groups",
+        "optimizer_state",
+        "wrapped",
+        "wrapped_inner",
+        "data_parallel",
+        "fully_sharded",
+        "global_hooks",
+        "read_values",
+        "ambient",
+        "mutated",
+        "seed",
+        "autograd",
+        "variants",
+    ),
     "TorchBuild": ("version", "git"),
     "Argument": ("name", "is_model", "is_optimizer"),
-    "ModelTensor": ("name", "kind", "tied_to", "shape", "dtype", "device", "strides",
-                    "requires_grad", "gets_grad", "hooks"),
+    "ModelTensor": (
+        "name",
+        "kind",
+        "tied_to",
+        "shape",
+        "dtype",
+        "device",
+        "strides",
+        "requires_grad",
+        "gets_grad",
+        "hooks",
+    ),
     "Submodule": ("name", "training", "cls", "hooks"),
-    "InputLeaf": ("path", "kind", "shape", "dtype", "device", "strides", "requires_grad",
-                  "bounds", "value"),
+    "InputLeaf": (
+        "path",
+        "kind",
+        "shape",
+        "dtype",
+        "device",
+        "strides",
+        "requires_grad",
+        "bounds",
+        "value",
+    ),
     "ValueGuard": ("description", "expected"),
     "ReadValue": ("submodule", "module", "path", "expected", "where", "file"),
     "Ambient": ("autocast", "default_dtype", "deterministic", "modes"),
@@ -789,8 +903,17 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "SizeRelation": ("expr", "readable"),
     "OutputAlias": ("output", "source", "size", "stride", "offset"),
     "Mesh": ("device_type", "shape", "dim_names", "ranks", "groups", "coordinate"),
-    "DistributedTensor": ("role", "index", "name", "mesh", "placements", "shape", "strides",
-                          "local_shape", "local_strides"),
+    "DistributedTensor": (
+        "role",
+        "index",
+        "name",
+        "mesh",
+        "placements",
+        "shape",
+        "strides",
+        "local_shape",
+        "local_strides",
+    ),
     "KernelObject": ("key", "sha256"),
     "Optimizer": ("argument", "cls", "zero_grad_first"),
     "ParamGroup": ("optimizer", "params", "call_time", "baked", "fresh_start"),
@@ -798,20 +921,39 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "WrappedTensor": ("role", "index", "name", "cls", "context", "shape", "strides"),
     "InnerTensor": ("wrapper", "attr", "shape", "dtype", "device", "strides"),
     "DataParallel": ("argument", "model", "group", "world_size", "sync_grads", "forward_sync"),
-    "FullyShardedGroup": ("model", "module", "reshard_after_forward", "param_dtype",
-                          "reduce_dtype", "divide_factor"),
+    "FullyShardedGroup": (
+        "model",
+        "module",
+        "reshard_after_forward",
+        "param_dtype",
+        "reduce_dtype",
+        "divide_factor",
+    ),
     "Autograd": ("inputs", "outputs", "tangent_strides", "saved", "unavailable"),
 }
 # Which record each list (or, for "torch", the one record) of the spec holds.
 SPEC_LISTS: dict[str, str] = {
-    "torch": "TorchBuild", "args": "Argument", "model": "ModelTensor",
-    "submodules": "Submodule", "inputs": "InputLeaf", "value_guards": "ValueGuard",
-    "dynamic_dims": "DynamicDim", "size_relations": "SizeRelation",
-    "output_aliases": "OutputAlias", "meshes": "Mesh", "distributed": "DistributedTensor",
-    "kernels": "KernelObject", "optimizers": "Optimizer", "param_groups": "ParamGroup",
-    "optimizer_state": "OptimizerState", "wrapped": "WrappedTensor",
-    "wrapped_inner": "InnerTensor", "data_parallel": "DataParallel",
-    "fully_sharded": "FullyShardedGroup", "read_values": "ReadValue", "ambient": "Ambient",
+    "torch": "TorchBuild",
+    "args": "Argument",
+    "model": "ModelTensor",
+    "submodules": "Submodule",
+    "inputs": "InputLeaf",
+    "value_guards": "ValueGuard",
+    "dynamic_dims": "DynamicDim",
+    "size_relations": "SizeRelation",
+    "output_aliases": "OutputAlias",
+    "meshes": "Mesh",
+    "distributed": "DistributedTensor",
+    "kernels": "KernelObject",
+    "optimizers": "Optimizer",
+    "param_groups": "ParamGroup",
+    "optimizer_state": "OptimizerState",
+    "wrapped": "WrappedTensor",
+    "wrapped_inner": "InnerTensor",
+    "data_parallel": "DataParallel",
+    "fully_sharded": "FullyShardedGroup",
+    "read_values": "ReadValue",
+    "ambient": "Ambient",
     "autograd": "Autograd",
 }
 _RECORD_TYPES = {name: namedtuple(name, fields) for name, fields in SPEC_RECORDS.items()}

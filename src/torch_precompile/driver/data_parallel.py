@@ -37,11 +37,13 @@ class DataParallelSteps:
         self.entries = []
         for record in driver.spec.data_parallel:
             prefix = f"m{record.model}."
-            grads = [i for i in driver.grad_indices
-                     if not qualify or interned[i].name.startswith(prefix)]
+            grads = [
+                i for i in driver.grad_indices if not qualify or interned[i].name.startswith(prefix)
+            ]
             self.entries.append((record, driver.model_positions[record.model], grads))
-        self.sharded = [(record, driver.model_positions[record.model])
-                        for record in driver.spec.fully_sharded]
+        self.sharded = [
+            (record, driver.model_positions[record.model]) for record in driver.spec.fully_sharded
+        ]
         self.agreed = not self.entries  # only DDP's checks need agreeing on here
 
     def check(self, args: Sequence[Any]) -> None:
@@ -84,7 +86,8 @@ class DataParallelSteps:
                 "`with model.no_sync():`)."
             )
         if record.forward_sync is not None and (
-                bool(module.require_forward_param_sync) != record.forward_sync[0]):
+            bool(module.require_forward_param_sync) != record.forward_sync[0]
+        ):
             raise PrecompileError(
                 f"argument {name}: DDP would {'not ' if record.forward_sync[0] else ''}"
                 "broadcast its buffers from rank 0 at this forward (the previous forward ran "
@@ -103,8 +106,9 @@ class DataParallelSteps:
             raise error or PrecompileError(f"argument {record.argument} is no DDP model")
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         failed = torch.tensor([0 if error is None else 1], device=device)
-        torch.distributed.all_reduce(failed, torch.distributed.ReduceOp.MAX,
-                                     group=module.process_group)
+        torch.distributed.all_reduce(
+            failed, torch.distributed.ReduceOp.MAX, group=module.process_group
+        )
         if error is not None:
             raise error
         if failed.item():
@@ -115,8 +119,7 @@ class DataParallelSteps:
             )
         self.agreed = True
 
-    def average_left_gradients(self, args: Sequence[Any], state: Sequence[torch.Tensor]
-                               ) -> None:
+    def average_left_gradients(self, args: Sequence[Any], state: Sequence[torch.Tensor]) -> None:
         """Average, over the group, each gradient already on ``.grad`` before a syncing call."""
         for record, position, indices in self.entries:
             if not record.sync_grads:
@@ -129,7 +132,7 @@ class DataParallelSteps:
             torch.distributed.all_reduce(flat, group=args[position].process_group)
             offset = 0
             for grad in left:
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
     def finished(self, args: Sequence[Any]) -> None:
@@ -158,8 +161,11 @@ def check_sharded(record: Any, model: Any) -> None:
             f"the artifact was captured dividing by {_factor(record.divide_factor)}. Set it "
             "back, or precompile again."
         )
-    dtypes = {tuple(None if d is None else str(d) for d in resolved_dtypes(param, group))
-              for group in groups for param in group.fsdp_params} or {(None, None)}
+    dtypes = {
+        tuple(None if d is None else str(d) for d in resolved_dtypes(param, group))
+        for group in groups
+        for param in group.fsdp_params
+    } or {(None, None)}
     if dtypes != {(record.param_dtype, record.reduce_dtype)}:
         now = " / ".join(_shown_dtypes(*pair) for pair in sorted(dtypes, key=str))
         raise PrecompileError(
@@ -190,8 +196,10 @@ def resolved_dtypes(param: Any, group: Any) -> tuple[torch.dtype | None, torch.d
 
 
 def _shown_dtypes(gather: str | None, reduce: str | None) -> str:
-    return (f"gathers parameters in {gather or 'their own dtype'} and reduces gradients in "
-            f"{reduce or 'the gathered dtype'}")
+    return (
+        f"gathers parameters in {gather or 'their own dtype'} and reduces gradients in "
+        f"{reduce or 'the gathered dtype'}"
+    )
 
 
 def _factor(factor: Any) -> str:

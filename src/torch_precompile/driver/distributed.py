@@ -38,8 +38,8 @@ class DistributedCall:
     def __call__(self, flat: list[Any]) -> list[Any]:
         meshes = self.unwrap(flat) if self.agreed else self.first_call(flat)
         outputs = self.call(flat)
-        results = outputs[:self.num_results]
-        grads = outputs[self.num_results:self.guards_start]
+        results = outputs[: self.num_results]
+        grads = outputs[self.num_results : self.guards_start]
         for position, index in enumerate(self.grad_indices):
             entry = self.by_input.get(index)
             if entry is not None:
@@ -47,7 +47,7 @@ class DistributedCall:
         for entry in self.results:
             index = entry[0].index
             results[index] = self.rewrap(meshes, entry, results[index])
-        return [*results, *grads, *outputs[self.guards_start:]]
+        return [*results, *grads, *outputs[self.guards_start :]]
 
     def first_call(self, flat: list[Any]) -> list[Any]:
         """``unwrap``, then every rank of the mesh learns whether all ranks passed.
@@ -69,8 +69,9 @@ class DistributedCall:
             return meshes
         failed = torch.tensor([0 if error is None else 1], device=mesh.device_type)
         for dim in range(mesh.ndim):
-            torch.distributed.all_reduce(failed, torch.distributed.ReduceOp.MAX,
-                                         group=mesh.get_group(dim))
+            torch.distributed.all_reduce(
+                failed, torch.distributed.ReduceOp.MAX, group=mesh.get_group(dim)
+            )
         if error is not None:
             raise error
         if failed.item():
@@ -106,15 +107,23 @@ class DistributedCall:
 
     def rewrap(self, meshes: Sequence[Any], entry: Any, local: Any) -> Any:
         record, placements = entry
-        return self.dtensor.from_local(local, meshes[record.mesh], placements, run_check=False,
-                                       shape=torch.Size(record.shape), stride=record.strides)
+        return self.dtensor.from_local(
+            local,
+            meshes[record.mesh],
+            placements,
+            run_check=False,
+            shape=torch.Size(record.shape),
+            stride=record.strides,
+        )
 
 
 def check_dtensor(part: DistributedCall, record: Any, tensor: Any) -> None:
     """A DTensor with the recorded placements and global shape, on the recorded kind of mesh."""
     mesh = part.meshes[record.mesh]
-    expected = (f"a DTensor of shape {tuple(record.shape)} with placements "
-                f"{_listed(record.placements)} on {_mesh_text(mesh)}")
+    expected = (
+        f"a DTensor of shape {tuple(record.shape)} with placements "
+        f"{_listed(record.placements)} on {_mesh_text(mesh)}"
+    )
     if not isinstance(tensor, part.dtensor):
         raise PrecompileError(
             f"{record.name}: expected {expected}, got a plain tensor. Shard the model and "
@@ -135,10 +144,18 @@ def check_mesh(record: Any, mesh: Any, what: str) -> None:
     Its ranks may differ: the sub-mesh ``mesh["tp"]`` of another data-parallel replica serves.
     """
     if (mesh.device_type, tuple(mesh.shape), mesh.mesh_dim_names) != (
-            record.device_type, tuple(record.shape), record.dim_names):
-        given = _mesh_text(record._replace(
-            device_type=mesh.device_type, shape=tuple(mesh.shape),
-            dim_names=mesh.mesh_dim_names, ranks=mesh.mesh.flatten().tolist()))
+        record.device_type,
+        tuple(record.shape),
+        record.dim_names,
+    ):
+        given = _mesh_text(
+            record._replace(
+                device_type=mesh.device_type,
+                shape=tuple(mesh.shape),
+                dim_names=mesh.mesh_dim_names,
+                ranks=mesh.mesh.flatten().tolist(),
+            )
+        )
         raise PrecompileError(
             f"{what} lives on {given}; the artifact was captured on {_mesh_text(record)}. "
             "Initialize that mesh (torch.distributed.init_process_group, then "
@@ -203,15 +220,22 @@ def _placements(record: Any) -> tuple[Any, ...]:
             dim, split = argument.split(", ")
             made.append(_StridedShard(int(dim), split_factor=int(split)))
             continue
-        made.append(Shard(int(argument)) if kind == "Shard"
-                    else Partial(argument) if kind == "Partial" else Replicate())
+        made.append(
+            Shard(int(argument))
+            if kind == "Shard"
+            else Partial(argument)
+            if kind == "Partial"
+            else Replicate()
+        )
     return tuple(made)
 
 
 def _mesh_text(mesh: Any) -> str:
     names = f" named {tuple(mesh.dim_names)}" if mesh.dim_names else ""
-    return (f"a {mesh.device_type} device mesh of shape {tuple(mesh.shape)}{names} over "
-            f"ranks {list(mesh.ranks)}")
+    return (
+        f"a {mesh.device_type} device mesh of shape {tuple(mesh.shape)}{names} over "
+        f"ranks {list(mesh.ranks)}"
+    )
 
 
 def _listed(placements: Sequence[str]) -> str:

@@ -69,16 +69,19 @@ class DynamicSizes:
         for expr, readable in self.relations:
             if evaluate(expr, sizes):
                 continue
-            if expr[0] == "==" and all(isinstance(side, tuple) and side[0] == "d"
-                                       for side in expr[1:]):
+            if expr[0] == "==" and all(
+                isinstance(side, tuple) and side[0] == "d" for side in expr[1:]
+            ):
                 (_, a), (_, b) = expr[1:]
                 raise PrecompileError(
                     f"{where(self.dims[a][1][0])} (={sizes[a]}) must equal "
                     f"{where(self.dims[b][1][0])} (={sizes[b]}): the computation was captured "
                     "for equal sizes."
                 )
-            values = ", ".join(f"{where(places[0])} = {size}"
-                               for (_, places), size in zip(self.dims, sizes, strict=True))
+            values = ", ".join(
+                f"{where(places[0])} = {size}"
+                for (_, places), size in zip(self.dims, sizes, strict=True)
+            )
             raise PrecompileError(
                 f"the input sizes must satisfy {readable}, which the computation was captured "
                 f"with; this call has {values}."
@@ -86,11 +89,23 @@ class DynamicSizes:
 
 
 _OPERATIONS: dict[str, Callable[[list[Any]], Any]] = {
-    "+": sum, "*": math.prod, "min": min, "max": max, "and": all, "or": any,
-    "not": lambda v: not v[0], "//": lambda v: v[0] // v[1], "%": lambda v: v[0] % v[1],
-    "/": lambda v: v[0] / v[1], "**": lambda v: v[0] ** v[1],
-    "==": lambda v: v[0] == v[1], "!=": lambda v: v[0] != v[1], "<": lambda v: v[0] < v[1],
-    "<=": lambda v: v[0] <= v[1], ">": lambda v: v[0] > v[1], ">=": lambda v: v[0] >= v[1],
+    "+": sum,
+    "*": math.prod,
+    "min": min,
+    "max": max,
+    "and": all,
+    "or": any,
+    "not": lambda v: not v[0],
+    "//": lambda v: v[0] // v[1],
+    "%": lambda v: v[0] % v[1],
+    "/": lambda v: v[0] / v[1],
+    "**": lambda v: v[0] ** v[1],
+    "==": lambda v: v[0] == v[1],
+    "!=": lambda v: v[0] != v[1],
+    "<": lambda v: v[0] < v[1],
+    "<=": lambda v: v[0] <= v[1],
+    ">": lambda v: v[0] > v[1],
+    ">=": lambda v: v[0] >= v[1],
 }
 
 

@@ -28,8 +28,11 @@ class PythonFacts:
     def __init__(self, driver: Driver) -> None:
         spec = driver.spec
         names = [s.name for s in spec.submodules]
-        self.module_reads = [(r, _module_read_name(names[r.submodule], r.path))
-                             for r in spec.read_values if r.submodule is not None]
+        self.module_reads = [
+            (r, _module_read_name(names[r.submodule], r.path))
+            for r in spec.read_values
+            if r.submodule is not None
+        ]
         self.global_reads = [GlobalRead(r) for r in spec.read_values if r.submodule is None]
         self.global_dicts: list[Any] = []
         self.global_names: list[str] = []
@@ -50,8 +53,9 @@ class PythonFacts:
 
     def check_globals(self) -> None:
         """The globals read, where their module is loaded in this process."""
-        if self.globals_settled and all(map(operator.is_, map(
-                dict.get, self.global_dicts, self.global_names), self.global_seen)):
+        if self.globals_settled and all(
+            map(operator.is_, map(dict.get, self.global_dicts, self.global_names), self.global_seen)
+        ):
             return
         dicts, names, seen = [], [], []
         settled = True
@@ -83,8 +87,10 @@ class GlobalRead:
         module = sys.modules.get(self.record.module)
         if module is None:
             return None
-        if self.record.module == "__main__" and _base_name(
-                getattr(module, "__file__", None)) != self.record.file:
+        if (
+            self.record.module == "__main__"
+            and _base_name(getattr(module, "__file__", None)) != self.record.file
+        ):
             self.never_here = True
             return None
         return vars(module)

@@ -38,11 +38,11 @@ from torch_precompile.driver.core import (
 class RememberedModels:
     """One set of models that passed the full walk, and what a cheap re-check compares."""
 
-    __slots__ = ("hook_handles", "models", "registrations", "tensor_guard", "tensors",
-                 "unchanged")
+    __slots__ = ("hook_handles", "models", "registrations", "tensor_guard", "tensors", "unchanged")
 
-    def __init__(self, models: Sequence[Any], walked: WalkedModels, registrations: int,
-                 model: ModelPlan) -> None:
+    def __init__(
+        self, models: Sequence[Any], walked: WalkedModels, registrations: int, model: ModelPlan
+    ) -> None:
         self.models = [weakref.ref(m) for m in models]
         self.registrations = registrations
         self.hook_handles = _HANDLES.next_id
@@ -52,9 +52,12 @@ class RememberedModels:
         self.tensor_guard = tensor_guard(walked.tensors)
 
 
-def module_check(models: Sequence[Any], walked: WalkedModels,
-                 paths: Sequence[tuple[int, tuple[str, ...]]],
-                 hooked_tensors: int) -> Callable[..., bool]:
+def module_check(
+    models: Sequence[Any],
+    walked: WalkedModels,
+    paths: Sequence[tuple[int, tuple[str, ...]]],
+    hooked_tensors: int,
+) -> Callable[..., bool]:
     """A function of the models that tells whether every fact the walk checked in Python
     still holds as the walk saw it. It is generated as one expression, so each fact costs a
     few bytecodes, less than a loop over the modules does. What it compares with are its
@@ -67,12 +70,16 @@ def module_check(models: Sequence[Any], walked: WalkedModels,
     for index, path in paths:
         module = walked.submodules[index]
         check.same(check.read(module, path), _value_at(module, path))
-    members = [d for m in walked.submodules
-               for d in (m._parameters, m._buffers, m._modules,
-                         *(getattr(m, a) for _, a in MODULE_HOOKS)) if d]
+    members = [
+        d
+        for m in walked.submodules
+        for d in (m._parameters, m._buffers, m._modules, *(getattr(m, a) for _, a in MODULE_HOOKS))
+        if d
+    ]
     members += [d for _, a in GLOBAL_HOOKS if (d := getattr(torch.nn.modules.module, a))]
-    members += [d for t in walked.tensors[:hooked_tensors]
-                for _, a in TENSOR_HOOKS if (d := getattr(t, a))]
+    members += [
+        d for t in walked.tensors[:hooked_tensors] for _, a in TENSOR_HOOKS if (d := getattr(t, a))
+    ]
     for d in members:
         check.terms.append(f"len({check.hold('members', d)}) == {len(d)}")
     return check.compiled()
@@ -112,17 +119,22 @@ class _CheckSource:
 
     def same(self, code: str, value: Any) -> None:
         """A term: ``code`` gives the very object ``value``."""
-        known = (repr(value) if value is None or value is True or value is False
-                 else self.hold("value", value))
+        known = (
+            repr(value)
+            if value is None or value is True or value is False
+            else self.hold("value", value)
+        )
         self.terms.append(f"{code} is {known}")
 
     def compiled(self) -> Callable[..., bool]:
         body = "".join(f"\n                {t} and" for t in self.terms)
-        source = (f"def unchanged({', '.join(self.roots.values())}):\n"
-                  "    try:\n"
-                  f"        return ({body}\n                True)\n"
-                  "    except (AttributeError, KeyError):\n"
-                  "        return False\n")
+        source = (
+            f"def unchanged({', '.join(self.roots.values())}):\n"
+            "    try:\n"
+            f"        return ({body}\n                True)\n"
+            "    except (AttributeError, KeyError):\n"
+            "        return False\n"
+        )
         exec(compile(source, "<remembered models>", "exec"), self.held)
         return self.held["unchanged"]
 
@@ -168,11 +180,14 @@ class ModelMemo:
     def lookup(self, models: Sequence[Any]) -> Sequence[torch.Tensor] | None:
         """The models' tensors if nothing about them can have changed since they passed."""
         entry = self.entries.get(tuple(map(id, models)))
-        if (entry is not None and entry.registrations == self.registrations[0]
-                and all(map(operator.is_, map(_DEREF, entry.models), models))
-                and entry.hook_handles == _HANDLES.next_id
-                and entry.unchanged(*models)
-                and entry.tensor_guard.check(*entry.tensors)):
+        if (
+            entry is not None
+            and entry.registrations == self.registrations[0]
+            and all(map(operator.is_, map(_DEREF, entry.models), models))
+            and entry.hook_handles == _HANDLES.next_id
+            and entry.unchanged(*models)
+            and entry.tensor_guard.check(*entry.tensors)
+        ):
             return entry.tensors
         return None
 
@@ -194,9 +209,12 @@ def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
     try:
         from torch._C._dynamo.guards import TensorGuards
 
-        return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                            dynamic_dims_strides=[list(t.stride()) for t in tensors],
-                            tensor_check_names=[f"t{i}" for i in range(len(tensors))])
+        return TensorGuards(
+            *tensors,
+            dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+            tensor_check_names=[f"t{i}" for i in range(len(tensors))],
+        )
     except (ImportError, RuntimeError, TypeError):
         return None
 

@@ -29,16 +29,19 @@ class OptimizerSteps:
         spec = driver.spec
         index = {t.name: i for i, t in enumerate(driver.model.interned)}
         positions = [i for i, a in enumerate(spec.args) if a.is_optimizer]
-        self.plans = [OptimizerPlan(number, record, positions[number], spec, index)
-                      for number, record in enumerate(spec.optimizers)]
+        self.plans = [
+            OptimizerPlan(number, record, positions[number], spec, index)
+            for number, record in enumerate(spec.optimizers)
+        ]
 
-    def flat_inputs(self, args: Sequence[Any], state: Sequence[torch.Tensor]
-                    ) -> list[torch.Tensor]:
+    def flat_inputs(self, args: Sequence[Any], state: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Every optimizer's state tensors, then every param group's lr."""
         checked = [plan.check(args[plan.position], state) for plan in self.plans]
-        lrs = [plan.learning_rate(number, group)
-               for plan, (optimizer, _) in zip(self.plans, checked, strict=True)
-               for number, group in enumerate(optimizer.param_groups)]
+        lrs = [
+            plan.learning_rate(number, group)
+            for plan, (optimizer, _) in zip(self.plans, checked, strict=True)
+            for number, group in enumerate(optimizer.param_groups)
+        ]
         # Every check has passed: only now does anything change.
         tensors: list[torch.Tensor] = []
         for plan, (optimizer, fresh) in zip(self.plans, checked, strict=True):
@@ -71,16 +74,21 @@ class StatePlan(TensorPlan):
 class OptimizerPlan:
     """What one optimizer argument must be at every call."""
 
-    def __init__(self, number: int, record: Any, position: int, spec: Any,
-                 index: dict[str, int]) -> None:
+    def __init__(
+        self, number: int, record: Any, position: int, spec: Any, index: dict[str, int]
+    ) -> None:
         self.position, self.name, self.cls = position, record.argument, record.cls
         self.zero_grad_first = record.zero_grad_first
         self.groups = [g for g in spec.param_groups if g.optimizer == number]
         self.group_params = [[index[name] for name in g.params] for g in self.groups]
-        group_of = {p: g for g, params in zip(self.groups, self.group_params, strict=True)
-                    for p in params}
-        self.entries = [StatePlan(s, index[s.param], group_of[index[s.param]].fresh_start)
-                        for s in spec.optimizer_state if s.optimizer == number]
+        group_of = {
+            p: g for g, params in zip(self.groups, self.group_params, strict=True) for p in params
+        }
+        self.entries = [
+            StatePlan(s, index[s.param], group_of[index[s.param]].fresh_start)
+            for s in spec.optimizer_state
+            if s.optimizer == number
+        ]
         self.keys: dict[int, int] = {}
         for entry in self.entries:
             self.keys[entry.param] = self.keys.get(entry.param, 0) + 1
@@ -110,8 +118,10 @@ class OptimizerPlan:
 
     def _check_hooks(self, optimizer: Any) -> None:
         global_hooks = (_global_optimizer_pre_hooks, _global_optimizer_post_hooks)
-        own = (getattr(optimizer, "_optimizer_step_pre_hooks", None),
-               getattr(optimizer, "_optimizer_step_post_hooks", None))
+        own = (
+            getattr(optimizer, "_optimizer_step_pre_hooks", None),
+            getattr(optimizer, "_optimizer_step_post_hooks", None),
+        )
         if any(global_hooks) or any(own):
             raise PrecompileError(
                 f"optimizer {self.name} has step hooks; an eager opt.step() would run them, "
@@ -127,10 +137,12 @@ class OptimizerPlan:
                 f"{len(self.groups)} at capture. Build it with the same groups."
             )
         for number, (group, record, params) in enumerate(
-                zip(groups, self.groups, self.group_params, strict=True)):
+            zip(groups, self.groups, self.group_params, strict=True)
+        ):
             given = group["params"]
             if len(given) != len(params) or any(
-                    p is not state[i] for p, i in zip(given, params, strict=True)):
+                p is not state[i] for p, i in zip(given, params, strict=True)
+            ):
                 raise PrecompileError(
                     f"param group {number} of optimizer {self.name} does not step the captured "
                     f"parameters ({_listed(record.params)}, in this order) of the model "
@@ -187,8 +199,11 @@ class OptimizerPlan:
 def _same_option(now: Any, captured: Any) -> bool:
     """Equal as the step reads them: 0 and 0.0 alike, a list like a tuple, True unlike 1."""
     if isinstance(captured, tuple):
-        return isinstance(now, tuple | list) and len(now) == len(captured) and all(
-            _same_option(a, b) for a, b in zip(now, captured, strict=True))
+        return (
+            isinstance(now, tuple | list)
+            and len(now) == len(captured)
+            and all(_same_option(a, b) for a, b in zip(now, captured, strict=True))
+        )
     if isinstance(captured, bool) or captured is None or isinstance(captured, str):
         return type(now) is type(captured) and now == captured
     return type(now) in (int, float) and now == captured

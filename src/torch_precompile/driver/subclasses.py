@@ -35,10 +35,12 @@ class WrappedCall:
         inner: list[list[Any]] = [[] for _ in spec.wrapped]
         for record in spec.wrapped_inner:
             inner[record.wrapper].append(record)
-        self.inputs = [Wrapped(r, inner[w]) for w, r in enumerate(spec.wrapped)
-                       if r.role == "input"]
-        self.results = [Wrapped(r, inner[w]) for w, r in enumerate(spec.wrapped)
-                        if r.role == "result"]
+        self.inputs = [
+            Wrapped(r, inner[w]) for w, r in enumerate(spec.wrapped) if r.role == "input"
+        ]
+        self.results = [
+            Wrapped(r, inner[w]) for w, r in enumerate(spec.wrapped) if r.role == "result"
+        ]
         self.result_extras = sum(len(w.inner) - 1 for w in self.results)
 
     def __call__(self, flat: list[Any]) -> list[Any]:
@@ -101,8 +103,12 @@ class Wrapped:
         if hasattr(tensor, "__dict__") and guard is not None:
             if len(self.passed) >= 8:
                 self.passed.clear()
-            self.passed[id(tensor)] = (weakref.ref(tensor), list(vars(tensor).values()), inner,
-                                       guard)
+            self.passed[id(tensor)] = (
+                weakref.ref(tensor),
+                list(vars(tensor).values()),
+                inner,
+                guard,
+            )
         return inner
 
     @staticmethod
@@ -110,8 +116,11 @@ class Wrapped:
         """Whether a tensor that passed still holds the same attributes, and its inner tensors
         their layouts."""
         now = vars(tensor)
-        return (len(now) == len(passed[1]) and all(map(operator.is_, now.values(), passed[1]))
-                and passed[3].check(*passed[2]))
+        return (
+            len(now) == len(passed[1])
+            and all(map(operator.is_, now.values(), passed[1]))
+            and passed[3].check(*passed[2])
+        )
 
     def checked(self, tensor: Any) -> list[torch.Tensor]:
         """The full check of a tensor against the record; its inner tensors."""
@@ -143,8 +152,9 @@ class Wrapped:
 
     def rebuild(self, inner: Sequence[torch.Tensor]) -> Any:
         self.resolve()
-        return self.cls.__tensor_unflatten__(dict(zip(self.attrs, inner, strict=True)),
-                                             self.context, self.shape, self.record.strides)
+        return self.cls.__tensor_unflatten__(
+            dict(zip(self.attrs, inner, strict=True)), self.context, self.shape, self.record.strides
+        )
 
 
 def check_inner(what: str, plan: TensorPlan, tensor: Any) -> None:
@@ -210,16 +220,21 @@ def _difference(attrs: list[str], context: Any, given_attrs: list[str], given: A
     if isinstance(context, dict) and isinstance(given, dict):
         for key in [*context, *(k for k in given if k not in context)]:
             if context.get(key) != given.get(key):
-                return (f"{key!r} = {given.get(key)!r} in its flatten context, where the "
-                        f"captured one had {context.get(key)!r}")
+                return (
+                    f"{key!r} = {given.get(key)!r} in its flatten context, where the "
+                    f"captured one had {context.get(key)!r}"
+                )
     return f"flatten context {given!r}, where the captured one had {context!r}"
 
 
 def _kind_of(value: Any) -> str:
     if type(value) in (torch.Tensor, torch.nn.Parameter):
         return "a plain tensor"
-    return f"a {_qualified(value)}" if isinstance(value, torch.Tensor) else (
-        f"a {type(value).__name__}")
+    return (
+        f"a {_qualified(value)}"
+        if isinstance(value, torch.Tensor)
+        else (f"a {type(value).__name__}")
+    )
 
 
 def _qualified(value: Any) -> str:

@@ -51,8 +51,9 @@ class InputValues:
                 "another value, or pass it as a tensor."
             )
 
-    def check_guards(self, tensors: Sequence[torch.Tensor],
-                     kept: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def check_guards(
+        self, tensors: Sequence[torch.Tensor], kept: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
         """Compare the values the trace decided on; where one differs, put back what the
         graph wrote (``kept``: each written tensor and its value before) and refuse."""
         for (description, expected), tensor in zip(self.guards, tensors, strict=True):
@@ -60,8 +61,9 @@ class InputValues:
             if not value_matches(expected, value):
                 for written, before in kept:
                     written.copy_(before)
-                undone = ", and what the graph wrote to inputs and buffers is put back" if (
-                    kept) else ""
+                undone = (
+                    ", and what the graph wrote to inputs and buffers is put back" if (kept) else ""
+                )
                 raise PrecompileError(
                     f"this call left the path the artifact was captured on: {description} was "
                     f"{shown_value(expected)} at capture and is {value!r} now, so the result "

@@ -75,8 +75,9 @@ class Variants:
         driver, checked = fitted
         return driver.run(args, checked)
 
-    def _fitting(self, args: Sequence[Any], kwargs: Mapping[str, Any], tried: Any,
-                 refused: Exception) -> tuple[Any, Any]:
+    def _fitting(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], tried: Any, refused: Exception
+    ) -> tuple[Any, Any]:
         refusals = {id(tried): refused}
         for driver in self.drivers:
             if driver is tried:
@@ -90,10 +91,11 @@ class Variants:
         gaps = [_shape_gap(shapes, d) for d in self.drivers]
         # Nearest: the closest input shapes (ties to the smaller variant), then the variant
         # whose checks the call got furthest through.
-        nearest = min(range(len(errors)), key=lambda i: (
-            gaps[i][0], -getattr(errors[i], "check_stage", 0), gaps[i][1], i))
-        why = ("closest input shapes" if gaps[nearest][0] != _FAR
-               else "its checks got furthest")
+        nearest = min(
+            range(len(errors)),
+            key=lambda i: (gaps[i][0], -getattr(errors[i], "check_stage", 0), gaps[i][1], i),
+        )
+        why = "closest input shapes" if gaps[nearest][0] != _FAR else "its checks got furthest"
         listed = "; ".join(f"{i + 1}: {label}" for i, label in enumerate(self.labels))
         raise PrecompileError(
             f"this call fits none of the artifact's {len(self.drivers)} variants ({listed}). "

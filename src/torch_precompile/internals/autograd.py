@@ -35,10 +35,12 @@ class SplitGraphs:
     written: list[int]
 
 
-def split_forward_backward(fn: Callable[..., list[torch.Tensor]],
-                           inputs: Sequence[torch.Tensor], min_cut: bool,
-                           decompositions: Mapping[Any, Callable[..., Any]] | None
-                           ) -> SplitGraphs:
+def split_forward_backward(
+    fn: Callable[..., list[torch.Tensor]],
+    inputs: Sequence[torch.Tensor],
+    min_cut: bool,
+    decompositions: Mapping[Any, Callable[..., Any]] | None,
+) -> SplitGraphs:
     """Trace ``fn(*inputs)`` (inputs that require grad get gradients) forward and backward.
 
     ``min_cut`` picks the partitioner Inductor uses (it recomputes cheap values rather than
@@ -61,11 +63,17 @@ def split_forward_backward(fn: Callable[..., list[torch.Tensor]],
                 metadata = torch._guards.TracingContext.get().fw_metadata
                 written.extend(metadata.mutated_inp_runtime_indices)
             return _boxed(gm)
+
         return compiler
 
     partition = min_cut_rematerialization_partition if min_cut else default_partition
-    traced = aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                          partition_fn=partition, decompositions=dict(decompositions or {}))
+    traced = aot_function(
+        fn,
+        fw_compiler=keep("forward"),
+        bw_compiler=keep("backward"),
+        partition_fn=partition,
+        decompositions=dict(decompositions or {}),
+    )
     with warnings.catch_warnings(), torch._guards.tracing(torch._guards.TracingContext(None)):
         warnings.simplefilter("ignore")  # AOTAutograd's notes on boxed calling conventions
         outputs = list(traced(*inputs))
@@ -94,5 +102,9 @@ def returns_alias(node: torch.fx.Node) -> bool:
     if node.op == "placeholder":
         return True
     schema = getattr(node.target, "_schema", None)
-    return bool(node.op == "call_function" and schema is not None and schema.returns
-                and schema.returns[0].alias_info is not None)
+    return bool(
+        node.op == "call_function"
+        and schema is not None
+        and schema.returns
+        and schema.returns[0].alias_info is not None
+    )

@@ -12,9 +12,16 @@ import torch
 import torch.fx
 
 __all__ = [
-    "DataParallelOptions", "all_gather_rows", "all_reduce_sum", "broadcast_from",
-    "collective_group_names", "data_parallel_options", "is_dtensor",
-    "non_functional_collectives", "pretend_coordinate", "reduce_scatter_sum",
+    "DataParallelOptions",
+    "all_gather_rows",
+    "all_reduce_sum",
+    "broadcast_from",
+    "collective_group_names",
+    "data_parallel_options",
+    "is_dtensor",
+    "non_functional_collectives",
+    "pretend_coordinate",
+    "reduce_scatter_sum",
     "sharding_wrapper",
 ]
 
@@ -33,7 +40,8 @@ def collective_group_names(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node
     for node in gm.graph.nodes:
         target = node.target
         if node.op != "call_function" or getattr(target, "namespace", None) != (
-                _FUNCTIONAL_NAMESPACE):
+            _FUNCTIONAL_NAMESPACE
+        ):
             continue
         for position, argument in enumerate(target._schema.arguments):
             if argument.name == "group_name" and position < len(node.args):
@@ -43,9 +51,13 @@ def collective_group_names(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node
 
 def non_functional_collectives(gm: torch.fx.GraphModule) -> list[str]:
     """Collectives of the in-place ``c10d`` namespace (``dist.all_reduce`` and friends)."""
-    return sorted({str(node.target) for node in gm.graph.nodes
-                   if node.op == "call_function"
-                   and getattr(node.target, "namespace", None) == "c10d"})
+    return sorted(
+        {
+            str(node.target)
+            for node in gm.graph.nodes
+            if node.op == "call_function" and getattr(node.target, "namespace", None) == "c10d"
+        }
+    )
 
 
 @contextlib.contextmanager
@@ -68,7 +80,8 @@ def pretend_coordinate(meshes: list[Any], coordinates: list[list[int]]) -> Itera
 def sharding_wrapper(module: torch.nn.Module) -> str | None:
     """The data-parallel wrapper that ``module`` or a submodule is, if any, by its API name."""
     if "torch.nn.parallel" in sys.modules and isinstance(
-            module, torch.nn.parallel.DistributedDataParallel):
+        module, torch.nn.parallel.DistributedDataParallel
+    ):
         return "DistributedDataParallel"
     fsdp = sys.modules.get("torch.distributed.fsdp")
     for sub in module.modules():

@@ -14,8 +14,15 @@ import torch
 from torch_precompile.driver.data_parallel import resolved_dtypes
 from torch_precompile.errors import PrecompileError
 
-__all__ = ["ShardedGroup", "bind_parameter", "fsdp_groups", "fsdp_module_class",
-           "fsdp_modules", "view_base", "without_fsdp_hooks"]
+__all__ = [
+    "ShardedGroup",
+    "bind_parameter",
+    "fsdp_groups",
+    "fsdp_module_class",
+    "fsdp_modules",
+    "view_base",
+    "without_fsdp_hooks",
+]
 
 
 @dataclass(frozen=True)
@@ -84,36 +91,57 @@ def _read_group(state: Any, group: Any) -> ShardedGroup:
     policy = state._mp_policy
     # Each parameter's resolved dtypes (per parameter since torch 2.15).
     dtypes = {resolved_dtypes(p, group) for p in group.fsdp_params}
-    grad_dtypes = {getattr(p, "_has_sharded_grad_dtype_override", False)
-                   for p in group.fsdp_params}
+    grad_dtypes = {getattr(p, "_has_sharded_grad_dtype_override", False) for p in group.fsdp_params}
     param_dtype, reduce_dtype = next(iter(dtypes)) if dtypes else (None, None)
-    unsupported = [name for name, present in (
-        ("parameters of different mixed-precision dtypes in one group", len(dtypes) > 1),
-        ("gradients of another dtype than their parameters", True in grad_dtypes),
-        ("offload_policy (CPU offload)", type(group.offload_policy).__name__ != "OffloadPolicy"),
-        ("a 2-D (HSDP) mesh", group.mesh_info.mesh.ndim != 1),
-        ("parameters on a mesh of more than two dims, or an unnamed one",
-         any(p.sharded_param.device_mesh.ndim > 2
-             or (p.sharded_param.device_mesh.ndim == 2
-                 and not p.sharded_param.device_mesh.mesh_dim_names)
-             for p in group.fsdp_params)),
-        ("set_custom_all_gather", type(group._all_gather_comm).__name__ != "DefaultAllGather"),
-        ("set_custom_reduce_scatter",
-         type(group._reduce_scatter_comm).__name__ != "DefaultReduceScatter"),
-        ("set_all_reduce_hook", group._all_reduce_hook is not None),
-        ("set_force_sum_reduction_for_comms", bool(group.force_sum_reduction_for_comms)),
-        ("fully_shard over a list of modules", len(state._modules) != 1),
-    ) if present]
+    unsupported = [
+        name
+        for name, present in (
+            ("parameters of different mixed-precision dtypes in one group", len(dtypes) > 1),
+            ("gradients of another dtype than their parameters", True in grad_dtypes),
+            (
+                "offload_policy (CPU offload)",
+                type(group.offload_policy).__name__ != "OffloadPolicy",
+            ),
+            ("a 2-D (HSDP) mesh", group.mesh_info.mesh.ndim != 1),
+            (
+                "parameters on a mesh of more than two dims, or an unnamed one",
+                any(
+                    p.sharded_param.device_mesh.ndim > 2
+                    or (
+                        p.sharded_param.device_mesh.ndim == 2
+                        and not p.sharded_param.device_mesh.mesh_dim_names
+                    )
+                    for p in group.fsdp_params
+                ),
+            ),
+            ("set_custom_all_gather", type(group._all_gather_comm).__name__ != "DefaultAllGather"),
+            (
+                "set_custom_reduce_scatter",
+                type(group._reduce_scatter_comm).__name__ != "DefaultReduceScatter",
+            ),
+            ("set_all_reduce_hook", group._all_reduce_hook is not None),
+            ("set_force_sum_reduction_for_comms", bool(group.force_sum_reduction_for_comms)),
+            ("fully_shard over a list of modules", len(state._modules) != 1),
+        )
+        if present
+    ]
     return ShardedGroup(
         modules=tuple(state._modules),
-        params=tuple((p._module_info.module, p._module_info.param_name, p.sharded_param)
-                     for p in group.fsdp_params),
-        mesh=group.mesh_info.mesh, reshard_after_forward=reshard,
+        params=tuple(
+            (p._module_info.module, p._module_info.param_name, p.sharded_param)
+            for p in group.fsdp_params
+        ),
+        mesh=group.mesh_info.mesh,
+        reshard_after_forward=reshard,
         auto_reshard=bool(getattr(state, "_auto_reshard_after_forward", False)),
-        reduce_grads=bool(group.reduce_grads), param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype, output_dtype=policy.output_dtype,
+        reduce_grads=bool(group.reduce_grads),
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        output_dtype=policy.output_dtype,
         cast_forward_inputs=bool(policy.cast_forward_inputs),
-        divide_factor=group.gradient_divide_factor, unsupported=tuple(unsupported))
+        divide_factor=group.gradient_divide_factor,
+        unsupported=tuple(unsupported),
+    )
 
 
 @contextlib.contextmanager
@@ -129,9 +157,11 @@ def without_fsdp_hooks(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
         own = {state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id}
         saved.append((module, module._forward_pre_hooks, module._forward_hooks))
         module._forward_pre_hooks = OrderedDict(
-            (k, v) for k, v in module._forward_pre_hooks.items() if k not in own)
+            (k, v) for k, v in module._forward_pre_hooks.items() if k not in own
+        )
         module._forward_hooks = OrderedDict(
-            (k, v) for k, v in module._forward_hooks.items() if k not in own)
+            (k, v) for k, v in module._forward_hooks.items() if k not in own
+        )
     try:
         yield
     finally:

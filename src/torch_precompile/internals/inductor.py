@@ -41,13 +41,16 @@ _CPP_WRAPPER_SOURCE = "cpp_wrapper_src"
 _CPP_WRAPPER_BUILD = "CppWrapperCodeCache.load_pybinding"
 # One layout assert of an input in the C++ wrapper, a line of its own.
 _CPP_INPUT_ASSERT = re.compile(
-    r'^[ \t]*assert_size_stride\((\w+), \{[^}]*\}, \{[^}]*\}, "input"\);\n', re.MULTILINE)
-_INDUCTOR_IMPORT = re.compile(r"^from (torch\._inductor[\w.]*) import (\w+)(?: as (\w+))?$",
-                              re.MULTILINE)
+    r'^[ \t]*assert_size_stride\((\w+), \{[^}]*\}, \{[^}]*\}, "input"\);\n', re.MULTILINE
+)
+_INDUCTOR_IMPORT = re.compile(
+    r"^from (torch\._inductor[\w.]*) import (\w+)(?: as (\w+))?$", re.MULTILINE
+)
 
 
-def retrace_for_inductor(fn: Callable[..., Any], inputs: list[torch.Tensor],
-                         fake_mode: FakeTensorMode | None) -> torch.fx.GraphModule:
+def retrace_for_inductor(
+    fn: Callable[..., Any], inputs: list[torch.Tensor], fake_mode: FakeTensorMode | None
+) -> torch.fx.GraphModule:
     """Trace ``fn`` on fake tensors with Inductor's decompositions (inside ``fake_mode``
     when given, so a dynamic capture's unbacked symbols carry over)."""
     # The max-pooling decompositions ask torch._inductor.lowering whether to fall back, an
@@ -102,9 +105,12 @@ def _eager_layout_cat(inductor_cat: Any, tensors: list[torch.Tensor], dim: int =
     return result.clone(memory_format=memory_format)
 
 
-def compile_to_wrapper(graph: torch.fx.GraphModule, fake_mode: FakeTensorMode | None,
-                       options: dict[str, Any], cpp_wrapper: bool = False
-                       ) -> tuple[str, dict[str, Any]]:
+def compile_to_wrapper(
+    graph: torch.fx.GraphModule,
+    fake_mode: FakeTensorMode | None,
+    options: dict[str, Any],
+    cpp_wrapper: bool = False,
+) -> tuple[str, dict[str, Any]]:
     """Compile ``graph`` with Inductor, its wrapper in Python or (``cpp_wrapper``) C++; return
     the generated wrapper module's source and the tensor constants it names (``constant0 =
     None`` in the source; Inductor sets them on the loaded module)."""
@@ -116,10 +122,12 @@ def compile_to_wrapper(graph: torch.fx.GraphModule, fake_mode: FakeTensorMode | 
     if fake_mode is None:
         fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
     # Without a tracing context Inductor bypasses its FX graph cache.
-    with tracing(TracingContext(fake_mode or FakeTensorMode())), inductor_config.patch(
-            {**INDUCTOR_OPTIONS, **options}), _cpp_wrapper_left_unbuilt():
-        compiled = compile_fx_inner(graph, fake_inputs, is_inference=True,
-                                    cpp_wrapper=cpp_wrapper)
+    with (
+        tracing(TracingContext(fake_mode or FakeTensorMode())),
+        inductor_config.patch({**INDUCTOR_OPTIONS, **options}),
+        _cpp_wrapper_left_unbuilt(),
+    ):
+        compiled = compile_fx_inner(graph, fake_inputs, is_inference=True, cpp_wrapper=cpp_wrapper)
     source = getattr(compiled, "source_code", None)
     expected = _CPP_WRAPPER_BUILD if cpp_wrapper else "runner.call"
     if not source or expected not in source:
@@ -215,9 +223,12 @@ def is_cpp_wrapper(wrapper: str) -> bool:
 def cpp_wrapper_source(wrapper: str) -> str:
     """The C++ source of a C++ wrapper module."""
     for node in ast.parse(wrapper).body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name)
-                and node.targets[0].id == _CPP_WRAPPER_SOURCE):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id == _CPP_WRAPPER_SOURCE
+        ):
             return str(ast.literal_eval(node.value))
     raise PrecompileError(
         f"internal: Inductor's C++ wrapper module has no {_CPP_WRAPPER_SOURCE} (torch "
@@ -241,8 +252,11 @@ def without_input_asserts(wrapper: str, names: set[str]) -> str:
         if call.func.id == "assert_size_stride" and isinstance(first, ast.Name):
             kept = [] if first.id in names else None
         elif call.func.id == "assert_size_stride_grouped" and isinstance(first, ast.Tuple):
-            kept = [i for i, e in enumerate(first.elts)
-                    if not (isinstance(e, ast.Name) and e.id in names)]
+            kept = [
+                i
+                for i, e in enumerate(first.elts)
+                if not (isinstance(e, ast.Name) and e.id in names)
+            ]
             kept = None if len(kept) == len(first.elts) else kept
             if kept:
                 call = _grouped_assert_of(call, kept)
@@ -260,8 +274,9 @@ def _grouped_assert_of(call: ast.Call, kept: list[int]) -> ast.Call:
     """A grouped assert (names, sizes and strides, one entry each per input) of the inputs at
     ``kept``; a single one becomes a plain ``assert_size_stride``."""
     parts = call.args[:3]
-    if not all(isinstance(part, ast.Tuple) and len(part.elts) == len(parts[0].elts)
-               for part in parts):
+    if not all(
+        isinstance(part, ast.Tuple) and len(part.elts) == len(parts[0].elts) for part in parts
+    ):
         raise PrecompileError(
             "internal: Inductor's grouped layout assert is not in the form (names), (sizes), "
             f"(strides) (torch {torch.__version__}); this torch release is not supported yet. "
@@ -270,10 +285,10 @@ def _grouped_assert_of(call: ast.Call, kept: list[int]) -> ast.Call:
     picked = [[part.elts[i] for i in kept] for part in parts]
     rest = call.args[3:]
     if len(kept) == 1:
-        return ast.Call(ast.Name("assert_size_stride", ast.Load()),
-                        [p[0] for p in picked] + rest, call.keywords)
-    return ast.Call(call.func, [ast.Tuple(p, ast.Load()) for p in picked] + rest,
-                    call.keywords)
+        return ast.Call(
+            ast.Name("assert_size_stride", ast.Load()), [p[0] for p in picked] + rest, call.keywords
+        )
+    return ast.Call(call.func, [ast.Tuple(p, ast.Load()) for p in picked] + rest, call.keywords)
 
 
 def _replace_once(source: str, old: str, new: str) -> str:
@@ -323,8 +338,7 @@ def wrapper_with_stand_ins(wrapper: str, bits: int) -> str:
             return "extern_kernels = ExternKernels()"
         return f"{alias or name} = LazyImport({module!r}, {name!r})"
 
-    loader = ("KernelLoader(globals().get('PRECOMPILED_KERNELS', {}), "
-              f"vector_bits={bits})")
+    loader = f"KernelLoader(globals().get('PRECOMPILED_KERNELS', {{}}), vector_bits={bits})"
     if is_cpp_wrapper(wrapper):
         return _cpp_wrapper_with_stand_ins(wrapper, loader)
     source, count = _INDUCTOR_IMPORT.subn(stand_in, wrapper)
@@ -334,13 +348,16 @@ def wrapper_with_stand_ins(wrapper: str, bits: int) -> str:
             f"{torch.__version__}); this torch release is not supported by this "
             "torch-precompile yet. Use backend='eager'."
         )
-    source = _replace_once(source, "\nasync_compile = AsyncCompile()\n",
-                           f"\nasync_compile = {loader}\n")
+    source = _replace_once(
+        source, "\nasync_compile = AsyncCompile()\n", f"\nasync_compile = {loader}\n"
+    )
     return _replace_once(source, "\ncall = runner.call\n", "\ninductor_call = runner.call\n")
 
 
-_LOADER_WIDTH = re.compile(r"(= KernelLoader\(globals\(\)\.get\('PRECOMPILED_KERNELS', \{\}\), "
-                           r"vector_bits=\d+)\)\n")
+_LOADER_WIDTH = re.compile(
+    r"(= KernelLoader\(globals\(\)\.get\('PRECOMPILED_KERNELS', \{\}\), "
+    r"vector_bits=\d+)\)\n"
+)
 
 
 def loader_resolving_now(graph_source: str) -> str:
@@ -355,15 +372,21 @@ def loader_resolving_now(graph_source: str) -> str:
 def _cpp_wrapper_with_stand_ins(wrapper: str, loader: str) -> str:
     """A C++ wrapper module whose shared object comes from the kernel loader: prebuilt from
     the cache, else built here from ``cpp_wrapper_src``."""
-    source = _replace_once(wrapper, "\nfrom torch._inductor.codecache import CppWrapperCodeCache\n",
-                           f"\nCppWrapperCodeCache = {loader}\n")
+    source = _replace_once(
+        wrapper,
+        "\nfrom torch._inductor.codecache import CppWrapperCodeCache\n",
+        f"\nCppWrapperCodeCache = {loader}\n",
+    )
     if _INDUCTOR_IMPORT.search(source):
         raise PrecompileError(
             "internal: Inductor's C++ wrapper module imports more of torch._inductor than "
             f"this torch-precompile replaces (torch {torch.__version__}). Use wrapper='python'."
         )
-    source = _replace_once(source, "\ncall = _wrap_func(inductor_entry)\n",
-                           "\ninductor_call = _wrap_func(inductor_entry)\n")
+    source = _replace_once(
+        source,
+        "\ncall = _wrap_func(inductor_entry)\n",
+        "\ninductor_call = _wrap_func(inductor_entry)\n",
+    )
     return _with_direct_handles(source)
 
 
@@ -397,16 +420,17 @@ def _with_direct_handles(source: str) -> str:
     lines = source.splitlines(keepends=True)
     start, end = glue[0].lineno - 1, glue[0].end_lineno
     text = "".join(lines[start:end])
-    tensors_only = ("python_only_input_indices" not in text
-                    or "python_only_input_indices = set()" in text)
-    if not (tensors_only and "return output_tensors" in text
-            and "constants_tensor" not in text):
+    tensors_only = (
+        "python_only_input_indices" not in text or "python_only_input_indices = set()" in text
+    )
+    if not (tensors_only and "return output_tensors" in text and "constants_tensor" not in text):
         return source
     return "".join([*lines[:start], _DIRECT_HANDLES, *lines[end:]])
 
 
-def built_kernel_object(argtypes: list[str], source: str, options: dict[str, Any]
-                        ) -> tuple[str, Path]:
+def built_kernel_object(
+    argtypes: list[str], source: str, options: dict[str, Any]
+) -> tuple[str, Path]:
     """The module name and shared-object path of a C++ kernel Inductor just built."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
@@ -414,8 +438,9 @@ def built_kernel_object(argtypes: list[str], source: str, options: dict[str, Any
     return function.__self__.__name__.rpartition(".")[2], Path(function.__self__.__file__)
 
 
-def built_wrapper_object(argtypes: list[str], source: str, options: dict[str, Any]
-                         ) -> tuple[str, Path]:
+def built_wrapper_object(
+    argtypes: list[str], source: str, options: dict[str, Any]
+) -> tuple[str, Path]:
     """The module name and shared-object path of the C++ wrapper, built here (Inductor's own
     build was skipped: see ``_cpp_wrapper_left_unbuilt``)."""
     from torch._inductor import codecache
@@ -423,7 +448,8 @@ def built_wrapper_object(argtypes: list[str], source: str, options: dict[str, An
 
     with _units_built_side_by_side(codecache), inductor_config.patch(INDUCTOR_OPTIONS):
         function = codecache.CppWrapperCodeCache.load_pybinding(
-            argtypes=argtypes, main_code=source, **options)
+            argtypes=argtypes, main_code=source, **options
+        )
     return function.__self__.__name__.rpartition(".")[2], Path(function.__self__.__file__)
 
 
@@ -467,24 +493,39 @@ def cpp_wrapper_build(wrapper_source: str) -> tuple[list[str], str, dict[str, An
     tree = ast.parse(wrapper_source)
     # Module-level strings the call names: the wrapper's source, and (built separately) the
     # kernels' source.
-    strings = {node.targets[0].id: node.value.value for node in tree.body
-               if isinstance(node, ast.Assign) and len(node.targets) == 1
-               and isinstance(node.targets[0], ast.Name)
-               and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+    strings = {
+        node.targets[0].id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    }
 
     def value(node: ast.expr) -> Any:
         return strings[node.id] if isinstance(node, ast.Name) else ast.literal_eval(node)
 
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and ast.unparse(node.func) == _CPP_WRAPPER_BUILD and not node.args):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and ast.unparse(node.func) == _CPP_WRAPPER_BUILD
+            and not node.args
+        ):
             keywords = {k.arg: k.value for k in node.keywords if k.arg}
-            if (isinstance(keywords.get("main_code"), ast.Name)
-                    and keywords["main_code"].id == _CPP_WRAPPER_SOURCE):
-                options = {k: value(v) for k, v in keywords.items()
-                           if k not in ("argtypes", "main_code")}
-                return (ast.literal_eval(keywords["argtypes"]),
-                        cpp_wrapper_source(wrapper_source), options)
+            if (
+                isinstance(keywords.get("main_code"), ast.Name)
+                and keywords["main_code"].id == _CPP_WRAPPER_SOURCE
+            ):
+                options = {
+                    k: value(v) for k, v in keywords.items() if k not in ("argtypes", "main_code")
+                }
+                return (
+                    ast.literal_eval(keywords["argtypes"]),
+                    cpp_wrapper_source(wrapper_source),
+                    options,
+                )
     raise PrecompileError(
         f"internal: Inductor's C++ wrapper module does not build {_CPP_WRAPPER_SOURCE} in the "
         f"expected form (torch {torch.__version__}); this torch release is not supported yet. "

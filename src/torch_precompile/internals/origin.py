@@ -16,8 +16,10 @@ def shown_path(filename: str) -> str:
     entry it is imported from (``transformers/models/...``), else its base name."""
     if filename.startswith("<") or not os.path.isabs(filename):
         return filename
-    roots = [os.getcwd(), *sorted((p for p in sys.path if p and os.path.isabs(p)), key=len,
-                                  reverse=True)]
+    roots = [
+        os.getcwd(),
+        *sorted((p for p in sys.path if p and os.path.isabs(p)), key=len, reverse=True),
+    ]
     for root in roots:
         if filename.startswith(root.rstrip(os.sep) + os.sep):
             return os.path.relpath(filename, root)

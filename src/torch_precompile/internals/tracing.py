@@ -72,8 +72,12 @@ check = torch._check
 
 
 # Reads whose value the trace baked (capture guards them); nothing downstream uses the result.
-BAKED_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
-               torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default)
+BAKED_READS = (
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.item.default,
+    torch.ops.aten.equal.default,
+    torch.ops.aten.is_nonzero.default,
+)
 
 
 def compiling() -> contextlib.AbstractContextManager[None]:
@@ -175,8 +179,13 @@ def trace_with_user_lines(
     refusing them; capture guards the values read.
     """
     options = {"_error_on_data_dependent_ops": False} if tolerate_data_dependent_ops else {}
-    traced = make_fx(fn, decomposition_table=decomposition_table, tracing_mode=tracing_mode,
-                     record_stack_traces=True, **options)
+    traced = make_fx(
+        fn,
+        decomposition_table=decomposition_table,
+        tracing_mode=tracing_mode,
+        record_stack_traces=True,
+        **options,
+    )
 
     def run(*args: Any) -> torch.fx.GraphModule:
         with _user_frames_only():
@@ -187,8 +196,11 @@ def trace_with_user_lines(
 
 _NOT_USER_CODE = tuple(
     str(directory) + os.sep
-    for directory in (Path(torch.__file__).parent, Path(__file__).parents[1],
-                      sysconfig.get_paths()["stdlib"])
+    for directory in (
+        Path(torch.__file__).parent,
+        Path(__file__).parents[1],
+        sysconfig.get_paths()["stdlib"],
+    )
 )
 _KEEPING_USER_FRAMES = contextvars.ContextVar("keeping_user_frames", default=False)
 _filter_lock = threading.Lock()
@@ -206,8 +218,13 @@ def _innermost_user_frame(self: Any, stack: traceback.StackSummary) -> traceback
     for frame in reversed(stack):
         if not frame.filename.startswith(_NOT_USER_CODE):
             # Shown in the artifact: no absolute path of the build machine.
-            shown = traceback.FrameSummary(shown_path(frame.filename), frame.lineno, frame.name,
-                                           lookup_line=False, line=frame.line)
+            shown = traceback.FrameSummary(
+                shown_path(frame.filename),
+                frame.lineno,
+                frame.name,
+                lookup_line=False,
+                line=frame.line,
+            )
             return traceback.StackSummary.from_list([shown])
     return traceback.StackSummary.from_list([])
 
@@ -252,7 +269,7 @@ def graph_function_source(gm: torch.fx.GraphModule, name: str) -> str:
             f"internal: the fx graph's code has no single 'def forward(self' (torch "
             f"{torch.__version__}); this torch release is not supported yet."
         )
-    return code[:header.start()] + f"def {name}(" + code[header.end():]
+    return code[: header.start()] + f"def {name}(" + code[header.end() :]
 
 
 def fx_builtin_imports() -> list[str]:
@@ -303,10 +320,12 @@ def plain_checkpoints() -> Iterator[None]:
     reproduces in eager.
     """
     module = torch.utils.checkpoint
-    stand_ins = {"CheckpointFunction": _PlainCheckpointFunction,
-                 "_checkpoint_without_reentrant_generator": _plain_checkpoint_generator,
-                 # torch 2.14 moved the body here and calls it directly
-                 "_checkpoint_without_reentrant_generator_impl": _plain_checkpoint_generator}
+    stand_ins = {
+        "CheckpointFunction": _PlainCheckpointFunction,
+        "_checkpoint_without_reentrant_generator": _plain_checkpoint_generator,
+        # torch 2.14 moved the body here and calls it directly
+        "_checkpoint_without_reentrant_generator_impl": _plain_checkpoint_generator,
+    }
     saved = {name: vars(module)[name] for name in stand_ins if name in vars(module)}
     for name in saved:
         setattr(module, name, stand_ins[name])

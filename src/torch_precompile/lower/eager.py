@@ -27,13 +27,15 @@ def lower_eager(capture: Capture) -> LoweredGraph:
         "",
         "def call(flat_inputs):",
         '    """Run the graph on the flat inputs (they are consumed) and return its outputs."""',
-        "    args = [*flat_inputs, *TENSOR_LITERALS]" if capture.literals
+        "    args = [*flat_inputs, *TENSOR_LITERALS]"
+        if capture.literals
         else "    args = list(flat_inputs)",
         "    flat_inputs.clear()",
         "    return captured_graph(*args)",
     ]
-    return LoweredGraph(source="\n".join(lines) + "\n", acceleration=None,
-                        input_strides=_input_layouts(capture))
+    return LoweredGraph(
+        source="\n".join(lines) + "\n", acceleration=None, input_strides=_input_layouts(capture)
+    )
 
 
 def _input_layouts(capture: Capture) -> list[tuple[int, ...] | str | None] | None:
@@ -46,9 +48,12 @@ def _input_layouts(capture: Capture) -> list[tuple[int, ...] | str | None] | Non
     model = len(spec.interned)
     placeholders = list(capture.graph.graph.find_nodes(op="placeholder"))
     viewed = _reaching_views(capture.graph.graph)
-    return [tuple(t.stride()) if model <= i < model + len(spec.tensor_inputs)
-            and placeholders[i] in viewed else None
-            for i, t in enumerate(capture.example_inputs)]
+    return [
+        tuple(t.stride())
+        if model <= i < model + len(spec.tensor_inputs) and placeholders[i] in viewed
+        else None
+        for i, t in enumerate(capture.example_inputs)
+    ]
 
 
 def _reaching_views(graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -56,7 +61,8 @@ def _reaching_views(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     reaching: set[torch.fx.Node] = set()
     for node in reversed(graph.nodes):
         if node.target is torch.ops.aten.view.default or any(
-                user in reaching for user in node.users):
+            user in reaching for user in node.users
+        ):
             reaching.add(node)
     return reaching
 
@@ -64,8 +70,9 @@ def _reaching_views(graph: torch.fx.Graph) -> set[torch.fx.Node]:
 def _used_imports(graph_code: str) -> list[str]:
     """The fx builtins (``inf``, ``device``, ...) the graph code uses, and torch."""
     used = set(re.findall(r"\b\w+\b", graph_code)) | {"torch"}
-    return [line for line in fx_builtin_imports() if line.split()[-1] in used
-            or line.split()[0] in used]
+    return [
+        line for line in fx_builtin_imports() if line.split()[-1] in used or line.split()[0] in used
+    ]
 
 
 def _literal_lines(capture: Capture) -> list[str]:
@@ -76,5 +83,3 @@ def _literal_lines(capture: Capture) -> list[str]:
     lines.extend(f"    {literal_source(t)}," for t in capture.literals)
     lines.extend(["]", "", ""])
     return lines
-
-

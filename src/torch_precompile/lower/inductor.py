@@ -79,7 +79,8 @@ def lower_inductor(capture: Capture, wrapper_kind: str = "auto") -> LoweredGraph
             raise PrecompileError(
                 f"Inductor's C++ wrapper could not be built for this graph ({reason}). Use "
                 "wrapper='python', or leave wrapper out: the default then takes the Python "
-                "wrapper.") from e
+                "wrapper."
+            ) from e
     wrapper, wrapper_note = _python_wrapper(graph, capture, wrapper_kind, reason)
     return _lowered(capture, graph, wrapper, wrapper_note, outputs)
 
@@ -94,37 +95,49 @@ class _GraphOutputs(NamedTuple):
     @classmethod
     def of(cls, capture: Capture) -> _GraphOutputs:
         outputs = list(capture.graph.graph.output_node().args[0])
-        return cls([i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)],
-                   {i: o for i, o in enumerate(outputs) if not isinstance(o, torch.fx.Node)},
-                   len(outputs))
+        return cls(
+            [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)],
+            {i: o for i, o in enumerate(outputs) if not isinstance(o, torch.fx.Node)},
+            len(outputs),
+        )
 
 
-def _lowered(capture: Capture, graph: torch.fx.GraphModule, wrapper: str,
-             wrapper_note: list[str], outputs: _GraphOutputs) -> LoweredGraph:
+def _lowered(
+    capture: Capture,
+    graph: torch.fx.GraphModule,
+    wrapper: str,
+    wrapper_note: list[str],
+    outputs: _GraphOutputs,
+) -> LoweredGraph:
     """Section 2 of the artifact around a generated wrapper, and its built kernels."""
     input_names = [n.name for n in graph.graph.find_nodes(op="placeholder")]
     strides = _asserted_strides(wrapper, input_names, capture)
     # The driver checks these layouts before every call (the model walk or its memo, the
     # input checks); Inductor's own assert of each would repeat that check per call.
     wrapper = without_input_asserts(
-        wrapper, {input_names[i] for i in _driver_checked(capture.spec, strides)})
+        wrapper, {input_names[i] for i in _driver_checked(capture.spec, strides)}
+    )
     stand_ins = (kernel_loader,) if is_cpp_wrapper(wrapper) else (kernel_loader, wrapper_imports)
-    source = "\n".join([
-        f"{GENERATED_START}, its torch._inductor imports replaced by the stand-ins above.",
-        *wrapper_note,
-        wrapper_with_stand_ins(wrapper, vector_bits()).strip("\n"),
-        GENERATED_END,
-        *_literal_lines(capture),
-        _call_source(capture, outputs.tensors, outputs.constants, outputs.count),
-    ])
+    source = "\n".join(
+        [
+            f"{GENERATED_START}, its torch._inductor imports replaced by the stand-ins above.",
+            *wrapper_note,
+            wrapper_with_stand_ins(wrapper, vector_bits()).strip("\n"),
+            GENERATED_END,
+            *_literal_lines(capture),
+            _call_source(capture, outputs.tensors, outputs.constants, outputs.count),
+        ]
+    )
     kernels = collect_built_kernels(wrapper)
-    return LoweredGraph(source, kernels.payload, input_strides=strides, kernels=kernels.objects,
-                        stand_ins=stand_ins)
+    return LoweredGraph(
+        source, kernels.payload, input_strides=strides, kernels=kernels.objects, stand_ins=stand_ins
+    )
 
 
 def _has_compute(gm: torch.fx.GraphModule) -> bool:
     return any(
-        n.op == "call_function" and n.target not in BAKED_READS
+        n.op == "call_function"
+        and n.target not in BAKED_READS
         and n.target is not aten.detach.default
         for n in gm.graph.nodes
     )
@@ -214,8 +227,9 @@ def _prepared_graph(graph: torch.fx.Graph, dynamic: bool) -> torch.fx.Graph:
     return copied
 
 
-def _compile_wrapper(graph: torch.fx.GraphModule, capture: Capture, kind: str
-                     ) -> tuple[str, list[str]]:
+def _compile_wrapper(
+    graph: torch.fx.GraphModule, capture: Capture, kind: str
+) -> tuple[str, list[str]]:
     """The generated wrapper module, and the lines that say which wrapper it is: the C++ one
     for "cpp" and "auto" where it can run the graph, else the Python one."""
     if kind == "python":
@@ -228,21 +242,27 @@ def _compile_wrapper(graph: torch.fx.GraphModule, capture: Capture, kind: str
                 f"{WRAPPER_LINE}C++. One compiled function runs the whole call; its shared "
                 "object is in the",
                 "# cache, and without the cache it is built from cpp_wrapper_src and "
-                "kernel_src below."]
+                "kernel_src below.",
+            ]
         except PrecompileError as e:
             reason = _reason(e)
     return _python_wrapper(graph, capture, kind, reason)
 
 
-def _python_wrapper(graph: torch.fx.GraphModule, capture: Capture, kind: str, reason: str
-                    ) -> tuple[str, list[str]]:
+def _python_wrapper(
+    graph: torch.fx.GraphModule, capture: Capture, kind: str, reason: str
+) -> tuple[str, list[str]]:
     """The Python wrapper where the C++ one was asked for (``kind``) and cannot be used (a
     warning where "cpp" was asked for explicitly)."""
     if kind == "cpp":
-        log.warning("wrapper='cpp' cannot be used for this graph (%s); the Python wrapper "
-                    "runs it.", reason)
-    said = ("wrapper='cpp' was asked for and cannot be used" if kind == "cpp"
-            else "the C++ wrapper is not used")
+        log.warning(
+            "wrapper='cpp' cannot be used for this graph (%s); the Python wrapper runs it.", reason
+        )
+    said = (
+        "wrapper='cpp' was asked for and cannot be used"
+        if kind == "cpp"
+        else "the C++ wrapper is not used"
+    )
     note = [f"{WRAPPER_LINE}Python. {said}: {reason}."]
     return _compile(graph, capture.fake_mode, capture.symbol_names), note
 
@@ -261,13 +281,16 @@ def _cpp_wrapper_obstacle(capture: Capture) -> str | None:
     if spec.distributed:
         return "the graph communicates (DTensor collectives), which the C++ wrapper does not run"
     if spec.fully_sharded or spec.data_parallel:
-        return ("the graph communicates (FSDP2 or DDP collectives), which this package runs "
-                "with the Python wrapper only")
+        return (
+            "the graph communicates (FSDP2 or DDP collectives), which this package runs "
+            "with the Python wrapper only"
+        )
     return None
 
 
-def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str, str],
-             cpp: bool = False) -> str:
+def _compile(
+    graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str, str], cpp: bool = False
+) -> str:
     options: dict[str, Any] = {}
     if fake_mode is not None and fake_mode.shape_env is not None:
         options["scalar_asserts"] = True  # keep Inductor's own checks of size assumptions
@@ -295,7 +318,8 @@ def _compile(graph: torch.fx.GraphModule, fake_mode: Any, symbol_names: dict[str
     if cpp and constants:
         raise PrecompileError(
             "Inductor made tensor constants for this graph, which its C++ wrapper takes from "
-            "the module it loads and an artifact cannot hand it")
+            "the module it loads and an artifact cannot hand it"
+        )
     return _with_constants(source, constants)
 
 
@@ -311,9 +335,11 @@ def _with_constants(source: str, constants: dict[str, Any]) -> str:
                 f"Inductor made a tensor constant of shape {tuple(value.shape)} for this graph, "
                 "which the artifact cannot write as source; use backend='eager'."
             )
-        source = (source[:placeholder.start()]
-                  + f"{name} = {literal_source(value)}  # a constant Inductor made"
-                  + source[placeholder.end():])
+        source = (
+            source[: placeholder.start()]
+            + f"{name} = {literal_source(value)}  # a constant Inductor made"
+            + source[placeholder.end() :]
+        )
     return source
 
 
@@ -349,8 +375,6 @@ def _inductor_failure(
     )
 
 
-
-
 def _asserted_strides(wrapper: str, input_names: list[str], capture: Capture) -> list[Layout]:
     """The layout Inductor asserts for each flat input: its strides, or for an input with
     dynamic dims its memory-format name; None where the kernels never read it."""
@@ -371,10 +395,14 @@ def _driver_checked(spec: ArtifactSpec, strides: list[Layout]) -> list[int]:
     model tensors and plain tensor inputs. Optimizer state, DTensor shards and subclasses'
     inner tensors keep Inductor's asserts."""
     carried = {d.index for d in (*spec.distributed, *spec.wrapped) if d.role == "input"}
-    checked = (len([t for t in spec.model if t.tied_to is None])
-               + len([leaf for leaf in spec.inputs if leaf.kind == "tensor"]))
-    return [i for i in range(min(checked, len(strides)))
-            if i not in carried and isinstance(strides[i], tuple)]
+    checked = len([t for t in spec.model if t.tied_to is None]) + len(
+        [leaf for leaf in spec.inputs if leaf.kind == "tensor"]
+    )
+    return [
+        i
+        for i in range(min(checked, len(strides)))
+        if i not in carried and isinstance(strides[i], tuple)
+    ]
 
 
 def _literal_lines(capture: Capture) -> list[str]:
@@ -384,8 +412,13 @@ def _literal_lines(capture: Capture) -> list[str]:
     # The C++ wrapper's module, unlike the Python one, does not import these names.
     names = sorted(set(re.findall(r"\b(inf|nan)\b", items)))
     imports = [f"from math import {', '.join(names)}"] if names else []
-    return ["", "# Tensor literals built inside fn, passed after the flat inputs.", *imports,
-            f"TENSOR_LITERALS = [\n{items}]", ""]
+    return [
+        "",
+        "# Tensor literals built inside fn, passed after the flat inputs.",
+        *imports,
+        f"TENSOR_LITERALS = [\n{items}]",
+        "",
+    ]
 
 
 def _call_source(
@@ -400,7 +433,8 @@ def _call_source(
     if aliases:
         lines.append("    inputs = list(flat_inputs)")
     lines += [
-        "    args = [*flat_inputs, *TENSOR_LITERALS]" if capture.literals
+        "    args = [*flat_inputs, *TENSOR_LITERALS]"
+        if capture.literals
         else "    args = list(flat_inputs)",
         "    flat_inputs.clear()",
         "    computed = inductor_call(args)",
@@ -409,7 +443,8 @@ def _call_source(
         lines.append("    outputs = list(computed)")
     else:
         slots = ", ".join(
-            _constant_source(constants[i]) if i in constants
+            _constant_source(constants[i])
+            if i in constants
             else f"computed[{tensor_outputs.index(i)}]"
             for i in range(count)
         )

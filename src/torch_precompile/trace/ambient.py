@@ -17,11 +17,24 @@ from torch_precompile.driver.core import ambient_now
 from torch_precompile.spec import Ambient
 
 # Functions that build a tensor of the default dtype when given no dtype (for float data).
-_FACTORIES = frozenset({
-    torch.tensor, torch.as_tensor, torch.ones, torch.zeros, torch.empty, torch.full,
-    torch.rand, torch.randn, torch.arange, torch.linspace, torch.logspace, torch.eye,
-    torch.scalar_tensor, torch.range,
-})
+_FACTORIES = frozenset(
+    {
+        torch.tensor,
+        torch.as_tensor,
+        torch.ones,
+        torch.zeros,
+        torch.empty,
+        torch.full,
+        torch.rand,
+        torch.randn,
+        torch.arange,
+        torch.linspace,
+        torch.logspace,
+        torch.eye,
+        torch.scalar_tensor,
+        torch.range,
+    }
+)
 
 
 class DefaultDtypeUse(TorchFunctionMode):
@@ -31,8 +44,7 @@ class DefaultDtypeUse(TorchFunctionMode):
         super().__init__()
         self.used = False
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _FACTORIES and kwargs.get("dtype") is None:
             self.used = True
@@ -42,7 +54,9 @@ class DefaultDtypeUse(TorchFunctionMode):
 def ambient_at_capture(default_dtype_used: bool) -> Ambient:
     """The state now, before the trace pushes modes of its own."""
     autocast, default_dtype, deterministic, modes = ambient_now()
-    return Ambient(autocast=autocast,
-                   default_dtype=(str(default_dtype).removeprefix("torch.")
-                                  if default_dtype_used else None),
-                   deterministic=deterministic, modes=modes)
+    return Ambient(
+        autocast=autocast,
+        default_dtype=(str(default_dtype).removeprefix("torch.") if default_dtype_used else None),
+        deterministic=deterministic,
+        modes=modes,
+    )

@@ -85,7 +85,8 @@ def lift_literals(
         raise PrecompileError(
             "fn reads tensors that are neither inputs nor computed inside fn, so the trace "
             "would bake their current values into the artifact: "
-            + "; ".join(dict.fromkeys(baked)) + ". "
+            + "; ".join(dict.fromkeys(baked))
+            + ". "
             "Register module state with register_buffer / register_parameter, or pass the "
             "tensor as an argument of fn."
         )
@@ -150,8 +151,9 @@ def origin_finder(
         code = getattr(fn, "__code__", None)
         if code is None:
             return None
-        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or (),
-                              strict=False):
+        for name, cell in zip(
+            code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False
+        ):
             if _cell_value(cell) is value:
                 return f"variable {name!r} closed over by fn"
         scope = getattr(fn, "__globals__", {})

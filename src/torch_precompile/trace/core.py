@@ -122,8 +122,13 @@ def capture(
     before = take_snapshot(
         [(layout.arg_names[i], args[i]) for i in layout.module_positions],
         [(o.name, o.optimizer) for o in layout.optimizers],
-        reachable_containers([named_function(fn), *hook_functions(
-            watch.submodules, layout.state.tensors[:layout.num_params])]))
+        reachable_containers(
+            [
+                named_function(fn),
+                *hook_functions(watch.submodules, layout.state.tensors[: layout.num_params]),
+            ]
+        ),
+    )
     try:
         traced = _trace(flat_fn, layout, recorder, decompositions, on_fakes)
     except BaseException:
@@ -143,14 +148,22 @@ def capture(
         if layout.sharding is not None:
             stable.update(layout.sharding.group_names())
         name_collectives(gm, stable)
-    literals = checks.lift_literals(gm, checks.origin_finder(
-        fn, [(layout.arg_names[i], args[i]) for i in layout.module_positions]))
+    literals = checks.lift_literals(
+        gm,
+        checks.origin_finder(fn, [(layout.arg_names[i], args[i]) for i in layout.module_positions]),
+    )
     _name_placeholders(gm, layout)
     spec = _artifact_spec(backend, layout, recorder, outputs, traced, watch)
     if traced.dynamic_inputs is None:
         return Capture(gm, literals, spec, traced.examples)
-    return Capture(gm, literals, spec, traced.examples, traced.dynamic_inputs.fake_mode,
-                   *_symbolic_names(layout, traced.dynamic_inputs))
+    return Capture(
+        gm,
+        literals,
+        spec,
+        traced.examples,
+        traced.dynamic_inputs.fake_mode,
+        *_symbolic_names(layout, traced.dynamic_inputs),
+    )
 
 
 @dataclass(frozen=True)
@@ -214,8 +227,9 @@ class _Watch:
 
     def __init__(self, layout: _Layout) -> None:
         self.layout = layout
-        self.submodules = [m for root in layout.modules
-                           for _, m in root.named_modules(remove_duplicate=False)]
+        self.submodules = [
+            m for root in layout.modules for _, m in root.named_modules(remove_duplicate=False)
+        ]
         self.reads = ReadRecorder(self.submodules)
         self.default_dtype = DefaultDtypeUse()
         self.global_hooks = global_hooks()
@@ -224,18 +238,22 @@ class _Watch:
 
     def named_submodules(self) -> list[tuple[str, torch.nn.Module]]:
         """Each submodule as messages name it, in walk order."""
-        names = [arg for i, arg in enumerate(self.layout.arg_names)
-                 if i in self.layout.module_positions]
-        return [(f"module {name!r} of {arg}" if name else f"model {arg}", module)
-                for arg, root in zip(names, self.layout.modules, strict=True)
-                for name, module in root.named_modules(remove_duplicate=False)]
+        names = [
+            arg for i, arg in enumerate(self.layout.arg_names) if i in self.layout.module_positions
+        ]
+        return [
+            (f"module {name!r} of {arg}" if name else f"model {arg}", module)
+            for arg, root in zip(names, self.layout.modules, strict=True)
+            for name, module in root.named_modules(remove_duplicate=False)
+        ]
 
     def ambient(self) -> Ambient:
         return ambient_at_capture(self.default_dtype.used)
 
 
-def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on_fakes: bool
-                 ) -> _Layout:
+def _read_layout(
+    fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on_fakes: bool
+) -> _Layout:
     arg_names = arg_names_of(fn, len(args))
     module_positions = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
     modules: list[torch.nn.Module] = [args[i] for i in module_positions]
@@ -245,24 +263,35 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
     sharded_groups = fully_shard.find_fully_sharded(modules, model_names)
     state = intern_model_state(modules)
     optimizer_positions = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
-    optimizers = read_optimizers([args[i] for i in optimizer_positions],
-                                 [arg_names[i] for i in optimizer_positions], state, backend)
-    input_positions = [i for i in range(len(args))
-                       if i not in module_positions and i not in optimizer_positions]
+    optimizers = read_optimizers(
+        [args[i] for i in optimizer_positions],
+        [arg_names[i] for i in optimizer_positions],
+        state,
+        backend,
+    )
+    input_positions = [
+        i for i in range(len(args)) if i not in module_positions and i not in optimizer_positions
+    ]
     inputs = flatten_user_inputs(
         tuple(args[i] for i in input_positions), [arg_names[i] for i in input_positions]
     )
     tensor_positions = inputs.tensor_positions
     flat = [*state.tensors, *(inputs.leaves[i] for i in tensor_positions)]
-    flat_names = [*(f"model parameter {n!r}" for n in state.param_names),
-                  *(f"model buffer {n!r}" for n in state.buffer_names),
-                  *(f"input {inputs.names[i]}" for i in tensor_positions)]
+    flat_names = [
+        *(f"model parameter {n!r}" for n in state.param_names),
+        *(f"model buffer {n!r}" for n in state.buffer_names),
+        *(f"input {inputs.names[i]}" for i in tensor_positions),
+    ]
     wrapping = find_wrapped(flat, flat_names)
     # An optimizer's state follows the flat inputs; that of DTensor parameters is DTensors.
-    state_names = [f"state {e.key!r} of model parameter {state.param_names[e.param]!r} in "
-                   f"optimizer {o.name}" for o in optimizers for e in o.entries]
-    sharding = find_dtensors([*flat, *(e.example for o in optimizers for e in o.entries)],
-                             [*flat_names, *state_names])
+    state_names = [
+        f"state {e.key!r} of model parameter {state.param_names[e.param]!r} in optimizer {o.name}"
+        for o in optimizers
+        for e in o.entries
+    ]
+    sharding = find_dtensors(
+        [*flat, *(e.example for o in optimizers for e in o.entries)], [*flat_names, *state_names]
+    )
     refuse_mixed(wrapping, sharding is not None)
     data_parallel.refuse_with_dtensors(ddp, sharding is not None)
     marks = dynamic.read_marks(inputs.leaves, inputs.names)
@@ -282,13 +311,31 @@ def _read_layout(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on
             "dims marked with mark_unbacked (dynamic shapes) need backend='inductor'; the eager "
             "backend runs static graphs only."
         )
-    return _Layout(args, arg_names, module_positions, modules, state, inputs, tensor_positions,
-                   sharding, wrapping, marks, optimizer_positions, optimizers, ddp,
-                   sharded_groups)
+    return _Layout(
+        args,
+        arg_names,
+        module_positions,
+        modules,
+        state,
+        inputs,
+        tensor_positions,
+        sharding,
+        wrapping,
+        marks,
+        optimizer_positions,
+        optimizers,
+        ddp,
+        sharded_groups,
+    )
 
 
-def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecorder,
-                   outputs: _Outputs, watch: _Watch) -> Callable[..., list[Any]]:
+def _flat_function(
+    fn: Callable[..., Any],
+    layout: _Layout,
+    recorder: GuardRecorder,
+    outputs: _Outputs,
+    watch: _Watch,
+) -> Callable[..., list[Any]]:
     """``fn`` over flat tensors (model state, then input tensors), as make_fx traces it.
 
     It returns result leaves, then gradients, then value guards, and fills ``outputs``.
@@ -303,8 +350,9 @@ def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecor
         flat = flat if sharding is None else sharding.rebuild(flat)
         leaves = list(inputs.leaves)
         start, lrs = layout.optimizer_start, layout.optimizer_start + layout.num_optimizer_state
-        for position, tensor in zip(layout.tensor_positions, flat[layout.num_state:start],
-                                    strict=True):
+        for position, tensor in zip(
+            layout.tensor_positions, flat[layout.num_state : start], strict=True
+        ):
             leaves[position] = tensor
         user_args = iter(pytree.tree_unflatten(leaves, inputs.spec))
         passed = {*layout.module_positions, *layout.optimizer_positions}
@@ -313,27 +361,42 @@ def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecor
             for module, binding in zip(layout.modules, state.bindings, strict=True):
                 reparam = {name: flat[index] for name, index in binding.items()}
                 stack.enter_context(reparametrize_module(module, reparam, tie_weights=True))
-            stack.enter_context(stepping(layout.optimizers, flat[start:lrs], flat[lrs:],
-                                         flat[:layout.num_params], state.tensors))
-            stack.enter_context(data_parallel.tracing(
-                layout.data_parallel, _trained(layout, flat)))
+            stack.enter_context(
+                stepping(
+                    layout.optimizers,
+                    flat[start:lrs],
+                    flat[lrs:],
+                    flat[: layout.num_params],
+                    state.tensors,
+                )
+            )
+            stack.enter_context(data_parallel.tracing(layout.data_parallel, _trained(layout, flat)))
             stack.enter_context(fully_shard.tracing(layout.fully_sharded, state.tensors, flat))
-            with (recording, watch.reads, watch.default_dtype, watch.seeds, plain_checkpoints(),
-                  padded_lengths_in_python()):
+            with (
+                recording,
+                watch.reads,
+                watch.default_dtype,
+                watch.seeds,
+                plain_checkpoints(),
+                padded_lengths_in_python(),
+            ):
                 result = fn(*call_args)
         _reject_stray_gradients(state, flat, layout.num_params)
         result_leaves, outputs.spec = pytree.tree_flatten(result)
         checks.check_result_leaves(result_leaves)
-        grads = [(i, p.grad) for i, p in enumerate(flat[:layout.num_params])
-                 if p.grad is not None]
+        grads = [(i, p.grad) for i, p in enumerate(flat[: layout.num_params]) if p.grad is not None]
         if sharding is not None:
             result_leaves = sharding.local_results(result_leaves)
             grads = [(i, sharding.local_grad(i, g)) for i, g in grads]
         result_leaves, inner = wrapping.flat_results(result_leaves)
         outputs.grad_indices = [i for i, _ in grads]
         outputs.aliases = _output_aliases(result_leaves, locals_)
-        return [*result_leaves, *(g for _, g in grads), *(g.tensor for g in recorder.guards),
-                *inner]
+        return [
+            *result_leaves,
+            *(g for _, g in grads),
+            *(g.tensor for g in recorder.guards),
+            *inner,
+        ]
 
     return flat_fn
 
@@ -341,20 +404,30 @@ def _flat_function(fn: Callable[..., Any], layout: _Layout, recorder: GuardRecor
 def _trained(layout: _Layout, flat: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Each DDP model's traced parameters that require grad, once each."""
     bindings = layout.state.bindings
-    return [[flat[i] for i in sorted(set(bindings[arg.model].values()))
-             if i < layout.num_params and flat[i].requires_grad]
-            for arg in layout.data_parallel]
+    return [
+        [
+            flat[i]
+            for i in sorted(set(bindings[arg.model].values()))
+            if i < layout.num_params and flat[i].requires_grad
+        ]
+        for arg in layout.data_parallel
+    ]
 
 
-def _trace(flat_fn: Callable[..., list[Any]], layout: _Layout, recorder: GuardRecorder,
-           decompositions: Mapping[Any, Callable[..., Any]] | None, on_fakes: bool) -> _Traced:
+def _trace(
+    flat_fn: Callable[..., list[Any]],
+    layout: _Layout,
+    recorder: GuardRecorder,
+    decompositions: Mapping[Any, Callable[..., Any]] | None,
+    on_fakes: bool,
+) -> _Traced:
     """Trace with every parameter's ``.grad`` cleared, and put the caller's back afterwards.
 
     Parameters are traced as themselves, so an optimizer step inside fn would update them for
     real: with an optimizer among the arguments their values are put back too. So are the
     buffers traced as themselves (see ``_examples``).
     """
-    params = layout.state.tensors[:layout.num_params]
+    params = layout.state.tensors[: layout.num_params]
     saved_grads = [p.grad for p in params]
     buffers = _buffers_as_themselves(layout)
     written = [*(params if layout.optimizers else ()), *buffers]
@@ -363,10 +436,12 @@ def _trace(flat_fn: Callable[..., list[Any]], layout: _Layout, recorder: GuardRe
         for p in params:
             p.grad = None
         if any(layout.marks):
-            dynamic_inputs = dynamic.fake_inputs(layout.state.tensors, layout.inputs.leaves,
-                                                 layout.inputs.names, layout.marks)
+            dynamic_inputs = dynamic.fake_inputs(
+                layout.state.tensors, layout.inputs.leaves, layout.inputs.names, layout.marks
+            )
             dynamic_inputs = dataclasses.replace(
-                dynamic_inputs, fakes=layout.wrapping.expand(dynamic_inputs.fakes))
+                dynamic_inputs, fakes=layout.wrapping.expand(dynamic_inputs.fakes)
+            )
             gm = _trace_symbolic(flat_fn, dynamic_inputs.fakes, dynamic_inputs, decompositions)
             return _Traced(gm, dynamic_inputs.fakes, dynamic_inputs, False)
         examples = _examples(layout, buffers)
@@ -376,11 +451,19 @@ def _trace(flat_fn: Callable[..., list[Any]], layout: _Layout, recorder: GuardRe
         # Which examples the trace wrote shows which inputs the graph writes: as laid out
         # here, an example is a flat input (subclasses and DTensors are laid out otherwise).
         plain = layout.sharding is None and not layout.wrapping.inputs
-        mutated = tuple(i for i, (e, v) in enumerate(zip(examples, versions, strict=True))
-                        if version_of(e) != v) if plain else ()
+        mutated = (
+            tuple(
+                i
+                for i, (e, v) in enumerate(zip(examples, versions, strict=True))
+                if version_of(e) != v
+            )
+            if plain
+            else ()
+        )
         sharding = layout.sharding
         dependent = sharding is not None and (
-            not on_fakes or trace.depends_on_coordinate(sharding, gm.code, recorder))
+            not on_fakes or trace.depends_on_coordinate(sharding, gm.code, recorder)
+        )
         return _Traced(gm, examples, None, dependent, mutated)
     finally:
         for p, grad in zip(params, saved_grads, strict=True):
@@ -399,9 +482,14 @@ def _buffers_as_themselves(layout: _Layout) -> list[torch.Tensor]:
     not a constant. ``_trace`` puts back what fn writes to them (BatchNorm statistics)."""
     if layout.sharding is not None:
         return []
-    return [t for i, t in enumerate(layout.state.tensors)
-            if layout.num_params <= i and i not in layout.wrapping.inputs
-            and not is_view(t) and not t.requires_grad]
+    return [
+        t
+        for i, t in enumerate(layout.state.tensors)
+        if layout.num_params <= i
+        and i not in layout.wrapping.inputs
+        and not is_view(t)
+        and not t.requires_grad
+    ]
 
 
 def _examples(layout: _Layout, themselves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -414,9 +502,14 @@ def _examples(layout: _Layout, themselves: Sequence[torch.Tensor]) -> list[torch
     # A subclass's inner tensors are copied instead of it (see Wrapping.expand).
     flat = [*state.tensors, *(layout.inputs.leaves[i] for i in layout.tensor_positions)]
     examples = [
-        *(t if i < layout.num_params or i in wrapped
-          or (i < layout.num_state and id(t) in as_themselves) else _copy(t)
-          for i, t in enumerate(flat)),
+        *(
+            t
+            if i < layout.num_params
+            or i in wrapped
+            or (i < layout.num_state and id(t) in as_themselves)
+            else _copy(t)
+            for i, t in enumerate(flat)
+        ),
         *(_copy(e.example) for o in layout.optimizers for e in o.entries),
         *(learning_rate(group) for o in layout.optimizers for group in o.optimizer.param_groups),
     ]
@@ -431,8 +524,9 @@ def learning_rate(group: dict[str, Any]) -> torch.Tensor:
     return torch.tensor(float(group["lr"]), dtype=torch.float64)
 
 
-def _drop_constant_guards(gm: torch.fx.GraphModule, recorder: GuardRecorder,
-                          outputs: _Outputs) -> None:
+def _drop_constant_guards(
+    gm: torch.fx.GraphModule, recorder: GuardRecorder, outputs: _Outputs
+) -> None:
     """Without guards on constants (DTensor reads index tensors it made itself): a value no
     input can change needs no check."""
     assert outputs.spec is not None  # the trace called the flat function
@@ -443,8 +537,11 @@ def _drop_constant_guards(gm: torch.fx.GraphModule, recorder: GuardRecorder,
     if not any(constant):
         return
     recorder.guards[:] = [g for g, c in zip(recorder.guards, constant, strict=True) if not c]
-    kept = [v for i, v in enumerate(values)
-            if not (start <= i < start + len(constant) and constant[i - start])]
+    kept = [
+        v
+        for i, v in enumerate(values)
+        if not (start <= i < start + len(constant) and constant[i - start])
+    ]
     output.args = (kept,)
     gm.graph.eliminate_dead_code()
     gm.recompile()
@@ -474,8 +571,14 @@ def _drop_unstepped_state(traced: _Traced, layout: _Layout) -> _Traced:
     return dataclasses.replace(traced, graph=gm, examples=examples)
 
 
-def _artifact_spec(backend: str, layout: _Layout, recorder: GuardRecorder, outputs: _Outputs,
-                   traced: _Traced, watch: _Watch) -> ArtifactSpec:
+def _artifact_spec(
+    backend: str,
+    layout: _Layout,
+    recorder: GuardRecorder,
+    outputs: _Outputs,
+    traced: _Traced,
+    watch: _Watch,
+) -> ArtifactSpec:
     assert outputs.spec is not None  # the trace called the flat function
     inputs = layout.inputs
     shapes = _input_shapes(layout, traced.dynamic_inputs)
@@ -484,16 +587,26 @@ def _artifact_spec(backend: str, layout: _Layout, recorder: GuardRecorder, outpu
         schema_version=SCHEMA_VERSION,
         backend=backend,
         torch=torch_build(),
-        args=tuple(Argument(name, i in layout.module_positions, i in layout.optimizer_positions)
-                   for i, name in enumerate(layout.arg_names)),
-        model=model_records(layout.state, outputs.grad_indices,
-                            training=bool(outputs.grad_indices or layout.optimizers)),
+        args=tuple(
+            Argument(name, i in layout.module_positions, i in layout.optimizer_positions)
+            for i, name in enumerate(layout.arg_names)
+        ),
+        model=model_records(
+            layout.state,
+            outputs.grad_indices,
+            training=bool(outputs.grad_indices or layout.optimizers),
+        ),
         submodules=submodule_records(layout.modules, watch.hooks),
         inputs=tuple(
             _input_record(leaf, name, value, shape, bound)
             for leaf, name, value, shape, bound in zip(
-                inputs.leaves, inputs.names, inputs.values, shapes.shapes, shapes.bounds,
-                strict=True)
+                inputs.leaves,
+                inputs.names,
+                inputs.values,
+                shapes.shapes,
+                shapes.bounds,
+                strict=True,
+            )
         ),
         in_spec=_dump_in_spec(inputs.spec),
         out_spec=_dump_out_spec(outputs.spec),
@@ -529,8 +642,7 @@ class _InputShapes:
     relations: tuple[SizeRelation, ...] = ()
 
 
-def _input_shapes(layout: _Layout, dynamic_inputs: dynamic.DynamicInputs | None
-                  ) -> _InputShapes:
+def _input_shapes(layout: _Layout, dynamic_inputs: dynamic.DynamicInputs | None) -> _InputShapes:
     names = layout.inputs.names
     shapes: list[Any] = [_shape(leaf) for leaf in layout.inputs.leaves]
     bounds: list[Any] = [None for _ in layout.inputs.leaves]
@@ -544,7 +656,8 @@ def _input_shapes(layout: _Layout, dynamic_inputs: dynamic.DynamicInputs | None
                 None if d in leaf_marks else s for d, s in enumerate(shapes[leaf_index])
             )
             bounds[leaf_index] = {
-                d: (m.low, m.high) for d, m in leaf_marks.items()
+                d: (m.low, m.high)
+                for d, m in leaf_marks.items()
                 if m.low is not None or m.high is not None
             } or None
     dynamic_dims = tuple(
@@ -554,15 +667,15 @@ def _input_shapes(layout: _Layout, dynamic_inputs: dynamic.DynamicInputs | None
     return _InputShapes(shapes, bounds, dynamic_dims, relations)
 
 
-def _symbolic_names(layout: _Layout, dynamic_inputs: dynamic.DynamicInputs
-                    ) -> tuple[dict[int, str], dict[str, str]]:
+def _symbolic_names(
+    layout: _Layout, dynamic_inputs: dynamic.DynamicInputs
+) -> tuple[dict[int, str], dict[str, str]]:
     """Memory format of each marked flat input, and each size symbol named after its input."""
     flat_index = {leaf: layout.num_state + i for i, leaf in enumerate(layout.tensor_positions)}
     formats = {flat_index[leaf]: name for leaf, name in dynamic_inputs.memory_formats.items()}
     symbol_names = {
         str(symbol): f"input {layout.inputs.names[places[0][0]]} dim {places[0][1]}"
-        for symbol, places in zip(dynamic_inputs.symbols, dynamic_inputs.occurrences,
-                                  strict=True)
+        for symbol, places in zip(dynamic_inputs.symbols, dynamic_inputs.occurrences, strict=True)
     }
     return formats, symbol_names
 
@@ -570,17 +683,22 @@ def _symbolic_names(layout: _Layout, dynamic_inputs: dynamic.DynamicInputs
 class _Trace:
     """One make_fx trace of the flat function, on the examples or on fakes of them."""
 
-    def __init__(self, flat_fn: Callable[..., Any],
-                 decompositions: Mapping[Any, Callable[..., Any]] | None,
-                 examples: list[torch.Tensor], on_fakes: bool) -> None:
+    def __init__(
+        self,
+        flat_fn: Callable[..., Any],
+        decompositions: Mapping[Any, Callable[..., Any]] | None,
+        examples: list[torch.Tensor],
+        on_fakes: bool,
+    ) -> None:
         self.flat_fn, self.decompositions, self.examples = flat_fn, decompositions, examples
         self.on_fakes = on_fakes
 
     def run(self) -> torch.fx.GraphModule:
         with torch.enable_grad(), fork_rng(self.examples), differentiable_rnns():
             if not self.on_fakes:
-                return trace_with_user_lines(self.flat_fn, self.decompositions,
-                                             tolerate_data_dependent_ops=True)(*self.examples)
+                return trace_with_user_lines(
+                    self.flat_fn, self.decompositions, tolerate_data_dependent_ops=True
+                )(*self.examples)
             fake_mode = FakeTensorMode()
             with fake_mode:
                 fakes = [fake_mode.from_tensor(e) for e in self.examples]
@@ -598,13 +716,15 @@ class _Trace:
                         "precompile on every rank instead (compile_on_one_rank=False)."
                     ) from e
 
-    def depends_on_coordinate(self, sharding: Distribution, code: str,
-                              recorder: GuardRecorder) -> bool:
+    def depends_on_coordinate(
+        self, sharding: Distribution, code: str, recorder: GuardRecorder
+    ) -> bool:
         """Whether the graph changes when this rank pretends to sit elsewhere in its meshes."""
         guards = list(recorder.guards)
-        others = [[(c + 1) % size for c, size in zip(mesh.get_coordinate(), mesh.shape,
-                                                     strict=True)]
-                  for mesh in sharding.meshes]
+        others = [
+            [(c + 1) % size for c, size in zip(mesh.get_coordinate(), mesh.shape, strict=True)]
+            for mesh in sharding.meshes
+        ]
         recorder.guards.clear()  # the rerun records its own
         try:
             with pretend_coordinate(sharding.meshes, others):
@@ -615,12 +735,15 @@ class _Trace:
             recorder.guards[:] = guards
 
 
-def _distribution_records(sharding: Distribution | None, coordinate_dependent: bool
-                          ) -> dict[str, Any]:
+def _distribution_records(
+    sharding: Distribution | None, coordinate_dependent: bool
+) -> dict[str, Any]:
     if sharding is None:
         return {}
-    return {"meshes": sharding.mesh_records(coordinate_dependent),
-            "distributed": (*(s.record for s in sharding.inputs.values()), *sharding.results)}
+    return {
+        "meshes": sharding.mesh_records(coordinate_dependent),
+        "distributed": (*(s.record for s in sharding.inputs.values()), *sharding.results),
+    }
 
 
 def _refuse_aliased_writes(layout: _Layout, mutated: Sequence[int]) -> None:
@@ -629,9 +752,11 @@ def _refuse_aliased_writes(layout: _Layout, mutated: Sequence[int]) -> None:
     if not mutated:
         return
     flat = [*layout.state.tensors, *(layout.inputs.leaves[i] for i in layout.tensor_positions)]
-    names = [*(f"model parameter {n!r}" for n in layout.state.param_names),
-             *(f"model buffer {n!r}" for n in layout.state.buffer_names),
-             *(f"input {layout.inputs.names[i]}" for i in layout.tensor_positions)]
+    names = [
+        *(f"model parameter {n!r}" for n in layout.state.param_names),
+        *(f"model buffer {n!r}" for n in layout.state.buffer_names),
+        *(f"input {layout.inputs.names[i]}" for i in layout.tensor_positions),
+    ]
     owners: dict[int, int] = {}
     for index, tensor in enumerate(flat):
         owners.setdefault(storage_id(tensor), index)
@@ -639,8 +764,9 @@ def _refuse_aliased_writes(layout: _Layout, mutated: Sequence[int]) -> None:
         if index >= len(flat):
             continue
         first = owners[storage_id(flat[index])]
-        others = [i for i, t in enumerate(flat)
-                  if i != index and storage_id(t) == storage_id(flat[index])]
+        others = [
+            i for i, t in enumerate(flat) if i != index and storage_id(t) == storage_id(flat[index])
+        ]
         if others:
             raise PrecompileError(
                 f"fn writes {names[index]} in place, and it shares memory with "
@@ -668,8 +794,15 @@ def _refuse_sharding_wrappers(modules: list[torch.nn.Module], names: list[str]) 
 def _input_record(leaf: Any, name: str, value: Any, shape: Any, bounds: Any) -> InputLeaf:
     if not isinstance(leaf, torch.Tensor):
         return InputLeaf(path=name, kind="value", value=value)
-    return InputLeaf(path=name, kind="tensor", shape=shape, dtype=str(leaf.dtype),
-                     device=str(leaf.device), requires_grad=leaf.requires_grad, bounds=bounds)
+    return InputLeaf(
+        path=name,
+        kind="tensor",
+        shape=shape,
+        dtype=str(leaf.dtype),
+        device=str(leaf.device),
+        requires_grad=leaf.requires_grad,
+        bounds=bounds,
+    )
 
 
 def _trace_symbolic(
@@ -680,8 +813,7 @@ def _trace_symbolic(
 ) -> torch.fx.GraphModule:
     try:
         with torch.enable_grad(), dynamic_inputs.fake_mode, differentiable_rnns():
-            return trace_with_user_lines(flat_fn, decompositions,
-                                         tracing_mode="symbolic")(*fakes)
+            return trace_with_user_lines(flat_fn, decompositions, tracing_mode="symbolic")(*fakes)
     except GuardOnDataDependentSymNode as e:
         raise PrecompileError(
             "fn branches on, or needs a fixed value of, a dim marked with mark_unbacked (or a "
@@ -693,8 +825,7 @@ def _trace_symbolic(
         ) from e
 
 
-def _output_aliases(results: list[Any], flat: tuple[torch.Tensor, ...]
-                    ) -> tuple[OutputAlias, ...]:
+def _output_aliases(results: list[Any], flat: tuple[torch.Tensor, ...]) -> tuple[OutputAlias, ...]:
     owners = {storage_id(t): i for i, t in enumerate(flat)}
     aliases: list[OutputAlias] = []
     for out, result in enumerate(results):
@@ -709,8 +840,9 @@ def _output_aliases(results: list[Any], flat: tuple[torch.Tensor, ...]
         layout = (*result.shape, *result.stride(), result.storage_offset())
         if all(isinstance(v, int) for v in layout):  # a view with symbolic sizes stays a copy
             offset = result.storage_offset() - flat[source].storage_offset()
-            aliases.append(OutputAlias(out, source, tuple(result.shape), tuple(result.stride()),
-                                       offset))
+            aliases.append(
+                OutputAlias(out, source, tuple(result.shape), tuple(result.stride()), offset)
+            )
     return tuple(aliases)
 
 
@@ -723,7 +855,9 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
             if type(source) is not torch.Tensor or source.layout is not torch.strided:
                 raise NotImplementedError("not a plain strided tensor")
             copy = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                source.untyped_storage().clone(), source.storage_offset(), source.shape,
+                source.untyped_storage().clone(),
+                source.storage_offset(),
+                source.shape,
                 source.stride(),
             )
         except (NotImplementedError, RuntimeError):
@@ -740,17 +874,17 @@ def fork_rng(tensors: list[torch.Tensor]) -> Any:
         yield
 
 
-def _reject_stray_gradients(state: ModelState, flat: tuple[torch.Tensor, ...], num_params: int
-                            ) -> None:
-    for name, tensor in zip(state.buffer_names, flat[num_params : len(state.tensors)],
-                            strict=True):
+def _reject_stray_gradients(
+    state: ModelState, flat: tuple[torch.Tensor, ...], num_params: int
+) -> None:
+    for name, tensor in zip(state.buffer_names, flat[num_params : len(state.tensors)], strict=True):
         if tensor.grad is not None:
             raise PrecompileError(
                 f"buffer {name!r} received a gradient (it has requires_grad=True), but only "
                 "parameters get gradients from a precompiled step. Register it with "
                 "register_parameter, or make it requires_grad=False."
             )
-    if any(t.grad is not None for t in flat[len(state.tensors):]):
+    if any(t.grad is not None for t in flat[len(state.tensors) :]):
         raise PrecompileError(
             "a runtime input received a gradient; a precompiled step only puts gradients on "
             "model parameters, so the input's gradient would be lost. Make it a parameter of "
@@ -788,10 +922,17 @@ def _name_placeholders(gm: torch.fx.GraphModule, layout: _Layout) -> None:
         *("p_" + n for n in state.param_names),
         *("b_" + n for n in state.buffer_names),
         *("in_" + layout.inputs.names[i] for i in layout.tensor_positions),
-        *(f"{o.name}_{state.param_names[e.param]}_{e.key}"
-          for o in layout.optimizers for e in o.entries if e.param in o.stepped),
-        *(f"{o.name}_lr_{g}" for o in layout.optimizers
-          for g in range(len(o.optimizer.param_groups))),
+        *(
+            f"{o.name}_{state.param_names[e.param]}_{e.key}"
+            for o in layout.optimizers
+            for e in o.entries
+            if e.param in o.stepped
+        ),
+        *(
+            f"{o.name}_lr_{g}"
+            for o in layout.optimizers
+            for g in range(len(o.optimizer.param_groups))
+        ),
     ]
     names = layout.wrapping.graph_names(names)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))

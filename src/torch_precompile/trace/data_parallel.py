@@ -55,9 +55,14 @@ class DataParallelArg:
         return bool(self.module.broadcast_buffers) and any(True for _ in self.module.buffers())
 
     def record(self) -> DataParallel:
-        return DataParallel(argument=self.argument, model=self.model, group=self.group,
-                            world_size=self.world_size, sync_grads=self.sync_grads,
-                            forward_sync=self.forward_sync)
+        return DataParallel(
+            argument=self.argument,
+            model=self.model,
+            group=self.group,
+            world_size=self.world_size,
+            sync_grads=self.sync_grads,
+            forward_sync=self.forward_sync,
+        )
 
 
 def data_parallel_class() -> Any:
@@ -66,8 +71,9 @@ def data_parallel_class() -> Any:
     return None if module is None else module.DistributedDataParallel
 
 
-def find_data_parallel(modules: Sequence[torch.nn.Module], names: Sequence[str]
-                       ) -> list[DataParallelArg]:
+def find_data_parallel(
+    modules: Sequence[torch.nn.Module], names: Sequence[str]
+) -> list[DataParallelArg]:
     """The DDP model arguments; each unsupported option is refused by name."""
     ddp_class = data_parallel_class()
     found = []
@@ -75,31 +81,54 @@ def find_data_parallel(modules: Sequence[torch.nn.Module], names: Sequence[str]
         if ddp_class is None or not isinstance(module, ddp_class):
             continue
         _refuse_options(module, name)
-        found.append(DataParallelArg(module=module, argument=name, model=index,
-                                     group=f"precompile/ddp/{name}",
-                                     sync_grads=bool(module.require_backward_grad_sync)))
+        found.append(
+            DataParallelArg(
+                module=module,
+                argument=name,
+                model=index,
+                group=f"precompile/ddp/{name}",
+                sync_grads=bool(module.require_backward_grad_sync),
+            )
+        )
     return found
 
 
 def _refuse_options(ddp: Any, name: str) -> None:
     options = data_parallel_options(ddp)
     unsupported = [
-        (options.find_unused_parameters, "find_unused_parameters=True",
-         "every parameter of the traced step gets a gradient or none on every rank alike, so "
-         "construct DDP without it"),
-        (options.static_graph, "static_graph=True (or _set_static_graph())",
-         "the precompiled graph is static by construction: construct DDP without it"),
-        (options.comm_hook, "a communication hook (register_comm_hook) or the python reducer",
-         "the graph averages gradients as DDP does by default: construct DDP without a hook"),
+        (
+            options.find_unused_parameters,
+            "find_unused_parameters=True",
+            "every parameter of the traced step gets a gradient or none on every rank alike, so "
+            "construct DDP without it",
+        ),
+        (
+            options.static_graph,
+            "static_graph=True (or _set_static_graph())",
+            "the precompiled graph is static by construction: construct DDP without it",
+        ),
+        (
+            options.comm_hook,
+            "a communication hook (register_comm_hook) or the python reducer",
+            "the graph averages gradients as DDP does by default: construct DDP without a hook",
+        ),
         (options.mixed_precision, "mixed_precision", "cast the model yourself before wrapping it"),
-        (options.ignored_parameters, "parameters_to_ignore",
-         "wrap the model without ignored parameters"),
-        (options.join, "the Join context manager (uneven inputs)",
-         "give every rank the same number of calls"),
-        (options.delayed_all_reduce, "delay_all_reduce_named_params",
-         "construct DDP without it"),
-        (options.buffer_hook, "a buffer communication hook",
-         "construct DDP without register_buffer_comm_hook"),
+        (
+            options.ignored_parameters,
+            "parameters_to_ignore",
+            "wrap the model without ignored parameters",
+        ),
+        (
+            options.join,
+            "the Join context manager (uneven inputs)",
+            "give every rank the same number of calls",
+        ),
+        (options.delayed_all_reduce, "delay_all_reduce_named_params", "construct DDP without it"),
+        (
+            options.buffer_hook,
+            "a buffer communication hook",
+            "construct DDP without register_buffer_comm_hook",
+        ),
     ]
     for present, option, advice in unsupported:
         if present:
@@ -126,8 +155,9 @@ def refuse_with_dtensors(found: Sequence[DataParallelArg], has_dtensors: bool) -
 
 
 @contextlib.contextmanager
-def tracing(found: Sequence[DataParallelArg], params: Sequence[Sequence[torch.Tensor]]
-            ) -> Iterator[None]:
+def tracing(
+    found: Sequence[DataParallelArg], params: Sequence[Sequence[torch.Tensor]]
+) -> Iterator[None]:
     """While fn is traced: each DDP's forward as DDP runs it, and each of its parameters'
     gradients averaged in buckets as they are accumulated. ``params[i]`` are ``found[i]``'s
     traced parameters (those that require grad)."""
@@ -174,7 +204,7 @@ class _GradientBuckets:
         reduced = all_reduce_sum(flat, self.arg.module.process_group)
         start = 0
         for param, grad in zip(self.pending, grads, strict=True):
-            param.grad = reduced[start:start + grad.numel()].view_as(grad)
+            param.grad = reduced[start : start + grad.numel()].view_as(grad)
             start += grad.numel()
         self.pending = []
 
@@ -205,8 +235,7 @@ def _forward_as_ddp(arg: DataParallelArg) -> Iterator[None]:
         if broadcasts and ddp.require_forward_param_sync:
             with torch.no_grad():
                 for buffer in ddp.module.buffers():
-                    buffer.copy_(broadcast_from(buffer, _AUTHORITATIVE_RANK,
-                                                ddp.process_group))
+                    buffer.copy_(broadcast_from(buffer, _AUTHORITATIVE_RANK, ddp.process_group))
         result = ddp.module(*inputs, **kwargs)
         ddp.require_forward_param_sync = torch.is_grad_enabled() and arg.sync_grads
         return result

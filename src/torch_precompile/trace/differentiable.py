@@ -56,16 +56,19 @@ def why_not_differentiable(spec: ArtifactSpec, dynamic: bool) -> str | None:
         (dynamic, "dims are marked dynamic"),
         (bool(spec.meshes), "it takes DTensors"),
         (bool(spec.wrapped), "it takes tensor subclasses"),
-        (bool(spec.data_parallel or spec.fully_sharded),
-         "it takes DistributedDataParallel or fully_shard models"),
+        (
+            bool(spec.data_parallel or spec.fully_sharded),
+            "it takes DistributedDataParallel or fully_shard models",
+        ),
         (bool(spec.output_aliases), "fn returns an input or a view of one"),
-        (_backward_hooks(spec), "a module has backward hooks (they would run at capture "
-                                "only)"),
+        (_backward_hooks(spec), "a module has backward hooks (they would run at capture only)"),
     )
     for applies, reason in reasons:
         if applies:
-            return (f"results carry no autograd history because {reason}, which the "
-                    "differentiable form does not support yet")
+            return (
+                f"results carry no autograd history because {reason}, which the "
+                "differentiable form does not support yet"
+            )
     return None
 
 
@@ -75,8 +78,9 @@ def _backward_hooks(spec: ArtifactSpec) -> bool:
     return any(kind.startswith("backward") and names for kind, names in sets)
 
 
-def differentiate(capture: Capture, backend: str,
-                  decompositions: Mapping[Any, Callable[..., Any]] | None) -> Differentiable:
+def differentiate(
+    capture: Capture, backend: str, decompositions: Mapping[Any, Callable[..., Any]] | None
+) -> Differentiable:
     """Split ``capture`` (whose fn ran no backward) into its forward and backward."""
     inputs = differentiable_inputs(capture.spec)
     gm = capture.graph
@@ -90,32 +94,49 @@ def differentiate(capture: Capture, backend: str,
     if num_tangents != len(with_history):  # the others are for inputs written in place
         raise PrecompileError(
             "fn writes values that carry autograd history into an input or buffer in place "
-            "(a key-value cache, say), which the differentiable form does not carry yet")
+            "(a key-value cache, say), which the differentiable form does not carry yet"
+        )
     num_saved = len(placeholders) - num_tangents
     # AOTAutograd returns the new values of the inputs fn writes (BatchNorm statistics) first;
     # the forward graph writes them back, as the capture did.
     forward = _forward_graph(split.forward, gm, outputs, tensor_slots, mutated, num_saved)
     saved_values = [p.meta.get("val") for p in placeholders if not is_tangent(p)]
-    saved_nodes = list(forward.graph.output_node().args[0])[len(outputs):]
+    saved_nodes = list(forward.graph.output_node().args[0])[len(outputs) :]
     backward = _backward_graph(
-        split.backward, len(capture.example_inputs), inputs,
-        [*(node.name for node in saved_nodes),
-         *(f"grad_of_result_{tensor_slots[n]}" for n in with_history)])
+        split.backward,
+        len(capture.example_inputs),
+        inputs,
+        [
+            *(node.name for node in saved_nodes),
+            *(f"grad_of_result_{tensor_slots[n]}" for n in with_history),
+        ],
+    )
     record = Autograd(
-        inputs=tuple(inputs), outputs=tuple(tensor_slots[n] for n in with_history),
+        inputs=tuple(inputs),
+        outputs=tuple(tensor_slots[n] for n in with_history),
         tangent_strides=tuple(tuple(split.outputs[n].stride()) for n in with_history),
-        saved=tuple(_saved_entry(node, value)
-                    for node, value in zip(saved_nodes, saved_values, strict=True)))
-    backward_examples = [*(_example(v) for v in saved_values),
-                         *(torch.zeros_like(split.outputs[n]) for n in with_history)]
+        saved=tuple(
+            _saved_entry(node, value) for node, value in zip(saved_nodes, saved_values, strict=True)
+        ),
+    )
+    backward_examples = [
+        *(_example(v) for v in saved_values),
+        *(torch.zeros_like(split.outputs[n]) for n in with_history),
+    ]
     return Differentiable(
         dataclasses.replace(capture, graph=forward),
         Capture(backward, [], _backward_spec(capture.spec), backward_examples),
-        record)
+        record,
+    )
 
 
-def _traced(capture: Capture, inputs: list[int], tensor_slots: list[int], backend: str,
-            decompositions: Mapping[Any, Callable[..., Any]] | None) -> SplitGraphs:
+def _traced(
+    capture: Capture,
+    inputs: list[int],
+    tensor_slots: list[int],
+    backend: str,
+    decompositions: Mapping[Any, Callable[..., Any]] | None,
+) -> SplitGraphs:
     """AOTAutograd's forward and backward of the captured graph's tensor results; a result
     that may alias an input or another result is returned as a copy."""
     outputs = list(capture.graph.graph.output_node().args[0])
@@ -128,14 +149,17 @@ def _traced(capture: Capture, inputs: list[int], tensor_slots: list[int], backen
 
     # Copies: the traced run writes what fn writes (BatchNorm statistics), and the examples
     # include the caller's own buffers.
-    examples = [t.detach().clone().requires_grad_(i in inputs)
-                for i, t in enumerate([*capture.example_inputs, *capture.literals])]
+    examples = [
+        t.detach().clone().requires_grad_(i in inputs)
+        for i, t in enumerate([*capture.example_inputs, *capture.literals])
+    ]
     # The graph already holds autocast's casts: it is traced with autocast off.
     with fork_rng(examples), contextlib.ExitStack() as stack:
         for device in sorted({t.device.type for t in examples}):
             stack.enter_context(torch.autocast(device, enabled=False))
-        return split_forward_backward(pure, examples, min_cut=backend == "inductor",
-                                      decompositions=decompositions)
+        return split_forward_backward(
+            pure, examples, min_cut=backend == "inductor", decompositions=decompositions
+        )
 
 
 def _without_baked_reads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -150,41 +174,49 @@ def _without_baked_reads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-def _forward_graph(aot_forward: torch.fx.GraphModule, captured: torch.fx.GraphModule,
-                   outputs: list[Any], tensor_slots: list[int], mutated: list[int],
-                   num_saved: int) -> torch.fx.GraphModule:
+def _forward_graph(
+    aot_forward: torch.fx.GraphModule,
+    captured: torch.fx.GraphModule,
+    outputs: list[Any],
+    tensor_slots: list[int],
+    mutated: list[int],
+    num_saved: int,
+) -> torch.fx.GraphModule:
     """AOTAutograd's forward with the capture's calling convention: the same inputs (named
     as the capture names them), the writes to mutated inputs done in the graph, the capture's
     outputs (constants included), then the saved values."""
     graph = aot_forward.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
-    for node, original in zip(placeholders, captured.graph.find_nodes(op="placeholder"),
-                              strict=True):
+    for node, original in zip(
+        placeholders, captured.graph.find_nodes(op="placeholder"), strict=True
+    ):
         rename_node(node, original.name)
         node.target = node.name
     output = graph.output_node()
     values = list(output.args[0])
-    new_values, rest = values[:len(mutated)], values[len(mutated):]
+    new_values, rest = values[: len(mutated)], values[len(mutated) :]
     if len(rest) != len(tensor_slots) + num_saved:
         raise PrecompileError(
             "internal: AOTAutograd's forward returns values this package does not place "
             f"({len(values)} for {len(mutated)} written inputs, {len(tensor_slots)} results "
-            f"and {num_saved} saved values)")
+            f"and {num_saved} saved values)"
+        )
     with graph.inserting_before(output):
         for index, value in zip(mutated, new_values, strict=True):
             graph.call_function(torch.ops.aten.copy_.default, (placeholders[index], value))
     results = list(outputs)
     for slot, value in zip(tensor_slots, rest, strict=False):
         results[slot] = value
-    output.args = ([*results, *rest[len(tensor_slots):]],)
+    output.args = ([*results, *rest[len(tensor_slots) :]],)
     graph.lint()
     gm = torch.fx.GraphModule(aot_forward, graph)
     gm.recompile()
     return gm
 
 
-def _backward_graph(aot_backward: torch.fx.GraphModule, num_flat: int, inputs: list[int],
-                    names: list[str]) -> torch.fx.GraphModule:
+def _backward_graph(
+    aot_backward: torch.fx.GraphModule, num_flat: int, inputs: list[int], names: list[str]
+) -> torch.fx.GraphModule:
     """AOTAutograd's backward, returning a gradient for each differentiable flat input only
     (literals and other inputs get none). Each saved value is named as the forward names it,
     each tangent after the result it belongs to."""
@@ -204,17 +236,20 @@ def _backward_graph(aot_backward: torch.fx.GraphModule, num_flat: int, inputs: l
 def _backward_spec(spec: ArtifactSpec) -> ArtifactSpec:
     """The spec a lowering reads for the backward graph: no driver-checked inputs (Inductor
     keeps its own layout asserts), no aliases, nothing written."""
-    return dataclasses.replace(spec, model=(), inputs=(), output_aliases=(), mutated=(),
-                               value_guards=(), variants=())
+    return dataclasses.replace(
+        spec, model=(), inputs=(), output_aliases=(), mutated=(), value_guards=(), variants=()
+    )
 
 
 def _example(value: Any) -> torch.Tensor:
     """A real tensor standing in for a saved value the backward graph takes."""
     if not isinstance(value, torch.Tensor):
         raise PrecompileError(
-            "internal: the backward graph takes a saved value that is not a tensor")
-    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                               device=value.device).zero_()
+            "internal: the backward graph takes a saved value that is not a tensor"
+        )
+    return torch.empty_strided(
+        value.shape, value.stride(), dtype=value.dtype, device=value.device
+    ).zero_()
 
 
 def _saved_entry(node: torch.fx.Node, value: torch.Tensor) -> str:

@@ -50,8 +50,9 @@ class Distribution:
     def locals(self, examples: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The examples with each DTensor replaced by (a detached alias of) its local tensor."""
         with torch.no_grad():
-            return [e.to_local().detach() if i in self.inputs else e
-                    for i, e in enumerate(examples)]
+            return [
+                e.to_local().detach() if i in self.inputs else e for i, e in enumerate(examples)
+            ]
 
     def rebuild(self, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Inside the trace: DTensors around the local flat inputs; parameters as leaves."""
@@ -60,9 +61,13 @@ class Distribution:
         views = list(flat)
         for index, sharded in self.inputs.items():
             dtensor = DTensor.from_local(
-                flat[index], self.meshes[sharded.record.mesh], sharded.placements,
-                run_check=False, shape=torch.Size(sharded.record.shape),
-                stride=sharded.record.strides)
+                flat[index],
+                self.meshes[sharded.record.mesh],
+                sharded.placements,
+                run_check=False,
+                shape=torch.Size(sharded.record.shape),
+                stride=sharded.record.strides,
+            )
             if sharded.requires_grad:
                 dtensor = dtensor.detach().requires_grad_(True)
             views[index] = dtensor
@@ -84,22 +89,33 @@ class Distribution:
         for index, leaf in enumerate(leaves):
             if is_dtensor(leaf):
                 self._check_placements(leaf, f"result leaf {index}")
-                self.results.append(DistributedTensor(
-                    role="result", index=index, name=f"result leaf {index}",
-                    mesh=self._mesh_index(leaf.device_mesh, f"result leaf {index}"),
-                    placements=tuple(placement_text(p) for p in leaf.placements),
-                    shape=tuple(leaf.shape), strides=tuple(leaf.stride()),
-                    local_shape=tuple(leaf.to_local().shape)))
+                self.results.append(
+                    DistributedTensor(
+                        role="result",
+                        index=index,
+                        name=f"result leaf {index}",
+                        mesh=self._mesh_index(leaf.device_mesh, f"result leaf {index}"),
+                        placements=tuple(placement_text(p) for p in leaf.placements),
+                        shape=tuple(leaf.shape),
+                        strides=tuple(leaf.stride()),
+                        local_shape=tuple(leaf.to_local().shape),
+                    )
+                )
                 unwrapped[index] = leaf.to_local()
         return unwrapped
 
     def mesh_records(self, coordinate_dependent: bool) -> tuple[Mesh, ...]:
         return tuple(
-            Mesh(device_type=mesh.device_type, shape=tuple(mesh.shape),
-                 dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-                 ranks=tuple(mesh.mesh.flatten().tolist()), groups=group_names(mesh),
-                 coordinate=tuple(mesh.get_coordinate()) if coordinate_dependent else None)
-            for mesh in self.meshes)
+            Mesh(
+                device_type=mesh.device_type,
+                shape=tuple(mesh.shape),
+                dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+                ranks=tuple(mesh.mesh.flatten().tolist()),
+                groups=group_names(mesh),
+                coordinate=tuple(mesh.get_coordinate()) if coordinate_dependent else None,
+            )
+            for mesh in self.meshes
+        )
 
     def group_names(self) -> dict[str, str]:
         """This process's name of each mesh dim's group -> the graph's name for it, and those
@@ -153,10 +169,15 @@ def find_dtensors(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> Dist
             position = len(meshes)
             meshes.append(mesh)
         record = DistributedTensor(
-            role="input", index=index, name=name, mesh=position,
+            role="input",
+            index=index,
+            name=name,
+            mesh=position,
             placements=tuple(placement_text(p) for p in tensor.placements),
-            shape=tuple(tensor.shape), strides=tuple(tensor.stride()),
-            local_shape=tuple(tensor.to_local().shape))
+            shape=tuple(tensor.shape),
+            strides=tuple(tensor.stride()),
+            local_shape=tuple(tensor.to_local().shape),
+        )
         inputs[index] = Sharded(record, tuple(tensor.placements), tensor.requires_grad)
     return Distribution(inputs, meshes) if inputs else None
 
@@ -195,8 +216,7 @@ def group_names(mesh: Any) -> tuple[str, ...]:
     data-parallel replica's sub-mesh serves)."""
     shape = "x".join(str(s) for s in mesh.shape)
     dims = mesh.mesh_dim_names or [str(d) for d in range(mesh.ndim)]
-    return tuple(f"precompile/{mesh.device_type}/{shape}/{','.join(dims)}/{dim}"
-                 for dim in dims)
+    return tuple(f"precompile/{mesh.device_type}/{shape}/{','.join(dims)}/{dim}" for dim in dims)
 
 
 def _refuse_nested(tensor: Any, name: str) -> None:

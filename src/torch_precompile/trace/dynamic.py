@@ -91,11 +91,14 @@ def read_marks(leaves: Sequence[Any], names: Sequence[str]) -> list[dict[int, Ma
                 raise PrecompileError(
                     f"input {name} is marked dynamic in dim {dim}, but it has {leaf.dim()} dims."
                 )
-        marks.append({
-            dim % leaf.dim(): Mark(shape_ids.get(dim), *bounds.get(dim, (None, None)),
-                                   hints.get(dim))
-            for dim in dims
-        })
+        marks.append(
+            {
+                dim % leaf.dim(): Mark(
+                    shape_ids.get(dim), *bounds.get(dim, (None, None)), hints.get(dim)
+                )
+                for dim in dims
+            }
+        )
     return marks
 
 
@@ -162,12 +165,17 @@ def fake_inputs(
                 occurrences[slot].append((index, dim))
                 sizes.append(symbol)
             memory_formats[index] = memory_format_name(leaf, name)
-            fake = torch.empty(sizes, dtype=leaf.dtype, device=leaf.device,
-                               memory_format=MEMORY_FORMATS[memory_formats[index]])
+            fake = torch.empty(
+                sizes,
+                dtype=leaf.dtype,
+                device=leaf.device,
+                memory_format=MEMORY_FORMATS[memory_formats[index]],
+            )
             fakes.append(fake.requires_grad_(leaf.requires_grad))
         forget_pending_unbacked(shape_env)
-    return DynamicInputs(fakes, fake_mode, [s.node.expr for s in symbols], labels, occurrences,
-                         memory_formats)
+    return DynamicInputs(
+        fakes, fake_mode, [s.node.expr for s in symbols], labels, occurrences, memory_formats
+    )
 
 
 def check_not_specialized(dynamic: DynamicInputs, names: Sequence[str]) -> None:
@@ -192,8 +200,7 @@ def shape_relations(dynamic: DynamicInputs, names: Sequence[str]) -> tuple[SizeR
     """
     shape_env = dynamic.fake_mode.shape_env
     slot_of = {symbol: i for i, symbol in enumerate(dynamic.symbols)}
-    readable = [f"input {names[places[0][0]]} dim {places[0][1]}"
-                for places in dynamic.occurrences]
+    readable = [f"input {names[places[0][0]]} dim {places[0][1]}" for places in dynamic.occurrences]
     relations: list[SizeRelation] = []
     for expr in deferred_asserts(shape_env):
         if not expr.free_symbols or _is_plain_bound(expr, slot_of):
@@ -248,10 +255,21 @@ def _operator(e: Any) -> str | None:
 
     floor_div, mods = size_function_types()
     kinds: list[tuple[Any, str]] = [
-        (sympy.Add, "+"), (sympy.Mul, "*"), (floor_div, "//"), ((*mods, sympy.Mod), "%"),
-        (sympy.Eq, "=="), (sympy.Ne, "!="), (sympy.Le, "<="), (sympy.Lt, "<"), (sympy.Ge, ">="),
-        (sympy.Gt, ">"), (sympy.And, "and"), (sympy.Or, "or"), (sympy.Not, "not"),
-        (sympy.Max, "max"), (sympy.Min, "min"),
+        (sympy.Add, "+"),
+        (sympy.Mul, "*"),
+        (floor_div, "//"),
+        ((*mods, sympy.Mod), "%"),
+        (sympy.Eq, "=="),
+        (sympy.Ne, "!="),
+        (sympy.Le, "<="),
+        (sympy.Lt, "<"),
+        (sympy.Ge, ">="),
+        (sympy.Gt, ">"),
+        (sympy.And, "and"),
+        (sympy.Or, "or"),
+        (sympy.Not, "not"),
+        (sympy.Max, "max"),
+        (sympy.Min, "min"),
     ]
     return next((op for kind, op in kinds if isinstance(e, kind)), None)
 

@@ -51,17 +51,20 @@ class FullySharded:
     groups: tuple[tuple[int, str, ShardedGroup], ...] = ()
 
     def records(self) -> tuple[FullyShardedGroup, ...]:
-        return tuple(FullyShardedGroup(
-            model=index, module="" if path == "(the root)" else path,
-            reshard_after_forward=bool(group.reshard_after_forward),
-            param_dtype=None if group.param_dtype is None else str(group.param_dtype),
-            reduce_dtype=None if group.reduce_dtype is None else str(group.reduce_dtype),
-            divide_factor=group.divide_factor)
-            for index, path, group in self.groups)
+        return tuple(
+            FullyShardedGroup(
+                model=index,
+                module="" if path == "(the root)" else path,
+                reshard_after_forward=bool(group.reshard_after_forward),
+                param_dtype=None if group.param_dtype is None else str(group.param_dtype),
+                reduce_dtype=None if group.reduce_dtype is None else str(group.reduce_dtype),
+                divide_factor=group.divide_factor,
+            )
+            for index, path, group in self.groups
+        )
 
 
-def find_fully_sharded(modules: Sequence[torch.nn.Module], names: Sequence[str]
-                       ) -> FullySharded:
+def find_fully_sharded(modules: Sequence[torch.nn.Module], names: Sequence[str]) -> FullySharded:
     """Every FSDP2 module and param group; each setting the graph cannot hold is refused by
     name."""
     found = []
@@ -93,8 +96,7 @@ def find_fully_sharded(modules: Sequence[torch.nn.Module], names: Sequence[str]
                 # What fully_shard does at the first forward: the root keeps its parameters.
                 group = dataclasses.replace(group, reshard_after_forward=False)
             found.append((index, path, group))
-    return FullySharded(tuple(m for model in modules for m in fsdp_modules(model)),
-                        tuple(found))
+    return FullySharded(tuple(m for model in modules for m in fsdp_modules(model)), tuple(found))
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,9 @@ _Leaves = list[tuple[torch.nn.Module, str, Any]]
 
 
 @contextlib.contextmanager
-def tracing(found: FullySharded, originals: Sequence[torch.Tensor],
-            flat: Sequence[torch.Tensor]) -> Iterator[None]:
+def tracing(
+    found: FullySharded, originals: Sequence[torch.Tensor], flat: Sequence[torch.Tensor]
+) -> Iterator[None]:
     """While fn is traced: FSDP2's hooks set aside, gathers and reduce-scatters written in.
 
     ``originals`` are the model tensors in flat order (the parameters FSDP2 holds) and
@@ -130,14 +133,19 @@ def tracing(found: FullySharded, originals: Sequence[torch.Tensor],
     groups = [group for _, _, group in found.groups]
     with contextlib.ExitStack() as stack:
         stack.enter_context(without_fsdp_hooks(found.modules))
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
-            lambda t: _pack(t, gathered), _unpack))
+        stack.enter_context(
+            torch.autograd.graph.saved_tensors_hooks(lambda t: _pack(t, gathered), _unpack)
+        )
         for group in groups:
-            leaves = [(owner, attr, flat[index_of[id(sharded)]])
-                      for owner, attr, sharded in group.params]
+            leaves = [
+                (owner, attr, flat[index_of[id(sharded)]]) for owner, attr, sharded in group.params
+            ]
             for module in group.modules:
-                stack.callback(module.register_forward_pre_hook(
-                    _before(group, leaves, gathered), with_kwargs=True).remove)
+                stack.callback(
+                    module.register_forward_pre_hook(
+                        _before(group, leaves, gathered), with_kwargs=True
+                    ).remove
+                )
                 stack.callback(module.register_forward_hook(_after(group, leaves)).remove)
         yield
 
@@ -148,8 +156,9 @@ def _before(group: ShardedGroup, leaves: _Leaves, gathered: _Gathered) -> Any:
 
     def regathered(index: int) -> torch.Tensor:
         if "fulls" not in again:
-            again["fulls"] = gather(bucket, [leaf.to_local() for _, _, leaf in leaves],
-                                    differentiable=False)
+            again["fulls"] = gather(
+                bucket, [leaf.to_local() for _, _, leaf in leaves], differentiable=False
+            )
         return again["fulls"][index]
 
     def gather_group(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
@@ -157,8 +166,9 @@ def _before(group: ShardedGroup, leaves: _Leaves, gathered: _Gathered) -> Any:
             fulls = [_gather(leaf, group, differentiable=True) for _, _, leaf in leaves]
             sources = [functools.partial(_gather, leaf, group, False) for _, _, leaf in leaves]
         else:
-            fulls = list(gather(bucket, [leaf.to_local() for _, _, leaf in leaves],
-                                differentiable=True))
+            fulls = list(
+                gather(bucket, [leaf.to_local() for _, _, leaf in leaves], differentiable=True)
+            )
             sources = [functools.partial(regathered, i) for i in range(len(leaves))]
         for (owner, attr, _), full, source in zip(leaves, fulls, sources, strict=True):
             bind_parameter(owner, attr, full)
@@ -172,8 +182,7 @@ def _before(group: ShardedGroup, leaves: _Leaves, gathered: _Gathered) -> Any:
     return gather_group
 
 
-def _after(group: ShardedGroup, leaves: list[tuple[torch.nn.Module, str, torch.Tensor]]
-           ) -> Any:
+def _after(group: ShardedGroup, leaves: list[tuple[torch.nn.Module, str, torch.Tensor]]) -> Any:
     def reshard_group(module: torch.nn.Module, args: Any, output: Any) -> Any:
         for owner, attr, leaf in leaves:
             bind_parameter(owner, attr, leaf)
@@ -190,8 +199,12 @@ def _gather(leaf: Any, group: ShardedGroup, differentiable: bool) -> torch.Tenso
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     mesh, tensor_parallel = leaf.device_mesh, tuple(leaf.placements[1:])
-    full = leaf.redistribute(mesh, [Replicate(), *tensor_parallel],
-                             forward_dtype=group.param_dtype, backward_dtype=group.reduce_dtype)
+    full = leaf.redistribute(
+        mesh,
+        [Replicate(), *tensor_parallel],
+        forward_dtype=group.param_dtype,
+        backward_dtype=group.reduce_dtype,
+    )
     if not differentiable:
         local = full.to_local()
     else:
@@ -200,8 +213,14 @@ def _gather(leaf: Any, group: ShardedGroup, differentiable: bool) -> torch.Tenso
         local.register_hook(lambda grad: grad * scale)
     if not tensor_parallel:
         return local
-    return DTensor.from_local(local, mesh[mesh.mesh_dim_names[1]], tensor_parallel,
-                              run_check=False, shape=full.shape, stride=full.stride())
+    return DTensor.from_local(
+        local,
+        mesh[mesh.mesh_dim_names[1]],
+        tensor_parallel,
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
+    )
 
 
 def _pack(tensor: torch.Tensor, gathered: _Gathered) -> Any:
@@ -210,13 +229,20 @@ def _pack(tensor: torch.Tensor, gathered: _Gathered) -> Any:
     if entry is None or entry[0] is not base:
         return tensor
     if not is_dtensor(tensor):
-        return _Regather(entry[1], tuple(tensor.shape), tuple(tensor.stride()),
-                         tensor.storage_offset() - base.storage_offset())
+        return _Regather(
+            entry[1],
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.storage_offset() - base.storage_offset(),
+        )
     local, base_local = tensor.to_local(), base.to_local()
-    return _Regather(entry[1], tuple(local.shape), tuple(local.stride()),
-                     local.storage_offset() - base_local.storage_offset(),
-                     (tensor.device_mesh, tuple(tensor.placements), tensor.shape,
-                      tuple(tensor.stride())))
+    return _Regather(
+        entry[1],
+        tuple(local.shape),
+        tuple(local.stride()),
+        local.storage_offset() - base_local.storage_offset(),
+        (tensor.device_mesh, tuple(tensor.placements), tensor.shape, tuple(tensor.stride())),
+    )
 
 
 def _unpack(saved: Any) -> Any:
@@ -231,11 +257,10 @@ def _unpack(saved: Any) -> Any:
     local = full.to_local()
     view = local.as_strided(saved.size, saved.stride, local.storage_offset() + saved.offset)
     mesh, placements, shape, stride = saved.dtensor
-    return DTensor.from_local(view, mesh, placements, run_check=False, shape=shape,
-                              stride=stride)
+    return DTensor.from_local(view, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return pytree.tree_map(
-        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
-        tree)
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
+    )

@@ -43,8 +43,10 @@ def bucket_of(group: ShardedGroup, leaves: Sequence[Any]) -> Bucket | None:
     data-parallel process group (those are gathered one by one, as DTensors). On a (dp, tp)
     mesh the shards gathered over dp make the parameter's tensor-parallel local tensor."""
     size = group.mesh.size()
-    process_groups = {mesh.get_group(0).group_name: mesh.get_group(0)
-                      for mesh in {leaf.device_mesh for leaf in leaves}}
+    process_groups = {
+        mesh.get_group(0).group_name: mesh.get_group(0)
+        for mesh in {leaf.device_mesh for leaf in leaves}
+    }
     if len(process_groups) != 1:
         return None
     tensor_parallel: list[_TensorParallel | None] = []
@@ -53,19 +55,27 @@ def bucket_of(group: ShardedGroup, leaves: Sequence[Any]) -> Bucket | None:
         first, *rest = leaf.placements
         if type(first).__name__ not in ("Shard", "_StridedShard") or first.dim != 0:
             return None
-        splits = size * math.prod(mesh.size(d + 1) for d, p in enumerate(rest)
-                                  if getattr(p, "dim", None) == 0)
+        splits = size * math.prod(
+            mesh.size(d + 1) for d, p in enumerate(rest) if getattr(p, "dim", None) == 0
+        )
         if leaf.shape[0] % splits:
             return None
-        tensor_parallel.append((mesh[mesh.mesh_dim_names[1]], tuple(rest), leaf.shape,
-                                leaf.stride()) if rest else None)
-    return Bucket(next(iter(process_groups.values())), size, group.param_dtype,
-                  group.reduce_dtype, 1.0 / (group.divide_factor or size),
-                  tuple(tensor_parallel) if any(tensor_parallel) else ())
+        tensor_parallel.append(
+            (mesh[mesh.mesh_dim_names[1]], tuple(rest), leaf.shape, leaf.stride()) if rest else None
+        )
+    return Bucket(
+        next(iter(process_groups.values())),
+        size,
+        group.param_dtype,
+        group.reduce_dtype,
+        1.0 / (group.divide_factor or size),
+        tuple(tensor_parallel) if any(tensor_parallel) else (),
+    )
 
 
-def gather(bucket: Bucket, shards: Sequence[torch.Tensor], differentiable: bool
-           ) -> tuple[torch.Tensor, ...]:
+def gather(
+    bucket: Bucket, shards: Sequence[torch.Tensor], differentiable: bool
+) -> tuple[torch.Tensor, ...]:
     """Each parameter in full (a DTensor on ``tp`` under tensor parallelism), from this
     rank's local ``shards`` (of the parameters' dtype)."""
     if differentiable:
@@ -77,10 +87,14 @@ def gather(bucket: Bucket, shards: Sequence[torch.Tensor], differentiable: bool
         return tuple(fulls)
     from torch.distributed.tensor import DTensor
 
-    return tuple(full if on_tp is None else
-                 DTensor.from_local(full, on_tp[0], on_tp[1], run_check=False, shape=on_tp[2],
-                                    stride=on_tp[3])
-                 for full, on_tp in zip(fulls, bucket.tensor_parallel, strict=True))
+    return tuple(
+        full
+        if on_tp is None
+        else DTensor.from_local(
+            full, on_tp[0], on_tp[1], run_check=False, shape=on_tp[2], stride=on_tp[3]
+        )
+        for full, on_tp in zip(fulls, bucket.tensor_parallel, strict=True)
+    )
 
 
 def _gathered(bucket: Bucket, shards: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -89,7 +103,7 @@ def _gathered(bucket: Bucket, shards: Sequence[torch.Tensor]) -> tuple[torch.Ten
     rows = all_gather_rows(flat, bucket.process_group)
     fulls, start = [], 0
     for shard in shards:
-        piece = rows[:, start:start + shard.numel()]
+        piece = rows[:, start : start + shard.numel()]
         fulls.append(piece.reshape(bucket.size * shard.shape[0], *shard.shape[1:]))
         start += shard.numel()
     return tuple(fulls)
@@ -110,14 +124,18 @@ class _GatherBucket(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         bucket = ctx.bucket
         dtype = bucket.reduce_dtype or bucket.param_dtype or ctx.dtypes[0]
-        rows = [(torch.zeros((bucket.size * shape[0], *shape[1:]), dtype=dtype)
-                 if grad is None else grad.to(dtype)).reshape(bucket.size, -1)
-                for grad, shape in zip(grads, ctx.shapes, strict=True)]
-        reduced = reduce_scatter_sum(torch.cat(rows, dim=1) * bucket.scale,
-                                     bucket.process_group)
+        rows = [
+            (
+                torch.zeros((bucket.size * shape[0], *shape[1:]), dtype=dtype)
+                if grad is None
+                else grad.to(dtype)
+            ).reshape(bucket.size, -1)
+            for grad, shape in zip(grads, ctx.shapes, strict=True)
+        ]
+        reduced = reduce_scatter_sum(torch.cat(rows, dim=1) * bucket.scale, bucket.process_group)
         out, start = [], 0
         for shape, param_dtype in zip(ctx.shapes, ctx.dtypes, strict=True):
             count = shape.numel()
-            out.append(reduced[start:start + count].view(shape).to(param_dtype))
+            out.append(reduced[start : start + count].view(shape).to(param_dtype))
             start += count
         return (None, *out)

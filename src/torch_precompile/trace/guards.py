@@ -70,8 +70,7 @@ class GuardRecorder(TorchDispatchMode):
         finally:
             super().__exit__(*exc)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self._ops_seen += 1
         self._depth += 1
@@ -86,8 +85,7 @@ class GuardRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func is aten._local_scalar_dense.default or func is aten.item.default:
             if not self._is_fixed(args[0]):
-                self._add(args[0], out,
-                          "a tensor value read into Python (bool(), .item(), int())")
+                self._add(args[0], out, "a tensor value read into Python (bool(), .item(), int())")
         elif func is aten.is_nonzero.default:
             self._add(args[0] != 0, out, "a tensor's truth value (if tensor:, bool(tensor))")
         elif func is aten.equal.default:
@@ -127,8 +125,9 @@ class GuardRecorder(TorchDispatchMode):
         if self._ops_seen != seen:  # the comparison was traced: the read was fn's
             self._add(guard, expected, what, after)
 
-    def _pack_padded_sequence(self, func: Any, data: torch.Tensor, lengths: torch.Tensor,
-                              batch_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pack_padded_sequence(
+        self, func: Any, data: torch.Tensor, lengths: torch.Tensor, batch_first: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The packing as fixed-index operations, with the lengths it was built for guarded.
 
         The operator reads ``lengths`` in C++ and its outputs' sizes follow them, so the
@@ -137,9 +136,12 @@ class GuardRecorder(TorchDispatchMode):
         values = _TOLIST(lengths) if lengths.dim() == 1 else []
         if values:
             shown = f" ({values})" if len(values) <= 16 else ""
-            self._add((lengths == torch.tensor(values, dtype=lengths.dtype)).all(), True,
-                      "whether the lengths given to pack_padded_sequence "
-                      "(aten._pack_padded_sequence)", f" equal those at capture{shown}")
+            self._add(
+                (lengths == torch.tensor(values, dtype=lengths.dtype)).all(),
+                True,
+                "whether the lengths given to pack_padded_sequence (aten._pack_padded_sequence)",
+                f" equal those at capture{shown}",
+            )
         if not _packable(data, lengths, values, batch_first):
             return func(data, lengths, batch_first)  # raises the operator's own error
         steps = data.transpose(0, 1) if batch_first else data  # (time, batch, *features)
@@ -155,8 +157,12 @@ class GuardRecorder(TorchDispatchMode):
     def _is_fixed(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` views the batch sizes of a packing, which the lengths' guard
         already fixes."""
-        if (not self._fixed or tensor.device.type != "cpu" or tensor.layout is not torch.strided
-                or _is_fake(tensor)):
+        if (
+            not self._fixed
+            or tensor.device.type != "cpu"
+            or tensor.layout is not torch.strided
+            or _is_fake(tensor)
+        ):
             return False
         address = tensor.untyped_storage().data_ptr()
         return any(address == f.untyped_storage().data_ptr() for f in self._fixed)
@@ -166,8 +172,11 @@ class GuardRecorder(TorchDispatchMode):
         if func is aten.index.Tensor:
             masks = [i for i in args[1] if i is not None and i.dtype in (torch.bool, torch.uint8)]
             for mask in masks:
-                self._add((mask != 0).sum(), int((mask != 0).sum()),
-                          f"the number of True entries of a boolean index, {where}")
+                self._add(
+                    (mask != 0).sum(),
+                    int((mask != 0).sum()),
+                    f"the number of True entries of a boolean index, {where}",
+                )
             return
         if func is aten.nonzero.default:
             self._add((args[0] != 0).sum(), out.shape[0], f"the number of nonzero entries, {where}")
@@ -218,16 +227,26 @@ def _flat(values: Any) -> list[Any]:
     return [v for item in values for v in _flat(item)]
 
 
-def _packable(data: torch.Tensor, lengths: torch.Tensor, values: list[int],
-              batch_first: bool) -> bool:
+def _packable(
+    data: torch.Tensor, lengths: torch.Tensor, values: list[int], batch_first: bool
+) -> bool:
     """Whether ``aten._pack_padded_sequence`` accepts these arguments: lengths a 1-D CPU int64
     tensor, one per sequence, decreasing, positive, none beyond the padded length."""
-    if (data.dim() < 2 or data.numel() == 0 or lengths.dtype != torch.int64
-            or lengths.device.type != "cpu" or not values):
+    if (
+        data.dim() < 2
+        or data.numel() == 0
+        or lengths.dtype != torch.int64
+        or lengths.device.type != "cpu"
+        or not values
+    ):
         return False
     time, batch = (data.shape[1], data.shape[0]) if batch_first else data.shape[:2]
-    return (len(values) == batch and values[-1] > 0 and values[0] <= time
-            and all(later <= earlier for earlier, later in itertools.pairwise(values)))
+    return (
+        len(values) == batch
+        and values[-1] > 0
+        and values[0] <= time
+        and all(later <= earlier for earlier, later in itertools.pairwise(values))
+    )
 
 
 def _is_fake(tensor: Any) -> bool:

@@ -47,8 +47,9 @@ def tensor_hooks(tensor: torch.Tensor) -> tuple[HookSet, ...]:
     return hook_sets(tensor, TENSOR_HOOKS)
 
 
-def hook_functions(modules: Sequence[torch.nn.Module], tensors: Sequence[torch.Tensor]
-                   ) -> Iterator[tuple[str, Any]]:
+def hook_functions(
+    modules: Sequence[torch.nn.Module], tensors: Sequence[torch.Tensor]
+) -> Iterator[tuple[str, Any]]:
     """Every hook the trace may run, with how to name it: module hooks, process-wide module
     hooks and tensor hooks on the model's tensors."""
     for module in modules:
@@ -73,8 +74,14 @@ def reachable_containers(functions: Sequence[tuple[str, Any]]) -> list[Slot]:
         for container, where in _containers(function):
             if id(container) not in seen:
                 seen.add(id(container))
-                slots.append(Slot({"value": container}, "value", f"{where}, which {who} "
-                                  "reaches,", _SIDE_EFFECT_FIX))
+                slots.append(
+                    Slot(
+                        {"value": container},
+                        "value",
+                        f"{where}, which {who} reaches,",
+                        _SIDE_EFFECT_FIX,
+                    )
+                )
     return slots
 
 
@@ -124,8 +131,12 @@ def refuse_unreplayable_modules(modules: Sequence[tuple[str, torch.nn.Module]]) 
                     "capture. Use torch.nn.utils.parametrizations.weight_norm (its weight is "
                     "computed where it is read, which the artifact carries)."
                 )
-        if (isinstance(module, BatchNormBase) and module.training
-                and module.track_running_stats and module.momentum is None):
+        if (
+            isinstance(module, BatchNormBase)
+            and module.training
+            and module.track_running_stats
+            and module.momentum is None
+        ):
             raise PrecompileError(
                 f"{shown} is a {type(module).__name__} with momentum=None (a cumulative "
                 "average): in training it reads num_batches_tracked into Python at every call "

@@ -62,11 +62,21 @@ def encode_value(name: str, value: Any) -> EncodedValue:
         return ("device", str(value))
     if isinstance(value, enum.Enum):
         return ("enum", (_qualified(value), value.name))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type) and (
-            type(value).__dataclass_params__.frozen):  # type: ignore[attr-defined]
-        return ("frozen", (_qualified(value), tuple(
-            (f.name, encode_value(f"{name}.{f.name}", getattr(value, f.name)))
-            for f in dataclasses.fields(value))))
+    if (
+        dataclasses.is_dataclass(value)
+        and not isinstance(value, type)
+        and (type(value).__dataclass_params__.frozen)
+    ):  # type: ignore[attr-defined]
+        return (
+            "frozen",
+            (
+                _qualified(value),
+                tuple(
+                    (f.name, encode_value(f"{name}.{f.name}", getattr(value, f.name)))
+                    for f in dataclasses.fields(value)
+                ),
+            ),
+        )
     if isinstance(value, torch.optim.Optimizer):
         raise PrecompileError(
             f"input {name} is an optimizer nested inside another argument. Pass each "

@@ -70,18 +70,21 @@ def _sgd_traced(group: _Group, inductor: bool) -> _Group:
 def _sgd_fresh_start(group: _Group) -> str | None:
     if group["momentum"] == 0 or group["dampening"] == 0:
         return None
-    return ("SGD with dampening starts its momentum buffer from the undamped gradient on the "
-            "first step, which the captured update (from an existing buffer) does not do. Take "
-            "the first step with opt.step() outside the artifact, then call it; or use "
-            "dampening=0.")
+    return (
+        "SGD with dampening starts its momentum buffer from the undamped gradient on the "
+        "first step, which the captured update (from an existing buffer) does not do. Take "
+        "the first step with opt.step() outside the artifact, then call it; or use "
+        "dampening=0."
+    )
 
 
 _ADAM = _Rule(_adam_keys, _adam_traced, lambda group: None)
 _RULES: dict[type, _Rule] = {
     torch.optim.Adam: _ADAM,
     torch.optim.AdamW: _ADAM,
-    torch.optim.SGD: _Rule(lambda g: ("momentum_buffer",) if g["momentum"] != 0 else (),
-                           _sgd_traced, _sgd_fresh_start),
+    torch.optim.SGD: _Rule(
+        lambda g: ("momentum_buffer",) if g["momentum"] != 0 else (), _sgd_traced, _sgd_fresh_start
+    ),
 }
 
 
@@ -106,12 +109,13 @@ class OptimizerArg:
     zero_grad_first: bool = False  # fn called zero_grad() before any gradient existed
 
 
-def read_optimizers(args: Sequence[Any], arg_names: Sequence[str], state: ModelState,
-                    backend: str) -> list[OptimizerArg]:
+def read_optimizers(
+    args: Sequence[Any], arg_names: Sequence[str], state: ModelState, backend: str
+) -> list[OptimizerArg]:
     """The optimizer arguments, each checked: a class carried here, no step hooks, steps only
     model parameters, state as its class keeps it."""
     found = []
-    param_index = {id(t): i for i, t in enumerate(state.tensors[:state.num_params])}
+    param_index = {id(t): i for i, t in enumerate(state.tensors[: state.num_params])}
     for arg, name in zip(args, arg_names, strict=True):
         if isinstance(arg, torch.optim.Optimizer):
             _check_class(arg, name)
@@ -157,8 +161,9 @@ def _check_hooks(optimizer: torch.optim.Optimizer, name: str) -> None:
         )
 
 
-def _entries(optimizer: torch.optim.Optimizer, name: str, param_index: dict[int, int],
-             state: ModelState) -> Iterator[StateEntry]:
+def _entries(
+    optimizer: torch.optim.Optimizer, name: str, param_index: dict[int, int], state: ModelState
+) -> Iterator[StateEntry]:
     rule = _RULES[type(optimizer)]
     for index, group in enumerate(optimizer.param_groups):
         keys = rule.state_keys(group)
@@ -204,15 +209,19 @@ def _zeros(key: str, param: torch.Tensor, group: _Group) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def stepping(optimizers: Sequence[OptimizerArg], state: Sequence[torch.Tensor],
-             lrs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-             originals: Sequence[torch.Tensor]) -> Iterator[None]:
+def stepping(
+    optimizers: Sequence[OptimizerArg],
+    state: Sequence[torch.Tensor],
+    lrs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    originals: Sequence[torch.Tensor],
+) -> Iterator[None]:
     """While fn is traced: each optimizer steps the traced ``params`` (which stand for the
     model's ``originals``; a DTensor's are rebuilt around its local tensor) and holds the
     lifted ``state`` tensors, and its step runs with the ``lrs`` tensors and its traced
     options, recording which parameters it steps."""
     states, lr_inputs = iter(state), iter(lrs)
-    traced = {id(p): params[i] for i, p in enumerate(originals[:len(params)])}
+    traced = {id(p): params[i] for i, p in enumerate(originals[: len(params)])}
     restore: list[Callable[[], None]] = []
     try:
         for arg in optimizers:
@@ -228,8 +237,9 @@ def stepping(optimizers: Sequence[OptimizerArg], state: Sequence[torch.Tensor],
             undo()
 
 
-def _stepping_traced(optimizer: torch.optim.Optimizer, traced: dict[int, torch.Tensor]
-                     ) -> Callable[[], None]:
+def _stepping_traced(
+    optimizer: torch.optim.Optimizer, traced: dict[int, torch.Tensor]
+) -> Callable[[], None]:
     """Each param group holds the traced parameters until the returned undo."""
     saved = [group["params"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
@@ -242,8 +252,12 @@ def _stepping_traced(optimizer: torch.optim.Optimizer, traced: dict[int, torch.T
     return undo
 
 
-def _install(arg: OptimizerArg, lifted: defaultdict[torch.Tensor, dict[str, Any]],
-             lrs: list[torch.Tensor], params: Sequence[torch.Tensor]) -> Callable[[], None]:
+def _install(
+    arg: OptimizerArg,
+    lifted: defaultdict[torch.Tensor, dict[str, Any]],
+    lrs: list[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> Callable[[], None]:
     optimizer, rule = arg.optimizer, _RULES[type(arg.optimizer)]
     saved_state, own = optimizer.state, vars(optimizer).get("step")
     inner = optimizer.step  # a scheduler's wrapper, or the bound method
@@ -286,15 +300,17 @@ def _install(arg: OptimizerArg, lifted: defaultdict[torch.Tensor, dict[str, Any]
     return undo
 
 
-def _check_unchanged(name: str, lifted: dict[torch.Tensor, dict[str, Any]],
-                     expected: dict[int, dict[str, Any]], params: Sequence[torch.Tensor]
-                     ) -> None:
+def _check_unchanged(
+    name: str,
+    lifted: dict[torch.Tensor, dict[str, Any]],
+    expected: dict[int, dict[str, Any]],
+    params: Sequence[torch.Tensor],
+) -> None:
     """The step must update the lifted tensors in place: anything it adds or replaces would be
     created once, at capture."""
     for param, entries in lifted.items():
         before = expected.get(id(param), {})
-        if entries.keys() != before.keys() or any(
-                entries[k] is not before[k] for k in entries):
+        if entries.keys() != before.keys() or any(entries[k] is not before[k] for k in entries):
             raise PrecompileError(
                 f"optimizer {name}'s step replaced or added state {sorted(entries)} of a "
                 "parameter instead of updating it in place; an artifact would create it once, "
@@ -307,9 +323,9 @@ def _check_unchanged(name: str, lifted: dict[torch.Tensor, dict[str, Any]],
         )
 
 
-def optimizer_records(optimizers: Sequence[OptimizerArg], state: ModelState
-                      ) -> tuple[tuple[Optimizer, ...], tuple[ParamGroup, ...],
-                                 tuple[OptimizerState, ...]]:
+def optimizer_records(
+    optimizers: Sequence[OptimizerArg], state: ModelState
+) -> tuple[tuple[Optimizer, ...], tuple[ParamGroup, ...], tuple[OptimizerState, ...]]:
     """The spec records of the optimizers; state entries of parameters never stepped are
     dropped (the caller drops their flat inputs too)."""
     names = state.param_names
@@ -317,23 +333,34 @@ def optimizer_records(optimizers: Sequence[OptimizerArg], state: ModelState
     for number, arg in enumerate(optimizers):
         optimizer = arg.optimizer
         cls = type(optimizer)
-        records.append(Optimizer(arg.name, f"{cls.__module__}.{cls.__qualname__}",
-                                 arg.zero_grad_first))
+        records.append(
+            Optimizer(arg.name, f"{cls.__module__}.{cls.__qualname__}", arg.zero_grad_first)
+        )
         rule = _RULES[cls]
         index_of = {id(t): i for i, t in enumerate(state.tensors)}
         for group in optimizer.param_groups:
             options = sorted(k for k in optimizer.defaults if k not in CALL_TIME_OPTIONS)
-            groups.append(ParamGroup(
-                optimizer=number,
-                params=tuple(names[index_of[id(p)]] for p in group["params"]),
-                call_time=CALL_TIME_OPTIONS,
-                baked=tuple((k, _baked(arg.name, k, group[k])) for k in options),
-                fresh_start=rule.fresh_start(group),
-            ))
+            groups.append(
+                ParamGroup(
+                    optimizer=number,
+                    params=tuple(names[index_of[id(p)]] for p in group["params"]),
+                    call_time=CALL_TIME_OPTIONS,
+                    baked=tuple((k, _baked(arg.name, k, group[k])) for k in options),
+                    fresh_start=rule.fresh_start(group),
+                )
+            )
         entries.extend(
-            OptimizerState(number, names[e.param], e.key, tuple(e.example.shape),
-                           str(e.example.dtype), str(e.example.device))
-            for e in arg.entries if e.param in arg.stepped)
+            OptimizerState(
+                number,
+                names[e.param],
+                e.key,
+                tuple(e.example.shape),
+                str(e.example.dtype),
+                str(e.example.device),
+            )
+            for e in arg.entries
+            if e.param in arg.stepped
+        )
     return tuple(records), tuple(groups), tuple(entries)
 
 

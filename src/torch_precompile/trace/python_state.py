@@ -23,11 +23,15 @@ from torch_precompile.errors import PrecompileError
 
 # Members of nn.Module that capture lifts or walks itself; the rest are plain Python state.
 _MODULE_MEMBERS = frozenset({"_parameters", "_buffers", "_modules"})
-_MODULE_FIX = ("Keep such state in a tensor the model registers (register_buffer) and update it "
-               "in place, or change it outside fn.")
-_OPTIMIZER_FIX = ("Change optimizer options between calls, outside fn (lr, which an LR "
-                  "scheduler sets, is read at every call); or call opt.step() outside the "
-                  "artifact.")
+_MODULE_FIX = (
+    "Keep such state in a tensor the model registers (register_buffer) and update it "
+    "in place, or change it outside fn."
+)
+_OPTIMIZER_FIX = (
+    "Change optimizer options between calls, outside fn (lr, which an LR "
+    "scheduler sets, is read at every call); or call opt.step() outside the "
+    "artifact."
+)
 
 
 @dataclass(frozen=True)
@@ -55,37 +59,48 @@ class Snapshot:
     namespaces: tuple[tuple[dict[str, Any], frozenset[str], str], ...] = ()
 
 
-def take_snapshot(modules: Sequence[tuple[str, torch.nn.Module]],
-                  optimizers: Sequence[tuple[str, torch.optim.Optimizer]],
-                  extra: Sequence[Slot] = ()) -> Snapshot:
+def take_snapshot(
+    modules: Sequence[tuple[str, torch.nn.Module]],
+    optimizers: Sequence[tuple[str, torch.optim.Optimizer]],
+    extra: Sequence[Slot] = (),
+) -> Snapshot:
     """The state reachable from the arguments, and the ``extra`` slots (containers a hook or
     fn reaches)."""
     slots = (*_slots(modules, optimizers), *extra)
     values = tuple(slot.owner.get(slot.name, _ABSENT) for slot in slots)
     contents = tuple(copy.copy(v) if isinstance(v, list | dict | set) else None for v in values)
-    namespaces = tuple((vars(module), frozenset(vars(module)), shown)
-                       for module, shown in _walked_modules(modules))
+    namespaces = tuple(
+        (vars(module), frozenset(vars(module)), shown) for module, shown in _walked_modules(modules)
+    )
     return Snapshot(slots, values, contents, tuple(_look(v) for v in values), namespaces)
 
 
 def _with_added(snapshot: Snapshot) -> Snapshot:
     """The snapshot with a slot, absent before, for every attribute fn added to a module."""
-    added = tuple(Slot(owner, name, f"attribute {name!r} of {shown} (added by fn)")
-                  for owner, names, shown in snapshot.namespaces
-                  for name in list(owner) if name not in names and not name.startswith("_"))
+    added = tuple(
+        Slot(owner, name, f"attribute {name!r} of {shown} (added by fn)")
+        for owner, names, shown in snapshot.namespaces
+        for name in list(owner)
+        if name not in names and not name.startswith("_")
+    )
     return dataclasses.replace(
-        snapshot, slots=snapshot.slots + added, values=snapshot.values + (_ABSENT,) * len(added),
+        snapshot,
+        slots=snapshot.slots + added,
+        values=snapshot.values + (_ABSENT,) * len(added),
         contents=snapshot.contents + (None,) * len(added),
-        looks=snapshot.looks + (_look(_ABSENT),) * len(added))
+        looks=snapshot.looks + (_look(_ABSENT),) * len(added),
+    )
 
 
 def refuse_changes(snapshot: Snapshot) -> None:
     """Put everything back; then raise, naming the first slot the trace changed."""
     snapshot = _with_added(snapshot)
-    changed = [slot for slot, value, look in zip(snapshot.slots, snapshot.values,
-                                                 snapshot.looks, strict=True)
-               if slot.owner.get(slot.name, _ABSENT) is not value
-               or _look(slot.owner.get(slot.name, _ABSENT)) != look]
+    changed = [
+        slot
+        for slot, value, look in zip(snapshot.slots, snapshot.values, snapshot.looks, strict=True)
+        if slot.owner.get(slot.name, _ABSENT) is not value
+        or _look(slot.owner.get(slot.name, _ABSENT)) != look
+    ]
     put_back(snapshot)
     if not changed:
         return
@@ -101,8 +116,9 @@ def refuse_changes(snapshot: Snapshot) -> None:
 def put_back(snapshot: Snapshot) -> None:
     """Every slot as it was before the trace."""
     snapshot = _with_added(snapshot)
-    for slot, value, content in zip(snapshot.slots, snapshot.values, snapshot.contents,
-                                    strict=True):
+    for slot, value, content in zip(
+        snapshot.slots, snapshot.values, snapshot.contents, strict=True
+    ):
         if value is _ABSENT:
             slot.owner.pop(slot.name, None)
             continue
@@ -114,8 +130,10 @@ def put_back(snapshot: Snapshot) -> None:
             value.update(content)
 
 
-def _slots(modules: Sequence[tuple[str, torch.nn.Module]],
-           optimizers: Sequence[tuple[str, torch.optim.Optimizer]]) -> Iterator[Slot]:
+def _slots(
+    modules: Sequence[tuple[str, torch.nn.Module]],
+    optimizers: Sequence[tuple[str, torch.optim.Optimizer]],
+) -> Iterator[Slot]:
     for module, shown in _walked_modules(modules):
         for attr in list(vars(module)):
             if attr not in _MODULE_MEMBERS and not attr.startswith("_"):
@@ -125,12 +143,17 @@ def _slots(modules: Sequence[tuple[str, torch.nn.Module]],
         for index, group in enumerate(optimizer.param_groups):
             for key in list(group):
                 if key != "params":
-                    yield Slot(group, key, f"{key!r} of param group {index} of optimizer {arg}",
-                               _OPTIMIZER_FIX)
+                    yield Slot(
+                        group,
+                        key,
+                        f"{key!r} of param group {index} of optimizer {arg}",
+                        _OPTIMIZER_FIX,
+                    )
 
 
-def _walked_modules(modules: Sequence[tuple[str, torch.nn.Module]]
-             ) -> Iterator[tuple[torch.nn.Module, str]]:
+def _walked_modules(
+    modules: Sequence[tuple[str, torch.nn.Module]],
+) -> Iterator[tuple[torch.nn.Module, str]]:
     for arg, root in modules:
         for name, module in root.named_modules(remove_duplicate=False):
             yield module, f"module {name!r} of {arg}" if name else f"model {arg}"
@@ -153,8 +176,13 @@ def _look(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return (type(value), tuple(_member(v) for v in value))
     if isinstance(value, dict):  # the optimizer's state: each parameter's entries too
-        return (type(value), tuple((_member(k), _member(v), _look(v) if isinstance(v, dict)
-                                    else None) for k, v in value.items()))
+        return (
+            type(value),
+            tuple(
+                (_member(k), _member(v), _look(v) if isinstance(v, dict) else None)
+                for k, v in value.items()
+            ),
+        )
     if isinstance(value, set | frozenset):
         return (type(value), frozenset(_member(v) for v in value))
     return id(value)

@@ -45,8 +45,7 @@ class SeedWatch(TorchDispatchMode):
             self.seed = int(seed)
         return self.saved[1](seed)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             self.draws += 1
         return func(*args, **(kwargs or {}))

@@ -121,7 +121,7 @@ class ReadRecorder:
             value = namespace[name]
             encoded = encode_read(value)
             if encoded is not None:
-                self.reads[key] = ReadValue(index, None, path[:depth + 1], encoded, where)
+                self.reads[key] = ReadValue(index, None, path[: depth + 1], encoded, where)
                 return
             if not _is_plain_object(value):
                 return
@@ -135,13 +135,18 @@ class ReadRecorder:
         encoded = encode_read(namespace[name])
         if encoded is not None:
             self.namespaces[module] = namespace
-            self.reads[key] = ReadValue(None, module, (name,), encoded, where,
-                                        _script_name(module, namespace))
+            self.reads[key] = ReadValue(
+                None, module, (name,), encoded, where, _script_name(module, namespace)
+            )
 
     def records(self) -> tuple[ReadValue, ...]:
         """Every read, modules' attributes first (in walk order), then globals."""
-        return tuple(sorted(self.reads.values(), key=lambda r: (
-            r.submodule is None, r.submodule or 0, r.module or "", r.path)))
+        return tuple(
+            sorted(
+                self.reads.values(),
+                key=lambda r: (r.submodule is None, r.submodule or 0, r.module or "", r.path),
+            )
+        )
 
 
 _UNSEEN: Any = object()
@@ -158,8 +163,11 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
     """The reads in ``code`` worth recording, or None (torch's internals, this package)."""
     filename = code.co_filename
     in_stdlib = filename.startswith(_STDLIB_ROOTS) and not any(p in filename for p in _INSTALLED)
-    if filename.startswith(_PACKAGE_ROOT) or in_stdlib or (
-            filename.startswith("<") and not filename.startswith(("<ipython", "<stdin"))):
+    if (
+        filename.startswith(_PACKAGE_ROOT)
+        or in_stdlib
+        or (filename.startswith("<") and not filename.startswith(("<ipython", "<stdin")))
+    ):
         return None  # this package, the standard library, code made by exec (namedtuple)
     in_torch = filename.startswith(_TORCH_ROOT)
     if in_torch and not filename.startswith(_TORCH_MODULES):
@@ -194,7 +202,7 @@ def _loads_last(instruction: dis.Instruction) -> str | None:
 
 def _attribute_chain(instructions: Sequence[dis.Instruction], start: int) -> Iterator[str]:
     """The attribute names loaded one after another from ``start`` (``.config.eps``)."""
-    for instruction in instructions[start:start + 2]:
+    for instruction in instructions[start : start + 2]:
         if instruction.opname not in _ATTR_LOADS:
             return
         name = instruction.argval
@@ -203,9 +211,16 @@ def _attribute_chain(instructions: Sequence[dis.Instruction], start: int) -> Ite
 
 def _is_plain_object(value: Any) -> bool:
     """An object whose attributes a read may follow (a config), not a module or tensor."""
-    return (hasattr(value, "__dict__") and not isinstance(
-        value, torch.nn.Module | torch.Tensor | type | types.ModuleType | types.FunctionType
-        | types.MethodType | Callable))
+    return hasattr(value, "__dict__") and not isinstance(
+        value,
+        torch.nn.Module
+        | torch.Tensor
+        | type
+        | types.ModuleType
+        | types.FunctionType
+        | types.MethodType
+        | Callable,
+    )
 
 
 def encode_read(value: Any) -> EncodedValue | None:
@@ -218,7 +233,13 @@ def encode_read(value: Any) -> EncodedValue | None:
     if isinstance(value, types.FunctionType) and "<" not in value.__qualname__:
         return ("callable", qualified_name(value))  # a lambda's name would say nothing
     if isinstance(value, enum.Enum | torch.dtype | torch.device) or type(value) in (
-            bool, int, float, complex, str, bytes):
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        bytes,
+    ):
         try:
             return encode_value("a read value", value)
         except PrecompileError:

@@ -64,32 +64,46 @@ def intern_model_state(modules: list[torch.nn.Module]) -> ModelState:
     return ModelState(tensors, names["parameter"], names["buffer"], tied, bindings, members)
 
 
-def model_records(state: ModelState, grad_indices: list[int], training: bool
-                  ) -> tuple[ModelTensor, ...]:
+def model_records(
+    state: ModelState, grad_indices: list[int], training: bool
+) -> tuple[ModelTensor, ...]:
     """One spec record per member name, in walk order; strides are the lowering's to set.
     A training step's parameters carry their tensor hooks, which its backward ran."""
     records = []
     for kind, name, index in state.members:
         tensor = state.tensors[index]
-        records.append(ModelTensor(
-            name=name, kind=kind, tied_to=state.tied_names.get(name), shape=tuple(tensor.shape),
-            dtype=str(tensor.dtype), device=str(tensor.device), strides=None,
-            requires_grad=tensor.requires_grad, gets_grad=index in grad_indices,
-            hooks=tensor_hooks(tensor) if training and kind == "parameter" else (),
-        ))
+        records.append(
+            ModelTensor(
+                name=name,
+                kind=kind,
+                tied_to=state.tied_names.get(name),
+                shape=tuple(tensor.shape),
+                dtype=str(tensor.dtype),
+                device=str(tensor.device),
+                strides=None,
+                requires_grad=tensor.requires_grad,
+                gets_grad=index in grad_indices,
+                hooks=tensor_hooks(tensor) if training and kind == "parameter" else (),
+            )
+        )
     return tuple(records)
 
 
-def submodule_records(modules: list[torch.nn.Module], hooks: Sequence[tuple[HookSet, ...]]
-                      ) -> tuple[Submodule, ...]:
+def submodule_records(
+    modules: list[torch.nn.Module], hooks: Sequence[tuple[HookSet, ...]]
+) -> tuple[Submodule, ...]:
     """Every module reached from the model arguments: its training flag, class and hooks
     (``hooks`` as taken before the trace, in the same walk order)."""
     qualify = len(modules) > 1
-    found = [(f"m{mi}.{name}" if qualify else name, module)
-             for mi, root in enumerate(modules)
-             for name, module in root.named_modules(remove_duplicate=False)]
-    return tuple(Submodule(name, module.training, qualified_name(type(module)), module_hooks)
-                 for (name, module), module_hooks in zip(found, hooks, strict=True))
+    found = [
+        (f"m{mi}.{name}" if qualify else name, module)
+        for mi, root in enumerate(modules)
+        for name, module in root.named_modules(remove_duplicate=False)
+    ]
+    return tuple(
+        Submodule(name, module.training, qualified_name(type(module)), module_hooks)
+        for (name, module), module_hooks in zip(found, hooks, strict=True)
+    )
 
 
 def _name_at(index: int, names: dict[str, list[str]]) -> str:

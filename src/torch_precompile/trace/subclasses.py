@@ -42,8 +42,9 @@ class Flattened:
     inner: tuple[torch.Tensor, ...]
 
     def rebuild(self, inner: Sequence[torch.Tensor]) -> Any:
-        return self.cls.__tensor_unflatten__(dict(zip(self.attrs, inner, strict=True)),
-                                             self.context, self.shape, self.strides)
+        return self.cls.__tensor_unflatten__(
+            dict(zip(self.attrs, inner, strict=True)), self.context, self.shape, self.strides
+        )
 
 
 @dataclass
@@ -56,9 +57,12 @@ class Wrapping:
     inner: list[InnerTensor]
     results: list[tuple[WrappedTensor, list[InnerTensor]]] = field(default_factory=list)
 
-    def expand(self, flat: Sequence[torch.Tensor],
-               copy: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               copy_from: int = 0) -> list[torch.Tensor]:
+    def expand(
+        self,
+        flat: Sequence[torch.Tensor],
+        copy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        copy_from: int = 0,
+    ) -> list[torch.Tensor]:
         """Graph inputs from flat inputs: each subclass's first inner tensor in its place,
         the others after the flat inputs; those of flat inputs from ``copy_from`` on copied."""
         graph, extras = list(flat), []
@@ -99,15 +103,18 @@ class Wrapping:
             name = f"result leaf {index}"
             flattened = flatten(leaf, name)
             wrapper = len(self.records) + len(self.results)
-            self.results.append((_record(flattened, "result", index, name),
-                                 _inner_records(flattened, wrapper)))
+            self.results.append(
+                (_record(flattened, "result", index, name), _inner_records(flattened, wrapper))
+            )
             unwrapped[index] = flattened.inner[0]
             extras.extend(flattened.inner[1:])
         return unwrapped, extras
 
     def spec_records(self) -> dict[str, Any]:
-        return {"wrapped": (*self.records, *(r for r, _ in self.results)),
-                "wrapped_inner": (*self.inner, *(t for _, inner in self.results for t in inner))}
+        return {
+            "wrapped": (*self.records, *(r for r, _ in self.results)),
+            "wrapped_inner": (*self.inner, *(t for _, inner in self.results for t in inner)),
+        }
 
 
 def find_wrapped(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> Wrapping:
@@ -149,10 +156,12 @@ def flatten(tensor: torch.Tensor, name: str) -> Flattened:
             f"{name} is a {_qualified(tensor)} whose inner tensor {odd[0]!r} is itself a "
             f"{_qualified(inner[attrs.index(odd[0])])}; nested tensor subclasses are not "
             "carried. Keep one level of subclass around plain tensors."
-            if odd else f"{name} is a {_qualified(tensor)} with no inner tensors to carry."
+            if odd
+            else f"{name} is a {_qualified(tensor)} with no inner tensors to carry."
         )
-    return Flattened(type(tensor), tuple(attrs), context, tensor.shape,
-                     tuple(tensor.stride()), inner)
+    return Flattened(
+        type(tensor), tuple(attrs), context, tensor.shape, tuple(tensor.stride()), inner
+    )
 
 
 def refuse_mixed(wrapping: Wrapping, sharded: bool) -> None:
@@ -178,13 +187,14 @@ def _record(flattened: Flattened, role: str, index: int, name: str) -> WrappedTe
             "subclasses whose flatten context holds plain values, dtypes, enums and "
             "dataclasses that compare by value."
         )
-    return WrappedTensor(role, index, name, cls, context, tuple(flattened.shape),
-                         flattened.strides)
+    return WrappedTensor(role, index, name, cls, context, tuple(flattened.shape), flattened.strides)
 
 
 def _inner_records(flattened: Flattened, wrapper: int) -> list[InnerTensor]:
-    return [InnerTensor(wrapper, attr, tuple(t.shape), str(t.dtype), str(t.device))
-            for attr, t in zip(flattened.attrs, flattened.inner, strict=True)]
+    return [
+        InnerTensor(wrapper, attr, tuple(t.shape), str(t.dtype), str(t.device))
+        for attr, t in zip(flattened.attrs, flattened.inner, strict=True)
+    ]
 
 
 def encode_context(value: Any, name: str) -> EncodedValue:
@@ -206,12 +216,22 @@ def encode_context(value: Any, name: str) -> EncodedValue:
     if type(value) in (list, tuple):
         return (type(value).__name__, tuple(encode_context(v, name) for v in value))
     if type(value) is dict:
-        return ("dict", tuple((encode_context(k, name), encode_context(v, name))
-                              for k, v in value.items()))
+        return (
+            "dict",
+            tuple((encode_context(k, name), encode_context(v, name)) for k, v in value.items()),
+        )
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return ("dataclass", (_qualified(value), tuple(
-            (f.name, encode_context(getattr(value, f.name), name))
-            for f in dataclasses.fields(value) if f.init)))
+        return (
+            "dataclass",
+            (
+                _qualified(value),
+                tuple(
+                    (f.name, encode_context(getattr(value, f.name), name))
+                    for f in dataclasses.fields(value)
+                    if f.init
+                ),
+            ),
+        )
     raise PrecompileError(
         f"{name} is a tensor subclass whose flatten context holds a {_qualified(value)}, "
         "which the artifact cannot write as source (it writes numbers, strings, None, dtypes, "
