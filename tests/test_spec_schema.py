@@ -50,6 +50,14 @@ def test_driver_reads_the_spec_through_a_table_equal_to_its_records() -> None:
     assert (fields, lists) == (core.SPEC_RECORDS, core.SPEC_LISTS)
 
 
+def test_the_drivers_table_of_records_is_generated_from_the_spec() -> None:
+    """driver/records.py is what ``spec_listing --write`` makes of the dataclasses."""
+    committed = spec_listing.RECORDS_PATH.read_text()
+    assert committed == spec_listing.driver_records(), (
+        f"driver/records.py is out of date: run `{spec_listing.WRITE_COMMAND}`."
+    )
+
+
 def test_driver_refuses_a_record_whose_fields_are_not_the_table(backend: str, artifacts) -> None:
     literal = spec.parse_spec(artifacts.pair("mlp_infer", backend)[0]).to_literal()
     assert core.read_spec(literal).model[0].name == literal["model"][0]["name"]

@@ -1,12 +1,14 @@
-"""The committed listing of the artifact spec's records: every field's name, type and default.
+"""What is generated from the artifact spec's records (``torch_precompile.spec``): the
+committed listing of every field's name, type and default, and the driver's table of them.
 
     python -m torch_precompile.spec_listing           # print the listing
-    python -m torch_precompile.spec_listing --write   # rewrite docs/spec-schema.txt
+    python -m torch_precompile.spec_listing --write   # rewrite docs/spec-schema.txt and
+                                                      # torch_precompile/driver/records.py
 
-A test compares ``docs/spec-schema.txt`` with the listing of the current dataclasses. The
-listing carries ``SCHEMA_VERSION`` and a digest of the fields: a change to the records that
-keeps the version is refused here (``--write`` will not write it) and by that test, so every
-change to the spec's layout comes with a version bump and a ``SCHEMA_HISTORY`` entry.
+Tests compare both files with what the current dataclasses generate. The listing carries
+``SCHEMA_VERSION`` and a digest of the fields: a change to the records that keeps the version
+is refused here (``--write`` will not write it) and by that test, so every change to the
+spec's layout comes with a version bump and a ``SCHEMA_HISTORY`` entry.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from torch_precompile.spec import SCHEMA_HISTORY, SCHEMA_VERSION, ArtifactSpec
 
 LISTING_PATH = Path(__file__).resolve().parents[2] / "docs" / "spec-schema.txt"
+RECORDS_PATH = Path(__file__).resolve().parent / "driver" / "records.py"
 WRITE_COMMAND = "python -m torch_precompile.spec_listing --write"
 
 
@@ -55,6 +58,30 @@ def listing() -> str:
         )
         + "\n"
     )
+
+
+def driver_records() -> str:
+    """The source of ``driver/records.py``: each record's fields and each list's record, as
+    the driver (which ships without this package) reads ``ARTIFACT_SPEC``."""
+    records = [ArtifactSpec, *ArtifactSpec.RECORDS.values()]
+    lines = [
+        '"""The spec\'s records as the driver reads ``ARTIFACT_SPEC``: the fields of each record,',
+        "and which record each list of the spec holds (``torch``, ``ambient`` and ``autograd``:",
+        "one record). Generated from ``torch_precompile.spec`` by",
+        f'``{WRITE_COMMAND}``; do not edit."""',
+        "",
+        "SPEC_RECORDS: dict[str, tuple[str, ...]] = {",
+    ]
+    for cls in records:
+        names = [f'"{field.name}"' for field in dataclasses.fields(cls)]
+        one_line = f'    "{cls.__name__}": ({", ".join(names)}{"," if len(names) == 1 else ""}),'
+        if len(one_line) <= 100:
+            lines.append(one_line)
+        else:
+            lines += [f'    "{cls.__name__}": (', *(f"        {n}," for n in names), "    ),"]
+    lines += ["}", "SPEC_LISTS: dict[str, str] = {"]
+    lines += [f'    "{name}": "{cls.__name__}",' for name, cls in ArtifactSpec.RECORDS.items()]
+    return "\n".join([*lines, "}"]) + "\n"
 
 
 def committed_version(text: str) -> tuple[int | None, str | None]:
@@ -92,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         print(drift(committed), file=sys.stderr)
         return 1
     LISTING_PATH.write_text(listing())
-    print(f"wrote {LISTING_PATH}")
+    RECORDS_PATH.write_text(driver_records())
+    print(f"wrote {LISTING_PATH} and {RECORDS_PATH}")
     return 0
 
 

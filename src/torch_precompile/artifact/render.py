@@ -28,6 +28,7 @@ from torch_precompile.driver import (
     memo,
     optimizers,
     planned,
+    records,
     subclasses,
     values,
     variants,
@@ -209,7 +210,9 @@ def render(
     call_example = ", ".join(a.name for a in spec.args)
     named = _named_graphs(variants, graphs)
     graph_section = _graph_section(named)
-    driver_source = _driver_source([core, *(p.module for p in _all_parts(variants))], graph_section)
+    driver_source = _driver_source(
+        [records, core, *(p.module for p in _all_parts(variants))], graph_section
+    )
     _check_no_clash(graph_section, driver_source)
     all_named = [g for per_variant in named for g in per_variant]
     sections = [

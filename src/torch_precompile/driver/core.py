@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from torch_precompile.driver.records import SPEC_LISTS, SPEC_RECORDS
+
 
 class PrecompileError(RuntimeError):
     """A precompile contract was broken: at capture, at load, or by a call to an artifact."""
@@ -834,128 +836,9 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
-# How the driver reads ARTIFACT_SPEC: each record becomes a named tuple with exactly these
-# fields, so a field the driver names that the spec lacks fails at once (and a test holds
-# this table equal to the records of torch_precompile.spec).
-SPEC_RECORDS: dict[str, tuple[str, ...]] = {
-    "ArtifactSpec": (
-        "schema_version",
-        "backend",
-        "torch",
-        "args",
-        "model",
-        "submodules",
-        "inputs",
-        "in_spec",
-        "out_spec",
-        "value_guards",
-        "dynamic_dims",
-        "size_relations",
-        "output_aliases",
-        "meshes",
-        "distributed",
-        "kernels",
-        "optimizers",
-        "param_groups",
-        "optimizer_state",
-        "wrapped",
-        "wrapped_inner",
-        "data_parallel",
-        "fully_sharded",
-        "global_hooks",
-        "read_values",
-        "ambient",
-        "mutated",
-        "seed",
-        "autograd",
-        "variants",
-    ),
-    "TorchBuild": ("version", "git"),
-    "Argument": ("name", "is_model", "is_optimizer"),
-    "ModelTensor": (
-        "name",
-        "kind",
-        "tied_to",
-        "shape",
-        "dtype",
-        "device",
-        "strides",
-        "requires_grad",
-        "gets_grad",
-        "hooks",
-    ),
-    "Submodule": ("name", "training", "cls", "hooks"),
-    "InputLeaf": (
-        "path",
-        "kind",
-        "shape",
-        "dtype",
-        "device",
-        "strides",
-        "requires_grad",
-        "bounds",
-        "value",
-    ),
-    "ValueGuard": ("description", "expected"),
-    "ReadValue": ("submodule", "module", "path", "expected", "where", "file"),
-    "Ambient": ("autocast", "default_dtype", "deterministic", "modes"),
-    "DynamicDim": ("shape_id", "places"),
-    "SizeRelation": ("expr", "readable"),
-    "OutputAlias": ("output", "source", "size", "stride", "offset"),
-    "Mesh": ("device_type", "shape", "dim_names", "ranks", "groups", "coordinate"),
-    "DistributedTensor": (
-        "role",
-        "index",
-        "name",
-        "mesh",
-        "placements",
-        "shape",
-        "strides",
-        "local_shape",
-        "local_strides",
-    ),
-    "KernelObject": ("key", "sha256"),
-    "Optimizer": ("argument", "cls", "zero_grad_first"),
-    "ParamGroup": ("optimizer", "params", "call_time", "baked", "fresh_start"),
-    "OptimizerState": ("optimizer", "param", "key", "shape", "dtype", "device", "strides"),
-    "WrappedTensor": ("role", "index", "name", "cls", "context", "shape", "strides"),
-    "InnerTensor": ("wrapper", "attr", "shape", "dtype", "device", "strides"),
-    "DataParallel": ("argument", "model", "group", "world_size", "sync_grads", "forward_sync"),
-    "FullyShardedGroup": (
-        "model",
-        "module",
-        "reshard_after_forward",
-        "param_dtype",
-        "reduce_dtype",
-        "divide_factor",
-    ),
-    "Autograd": ("inputs", "outputs", "tangent_strides", "saved", "unavailable"),
-}
-# Which record each list (or, for "torch", the one record) of the spec holds.
-SPEC_LISTS: dict[str, str] = {
-    "torch": "TorchBuild",
-    "args": "Argument",
-    "model": "ModelTensor",
-    "submodules": "Submodule",
-    "inputs": "InputLeaf",
-    "value_guards": "ValueGuard",
-    "dynamic_dims": "DynamicDim",
-    "size_relations": "SizeRelation",
-    "output_aliases": "OutputAlias",
-    "meshes": "Mesh",
-    "distributed": "DistributedTensor",
-    "kernels": "KernelObject",
-    "optimizers": "Optimizer",
-    "param_groups": "ParamGroup",
-    "optimizer_state": "OptimizerState",
-    "wrapped": "WrappedTensor",
-    "wrapped_inner": "InnerTensor",
-    "data_parallel": "DataParallel",
-    "fully_sharded": "FullyShardedGroup",
-    "read_values": "ReadValue",
-    "ambient": "Ambient",
-    "autograd": "Autograd",
-}
+# Each record of ARTIFACT_SPEC becomes a named tuple with exactly the fields SPEC_RECORDS
+# names (a table generated from the package's spec records), so a field the driver names that
+# the spec lacks fails at once.
 _RECORD_TYPES = {name: namedtuple(name, fields) for name, fields in SPEC_RECORDS.items()}
 
 
