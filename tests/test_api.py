@@ -176,3 +176,17 @@ def test_computation_without_models(backend: str) -> None:
     x = torch.randn(3)
     code, cache = precompile(lambda a, b: {"sum": a + b, "n": 2}, x, x * 2, backend=backend)
     assert_same(precompile.load(code, cache)(x, x * 2), {"sum": x * 3, "n": 2})
+
+
+def test_the_version_is_written_once_and_dated_in_the_changelog() -> None:
+    """The installed metadata reads ``__version__``; the changelog dates that release."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    import torch_precompile
+
+    assert importlib.metadata.version("torch-precompile") == torch_precompile.__version__
+    changelog = (Path(__file__).parents[1] / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## (\d+\.\d+\.\d+) \((\d{4}-\d\d-\d\d)\)$", changelog, re.M)
+    assert releases and releases[0][0] == torch_precompile.__version__, releases[:1]
