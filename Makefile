@@ -20,6 +20,7 @@ demo: $(BIN)/.installed
 lint: $(BIN)/.installed
 	$(BIN)/ruff check
 	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest

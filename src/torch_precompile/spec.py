@@ -25,9 +25,9 @@ import ast
 import dataclasses
 import functools
 import pprint
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from torch_precompile.errors import PrecompileError
 
@@ -560,13 +560,14 @@ class ArtifactSpec:
         # A DTensor's layout is its local tensor's: the driver checks it after unwrapping.
         local = {d.index: d for d in self.distributed if d.role == "input"}
         distributed = [
-            dataclasses.replace(local[i], local_strides=s)
+            dataclasses.replace(local[i], local_strides=cast(Any, s))
             for i, s in enumerate(strides)
             if i in local
         ]
         # So is a subclass's: its inner tensors' layouts are recorded with them.
         unwrapped = local.keys() | {w.index for w in self.wrapped if w.role == "input"}
-        flat = iter(None if i in unwrapped else s for i, s in enumerate(strides))
+        # Model and optimizer tensors have static shapes: their layouts are strides, not names.
+        flat: Iterator[Any] = iter(None if i in unwrapped else s for i, s in enumerate(strides))
         model = tuple(
             dataclasses.replace(t, strides=next(flat)) if t.tied_to is None else t
             for t in self.model
@@ -589,15 +590,18 @@ class ArtifactSpec:
     def _inner_strides(self, strides: Sequence[Layout]) -> tuple[InnerTensor, ...]:
         """Inner tensors of subclass inputs take the strides of their graph inputs: the first
         at the subclass's flat index, the others after every flat input (see the module)."""
-        first = {w: r.index for w, r in enumerate(self.wrapped) if r.role == "input"}
+        first: dict[int, int | None] = {
+            w: r.index for w, r in enumerate(self.wrapped) if r.role == "input"
+        }
         extra = len(strides) - sum(1 for t in self.wrapped_inner if t.wrapper in first) + len(first)
         inner = []
         for record in self.wrapped_inner:
             if record.wrapper not in first:
                 inner.append(record)
                 continue
-            if first[record.wrapper] is not None:
-                position, first[record.wrapper] = first[record.wrapper], None
+            held = first[record.wrapper]
+            if held is not None:
+                position, first[record.wrapper] = held, None
             else:
                 position, extra = extra, extra + 1
             layout = strides[position]

@@ -126,14 +126,16 @@ def read(cache: bytes | None, problems: list[str] | None = None) -> CacheContent
     try:
         fields = decode(signature.split(bytes(cache))[1])
     except Exception as e:
-        return _unusable(
+        _unusable(
             f"precompile cache unreadable ({type(e).__name__}: {e}); running from "
             "python_code alone, which builds its kernels on first use.",
             problems,
         )
+        return None
     why = _unreadable_version(fields)
     if why is not None:
-        return _unusable(why, problems)
+        _unusable(why, problems)
+        return None
     artifact = fields.get("artifact")
     return CacheContents(
         backend=fields.get("backend"),

@@ -512,7 +512,9 @@ def _build_date() -> str:
 def _structure_notes(spec: ArtifactSpec) -> dict[str, str]:
     """What the pytree specs encode, as comments beside them."""
     leaves = [
-        leaf.path if leaf.kind == "tensor" else core.Shown(repr(leaf.value[1]))
+        leaf.path
+        if leaf.kind == "tensor" or leaf.value is None
+        else core.Shown(repr(leaf.value[1]))
         for leaf in spec.inputs
     ]
     notes = {"out_spec": "fn's result: " + _structure(spec.out_spec, None)}
@@ -524,7 +526,7 @@ def _structure_notes(spec: ArtifactSpec) -> dict[str, str]:
     return notes
 
 
-def _structure(dumped: str, names: list[object] | None) -> str:
+def _structure(dumped: str, names: Sequence[object] | None) -> str:
     spec = pytree.treespec_loads(dumped)
     shown = names if names is not None else [core.Shown("Tensor")] * spec.num_leaves
     text = repr(

@@ -47,8 +47,9 @@ class AutogradCall:
         self.unavailable = record.unavailable
         self.warned = False
         self.ready = (forward, backward)
-        self.forward: Graph | None = None
-        self.backward: Graph | None = None
+        # The graphs once readied (None before): Any, as they are called only after that.
+        self.forward: Any = None
+        self.backward: Any = None
         self.lock = threading.Lock()
         self.num_outputs = driver.guards_start + len(driver.value_guards)
 
@@ -76,8 +77,8 @@ class AutogradCall:
         under no_grad never pay for them."""
         with self.lock:
             if self.forward is None:
-                self.backward = self.ready[1]()
-                self.forward = self.ready[0]()
+                self.backward = self.ready[1]()  # type: ignore[misc]  # both given when readied
+                self.forward = self.ready[0]()  # type: ignore[misc]
 
     def _warn_once(self) -> None:
         if not self.warned:
@@ -90,7 +91,7 @@ class AutogradCall:
 
     def __call__(self, flat: list[torch.Tensor]) -> list[Any]:
         """Run the forward with history (grad mode on); the results as the plain call's."""
-        return list(_Compiled.apply(self, *flat))
+        return list(_Compiled.apply(self, *flat))  # type: ignore[no-untyped-call]
 
 
 class _Compiled(torch.autograd.Function):

@@ -26,10 +26,12 @@ from torch_precompile.driver.records import SPEC_LISTS, SPEC_RECORDS
 class PrecompileError(RuntimeError):
     """A precompile contract was broken: at capture, at load, or by a call to an artifact."""
 
+    check_stage: int  # set by a call's checks: how far they got (see Driver.checked)
+
 
 # A call that passed the checks, as a plain tuple (cheapest per call): the model tensors,
 # the input tensors and the optimizer inputs.
-CheckedCall = tuple
+CheckedCall = tuple[Any, ...]
 
 
 class Driver:
@@ -103,24 +105,25 @@ class Driver:
         )
         self.rollback = sorted(self.mutated) if self.value_guards else []
         self.seed = spec.seed  # set inside fn before its first random draw
-        self.values = values(self) if values is not None else None
+        # Optional parts: Any, since each is a class of another shipped module.
+        self.values: Any = values(self) if values is not None else None
         self.ambient = AmbientPlan(spec.ambient)
-        self.facts = facts(self) if facts is not None else None
+        self.facts: Any = facts(self) if facts is not None else None
         self.reads_globals = self.facts is not None and bool(self.facts.global_reads)
         self.model.facts = self.facts
-        self.memo = memo(self.model) if memo is not None else None
+        self.memo: Any = memo(self.model) if memo is not None else None
         # Positional tensors of static shapes: a layout check the memo can remember.
         self.plain_inputs = (
             values is None
             and sizes is None
             and all(p.is_tensor and p.static and not p.subclass for p in self.leaves)
         )
-        self.sizes = sizes(spec) if sizes is not None else None
-        self.optimizers = optimizers(self) if optimizers is not None else None
-        self.data_parallel = data_parallel(self) if data_parallel is not None else None
+        self.sizes: Any = sizes(spec) if sizes is not None else None
+        self.optimizers: Any = optimizers(self) if optimizers is not None else None
+        self.data_parallel: Any = data_parallel(self) if data_parallel is not None else None
         call = call if subclasses is None else subclasses(self, call)
         self.call = call if distributed is None else distributed(self, call)
-        self.autograd = autograd(self) if autograd is not None else None
+        self.autograd: Any = autograd(self) if autograd is not None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the precompiled computation on ``args`` (the captured fn's positional

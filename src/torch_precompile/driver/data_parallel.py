@@ -124,7 +124,7 @@ class DataParallelSteps:
         for record, position, indices in self.entries:
             if not record.sync_grads:
                 continue
-            left = [state[i].grad for i in indices if state[i].grad is not None]
+            left = [g for g in (state[i].grad for i in indices) if g is not None]
             if not left:
                 continue
             flat = torch.cat([g.reshape(-1) for g in left])
@@ -214,7 +214,7 @@ def bind_group(name: str, group: Any) -> None:
     """Make the graph's group ``name`` resolve to ``group`` in this process."""
     if _BOUND_GROUPS.get(name) is group:
         return
-    registry = torch._C._distributed_c10d
+    registry: Any = torch._C._distributed_c10d  # private; its stubs differ between releases
     with contextlib.suppress(RuntimeError, KeyError, ValueError):  # not bound here yet
         registry._unregister_process_group(name)
     registry._register_process_group(name, group)

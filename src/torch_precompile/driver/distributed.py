@@ -187,7 +187,7 @@ _BOUND_MESHES: dict[tuple[str, ...], Any] = {}
 
 def bind_groups(mesh: Any, names: Sequence[str]) -> None:
     """Make ``names[d]`` resolve to ``mesh``'s process group for dim ``d`` in this process."""
-    registry = torch._C._distributed_c10d
+    registry: Any = torch._C._distributed_c10d  # private; its stubs differ between releases
     for dim, name in enumerate(names):
         group = mesh.get_group(dim)
         with contextlib.suppress(RuntimeError, KeyError, ValueError):  # not bound here yet
@@ -213,7 +213,7 @@ def _placements(record: Any) -> tuple[Any, ...]:
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    made = []
+    made: list[Any] = []
     for text in record.placements:
         kind, argument = text[:-1].split("(")
         if kind == "_StridedShard":

@@ -197,7 +197,7 @@ class ModelMemo:
             return
         with self.lock:
             if len(self.entries) >= self.SIZE:
-                self.entries.pop(next(iter(self.entries), None), None)
+                self.entries.pop(next(iter(self.entries)), None)
             self.entries[tuple(map(id, models))] = entry
 
 
@@ -209,7 +209,8 @@ def tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
     try:
         from torch._C._dynamo.guards import TensorGuards
 
-        return TensorGuards(
+        guards: Any = TensorGuards  # its stubs lag behind its keywords
+        return guards(
             *tensors,
             dynamic_dims_sizes=[list(t.shape) for t in tensors],
             dynamic_dims_strides=[list(t.stride()) for t in tensors],

@@ -93,7 +93,7 @@ class OptimizerPlan:
         for entry in self.entries:
             self.keys[entry.param] = self.keys.get(entry.param, 0) + 1
 
-    def check(self, optimizer: Any, state: Sequence[torch.Tensor]) -> tuple[Any, dict]:
+    def check(self, optimizer: Any, state: Sequence[torch.Tensor]) -> tuple[Any, dict[Any, Any]]:
         """``optimizer`` checked; the zero state to give parameters that have none yet."""
         cls = type(optimizer)
         if f"{cls.__module__}.{cls.__qualname__}" != self.cls:
@@ -167,7 +167,9 @@ class OptimizerPlan:
                         f"{self.name}.zero_grad() before the call."
                     )
 
-    def _fresh_state(self, optimizer: Any, state: Sequence[torch.Tensor]) -> dict:
+    def _fresh_state(
+        self, optimizer: Any, state: Sequence[torch.Tensor]
+    ) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         fresh: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         for entry in self.entries:
             param = state[entry.param]
@@ -183,7 +185,7 @@ class OptimizerPlan:
             self._check_state(held, entry)
         return fresh
 
-    def _check_state(self, held: dict, entry: StatePlan) -> None:
+    def _check_state(self, held: dict[str, Any], entry: StatePlan) -> None:
         tensor = held.get(entry.key)
         what = f"state {entry.key!r} of parameter {entry.name!r} in optimizer {self.name}"
         if len(held) != self.keys[entry.param] or not isinstance(tensor, torch.Tensor):

@@ -61,7 +61,8 @@ class Variants:
         driver, shapes = self.last, None
         if self.by_shape is not None:
             shapes = _shapes(args, self.positions)
-            driver = self.by_shape.get(shapes, driver)
+            if shapes is not None:
+                driver = self.by_shape.get(shapes, driver)
         try:
             return driver, driver.checked(args, kwargs)
         except PrecompileError as refused:
