@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -107,3 +108,12 @@ def test_torchs_tracer_is_left_as_it_was() -> None:
     # A plain make_fx with stack traces keeps torch's own filter (frames named forward only).
     gm = make_fx(lambda x: torch.relu(x), record_stack_traces=True)(torch.randn(2))
     assert all(not n.meta.get("stack_trace") for n in gm.graph.nodes)
+
+
+def test_inductor_kernels_name_the_aten_ops_they_compute() -> None:
+    """The retrace for Inductor keeps each captured node's meta: the kernels' comments name
+    the ATen operators they fuse, not an empty list."""
+    code, _ = precompile(step, torch.nn.Linear(4, 3), *_example(), wrapper="python")
+    origins = re.findall(r"Original ATen: \[(.*)\]", code)
+    assert origins and all(origins), origins
+    assert any("aten.addmm" in o for o in origins), origins

@@ -187,7 +187,10 @@ def _functional_graph(
 
     functional = torch.func.functionalize(tensors_only, remove="mutations")
     try:
-        return retrace_for_inductor(functional, inputs, fake_mode)
+        # Each retraced node keeps the meta of the captured node it came from (its user line
+        # and ATen op), so the kernels' comments say where they come from.
+        with torch.fx.traceback.preserve_node_meta():
+            return retrace_for_inductor(functional, inputs, fake_mode)
     except DynamicOutputShapeException as e:
         raise PrecompileError(
             f"the inductor backend cannot compile {e.func}, whose output size depends on tensor "
