@@ -86,6 +86,21 @@ CASES_4 = [
 ]
 
 
+# A world of one: FSDP2 over a mesh of size 1, where no collective moves data.
+CASES_1 = ["fsdp_eager", "fsdp_inductor", "fsdp_adamw_eager"]
+WORLDS = {1: "one_rank", 2: "two_ranks", 4: "four_ranks"}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(1, CASES_1, tmp_path_factory.mktemp("one_rank"))
+
+
+def _world(request: pytest.FixtureRequest, world: int) -> list[dict[str, Any]]:
+    """The reports of the ranks of a world of ``world`` ranks."""
+    return request.getfixturevalue(WORLDS[world])
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_ranks(2, CASES_2, tmp_path_factory.mktemp("two_ranks"))
@@ -247,17 +262,18 @@ def test_ddp_adamw_step_inside_fn(two_ranks, case: str) -> None:
 @pytest.mark.parametrize(
     ("world", "case"),
     [
+        (1, "fsdp_adamw_eager"),
         (2, "fsdp_adamw_eager"),
         (2, "fsdp_adamw_inductor_one_rank"),
         (4, "fsdp_tp_2d_adamw_eager"),
         (4, "fsdp_tp_2d_adamw_inductor_one_rank"),
     ],
 )
-def test_fully_shard_adamw_step_inside_fn(two_ranks, four_ranks, world: int, case: str) -> None:
+def test_fully_shard_adamw_step_inside_fn(request, world: int, case: str) -> None:
     """zero_grad, forward, backward and AdamW's step inside fn under a StepLR schedule, on
     fully_shard (and fully_shard over tensor parallelism): parameters equal single-process
     eager's, and the optimizer's state stays sharded DTensors."""
-    results = _case(two_ranks if world == 2 else four_ranks, case)
+    results = _case(_world(request, world), case)
     _matches_eager(results, ("loss", "param"))
     assert all(r["state"] == ["DTensor"] for r in results)
 
@@ -295,6 +311,8 @@ def test_ddp_refusals_name_the_option(two_ranks) -> None:
 @pytest.mark.parametrize(
     ("world", "case"),
     [
+        (1, "fsdp_eager"),
+        (1, "fsdp_inductor"),
         (2, "fsdp_eager"),
         (2, "fsdp_inductor"),
         (2, "fsdp_eager_one_rank"),
@@ -304,11 +322,12 @@ def test_ddp_refusals_name_the_option(two_ranks) -> None:
         (4, "fsdp_inductor_one_rank"),
     ],
 )
-def test_fully_shard_model_trains_like_eager(two_ranks, four_ranks, world: int, case: str) -> None:
+def test_fully_shard_model_trains_like_eager(request, world: int, case: str) -> None:
     """fully_shard on each layer and the root: two batches per SGD step, each rank on its
     slice; losses, full gradients and parameters equal single-process eager's on the full
-    batches, and .grad stays sharded like FSDP2's."""
-    results = _case(two_ranks if world == 2 else four_ranks, case)
+    batches, and .grad stays sharded like FSDP2's. In a world of one, the layers' parameters
+    share FSDP2's storage with no gather between: what backward saves stays apart."""
+    results = _case(_world(request, world), case)
     _matches_eager(results)
     for result in results:
         assert result["accumulating_calls"] == 3  # every second call added to .grad

@@ -170,6 +170,10 @@ def _before(group: ShardedGroup, leaves: _Leaves, gathered: _Gathered) -> Any:
                 gather(bucket, [leaf.to_local() for _, _, leaf in leaves], differentiable=True)
             )
             sources = [functools.partial(regathered, i) for i in range(len(leaves))]
+        # Where no communication ran (a data-parallel dim of size 1), a full parameter views
+        # storage the group's parameters share: a tensor of its own keeps what backward saves
+        # of each parameter apart (see _pack).
+        fulls = [full if full._base is None else full.clone() for full in fulls]
         for (owner, attr, _), full, source in zip(leaves, fulls, sources, strict=True):
             bind_parameter(owner, attr, full)
             if group.reshard_after_forward:
