@@ -117,3 +117,21 @@ def test_inductor_kernels_name_the_aten_ops_they_compute() -> None:
     origins = re.findall(r"Original ATen: \[(.*)\]", code)
     assert origins and all(origins), origins
     assert any("aten.addmm" in o for o in origins), origins
+
+
+def test_the_generated_codes_positional_arguments_are_named() -> None:
+    """Above call(), each argK_1 of Inductor's code is named after what it holds: a model
+    tensor, an input, an optimizer's state or learning rate."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def adamw_step(model, opt, x, t):
+        step(model, x, t)
+        opt.step()
+        opt.zero_grad()
+
+    code, _ = precompile(adamw_step, model, opt, *_example(), wrapper="cpp")
+    block = code[code.index("# call's flat inputs") : code.index("\ndef call(flat_inputs):")]
+    named = re.findall(r"^#   (arg\d+_1) +(\w+)", block, re.M)
+    assert named[:3] == [("arg0_1", "p_weight"), ("arg1_1", "p_bias"), ("arg2_1", "in_x")]
+    assert named[-1][1].startswith("opt_lr") and "exp_avg_sq" in block

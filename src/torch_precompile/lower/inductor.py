@@ -424,12 +424,32 @@ def _literal_lines(capture: Capture) -> list[str]:
     ]
 
 
+def _flat_inputs_comment(capture: Capture) -> list[str]:
+    """What each positional argument of the generated code holds: the captured graph's
+    placeholders (named after model tensors, inputs and optimizer state), in order."""
+    lines = [
+        "# call's flat inputs, in order; Inductor's code above takes them as arg0_1, arg1_1, ...",
+        "# (then any tensor literals):",
+    ]
+    placeholders = list(capture.graph.graph.find_nodes(op="placeholder"))
+    width = max((len(node.name) for node in placeholders), default=0)
+    for index, node in enumerate(placeholders):
+        value = node.meta.get("val")
+        kind = ""
+        if isinstance(value, torch.Tensor):
+            dims = ", ".join(str(d) for d in value.shape)
+            kind = f"  {str(value.dtype).removeprefix('torch.')}[{dims}]"
+        lines.append(f"#   {f'arg{index}_1':<8}{node.name:<{width}}{kind}".rstrip())
+    return lines
+
+
 def _call_source(
     capture: Capture, tensor_outputs: list[int], constants: dict[int, Any], count: int
 ) -> str:
     aliases = capture.spec.output_aliases
     lines = [
         "",
+        *_flat_inputs_comment(capture),
         "def call(flat_inputs):",
         '    """Run the kernels on the flat inputs (the list is consumed); return all outputs."""',
     ]
