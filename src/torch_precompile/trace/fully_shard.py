@@ -173,7 +173,7 @@ def _before(group: ShardedGroup, leaves: _Leaves, gathered: _Gathered) -> Any:
         # Where no communication ran (a data-parallel dim of size 1), a full parameter views
         # storage the group's parameters share: a tensor of its own keeps what backward saves
         # of each parameter apart (see _pack).
-        fulls = [full if full._base is None else full.clone() for full in fulls]
+        fulls = [full if view_base(full) is full else full.clone() for full in fulls]
         for (owner, attr, _), full, source in zip(leaves, fulls, sources, strict=True):
             bind_parameter(owner, attr, full)
             if group.reshard_after_forward:
