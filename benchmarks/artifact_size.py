@@ -26,8 +26,8 @@ from torch_precompile import demo
 
 generated = []
 original = inductor.wrapper_with_stand_ins
-def recording(wrapper):
-    source = original(wrapper)
+def recording(*args, **kwargs):
+    source = original(*args, **kwargs)
     generated.append(len(source.splitlines()))
     return source
 inductor.wrapper_with_stand_ins = recording

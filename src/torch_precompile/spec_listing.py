@@ -70,6 +70,7 @@ def driver_records() -> str:
         "one record). Generated from ``torch_precompile.spec`` by",
         f'``{WRITE_COMMAND}``; do not edit."""',
         "",
+        "# fmt: off",
         "SPEC_RECORDS: dict[str, tuple[str, ...]] = {",
     ]
     for cls in records:
@@ -77,11 +78,23 @@ def driver_records() -> str:
         one_line = f'    "{cls.__name__}": ({", ".join(names)}{"," if len(names) == 1 else ""}),'
         if len(one_line) <= 100:
             lines.append(one_line)
-        else:
-            lines += [f'    "{cls.__name__}": (', *(f"        {n}," for n in names), "    ),"]
+        else:  # as a reader would wrap it, not one field a line
+            packed = _packed([f"{n}," for n in names], "        ")
+            lines += [f'    "{cls.__name__}": (', *packed, "    ),"]
     lines += ["}", "SPEC_LISTS: dict[str, str] = {"]
-    lines += [f'    "{name}": "{cls.__name__}",' for name, cls in ArtifactSpec.RECORDS.items()]
-    return "\n".join([*lines, "}"]) + "\n"
+    pairs = [f'"{name}": "{cls.__name__}",' for name, cls in ArtifactSpec.RECORDS.items()]
+    lines += _packed(pairs, "    ")
+    return "\n".join([*lines, "}", "# fmt: on"]) + "\n"
+
+
+def _packed(items: list[str], indent: str, width: int = 100) -> list[str]:
+    """``items`` joined by spaces into lines of at most ``width``, none split."""
+    lines = [indent]
+    for item in items:
+        if lines[-1] != indent and len(lines[-1]) + 1 + len(item) > width:
+            lines.append(indent)
+        lines[-1] += item if lines[-1] == indent else " " + item
+    return lines
 
 
 def committed_version(text: str) -> tuple[int | None, str | None]:
