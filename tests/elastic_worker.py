@@ -227,6 +227,11 @@ def main() -> None:
     Path(out, f"{mode}-rank{dist.get_rank()}-attempt{attempt}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+    # Everything is written: skip the interpreter's teardown, where torch 2.14's c10d threads
+    # sometimes abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
