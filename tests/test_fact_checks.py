@@ -31,6 +31,7 @@ READ_ELSEWHERE = {
     "the same values",
     "Autograd.saved": "a description for inspect; the backward graph takes what the forward "
     "graph returns",
+    "ArtifactSpec.wrappers": "a description for inspect; each graph's source is its wrapper",
 }
 # Recorded facts a call is not yet checked against, and what that leaves to the caller.
 KNOWN_UNCHECKED = {

@@ -57,15 +57,15 @@ def test_code_with_a_malformed_spec_is_refused_before_anything_runs(
 
 
 def test_spec_with_a_malformed_record_list_is_refused(backend: str, artifacts) -> None:
-    from torch_precompile.spec import ArtifactSpec, spec_literal
+    from torch_precompile.spec import from_literal, spec_literal
 
     literal = spec_literal(artifacts.pair("mlp_infer", backend)[0])
     with pytest.raises(
         PrecompileError, match="holds int for 'model' where a list of ModelTensor records belongs"
     ):
-        ArtifactSpec.from_literal({**literal, "model": 5})
+        from_literal({**literal, "model": 5})
     with pytest.raises(PrecompileError, match="malformed Argument record"):
-        ArtifactSpec.from_literal({**literal, "args": [5]})
+        from_literal({**literal, "args": [5]})
 
 
 def test_spec_is_parsed_without_executing(tmp_path, backend: str, artifacts) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.artifact import envelope
-from torch_precompile.spec import OLDEST_READABLE_SCHEMA, SCHEMA_VERSION
+from torch_precompile.spec import OLDEST_READABLE_SCHEMA, SCHEMA_VERSION, shown_version
 
 from conftest import assert_same, kernel_payload, with_kernel_payload
 from workloads import WORKLOADS
@@ -203,14 +203,14 @@ def test_damaged_sources(backend: str, artifacts) -> None:
 
 def test_a_version_1_spec_reads_with_no_meshes(backend: str) -> None:
     """The literal a version-1 release wrote (its golden pair), as it stands."""
-    from torch_precompile.spec import ArtifactSpec, spec_literal
+    from torch_precompile.spec import from_literal, spec_literal
 
     code = (Path(__file__).parent / "golden" / f"schema1-{backend}.artifact").read_text()
     literal = spec_literal(code)
     assert literal["schema_version"] == 1 and "meshes" not in literal
     assert "distributed" not in literal and "autograd" not in literal
-    spec = ArtifactSpec.from_literal(literal)
-    assert spec.meshes == () and spec.distributed == () and spec.schema_version == 1
+    spec = from_literal(literal)
+    assert spec.meshes == () and spec.distributed == () and spec.schema_version == (1, 0)
     assert spec.autograd is None
 
 
@@ -220,15 +220,15 @@ def test_unknown_schema_version_is_refused_before_anything_runs(
     code, _ = artifacts.pair(NAME, backend)
     marker = tmp_path / "ran"
     future = f"open({str(marker)!r}, 'w').close()\n" + code.replace(
-        f"'schema_version': {SCHEMA_VERSION},", "'schema_version': 99,", 1
+        f"'schema_version': {SCHEMA_VERSION},", "'schema_version': (99, 0),", 1
     )
     with pytest.raises(
         PrecompileError,
-        match=f"schema version 99; this torch-precompile reads "
-        f"schema version {OLDEST_READABLE_SCHEMA} to {SCHEMA_VERSION}. Upgrade",
+        match=f"schema version 99.0; this torch-precompile reads schema versions "
+        f"{shown_version(OLDEST_READABLE_SCHEMA)} to {SCHEMA_VERSION[0]}.x. Upgrade",
     ):
         precompile.load(future, None)
-    with pytest.raises(PrecompileError, match="schema version 99"):
+    with pytest.raises(PrecompileError, match="schema version 99.0"):
         precompile.inspect(future)
     assert not marker.exists()
 

@@ -21,7 +21,7 @@ from torch_precompile import PrecompileError, capture, precompile
 from torch_precompile.artifact import envelope
 from torch_precompile.artifact.kernel_payload import read_payload
 from torch_precompile.inspection import describe, render
-from torch_precompile.spec import ArtifactSpec, parse_spec
+from torch_precompile.spec import ArtifactSpec, from_literal, parse_spec, to_literal
 
 from conftest import assert_same, model_state, poisoned_toolchain, run_python
 from workloads import WORKLOADS
@@ -201,12 +201,12 @@ def test_a_capture_whose_calls_take_other_arguments_is_refused(tmp_path: Path) -
 def test_the_spec_of_variants_round_trips_and_holds_shared_fields_once(variants_pair) -> None:
     code = variants_pair.read_text()
     spec = parse_spec(code)
-    literal = spec.to_literal()
+    literal = to_literal(spec)
     assert all(not set(v) & {*ArtifactSpec.SHARED, "variants"} for v in literal["variants"])
-    assert ArtifactSpec.from_literal(literal) == spec
+    assert from_literal(literal) == spec
     bad = {**literal, "variants": ({**literal["variants"][0], "backend": "eager"},)}
     with pytest.raises(PrecompileError, match="malformed variant"):
-        ArtifactSpec.from_literal(bad)
+        from_literal(bad)
 
 
 def test_compile_on_one_rank_takes_one_kind_of_call(tmp_path: Path) -> None:

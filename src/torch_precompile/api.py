@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from torch_precompile import progress, runtime, storage
 from torch_precompile.artifact import bytecode, envelope, signature
 from torch_precompile.errors import PrecompileError
-from torch_precompile.spec import ArtifactSpec, Autograd, parse_spec
+from torch_precompile.spec import ArtifactSpec, Autograd, parse_spec, with_strides
 
 if TYPE_CHECKING:
     from torch_precompile.lower import LoweredGraph, VariantGraphs
@@ -396,7 +396,9 @@ def compile_variant(
         graphs, record = _with_backward(captured, lowered, options, on_fakes)
     kernels = {k.key: k for g in graphs.all for k in g.kernels}
     spec = dataclasses.replace(
-        captured.spec.with_strides(lowered.input_strides), autograd=record
+        with_strides(captured.spec, lowered.input_strides),
+        autograd=record,
+        wrappers=tuple(g.wrapper for g in graphs.all if g.wrapper is not None),
     ).with_kernels(sorted(kernels.values(), key=lambda k: k.key))
     return CompiledVariant(spec, graphs, origin or describe_callable(fn))
 

@@ -33,7 +33,7 @@ from torch_precompile.artifact.kernel_payload import (
 from torch_precompile.driver.variants import variant_label
 from torch_precompile.errors import PrecompileError
 from torch_precompile.lower import WRAPPER_LINE
-from torch_precompile.spec import ArtifactSpec, InputLeaf, parse_spec
+from torch_precompile.spec import ArtifactSpec, InputLeaf, parse_spec, shown_version
 from torch_precompile.storage import cache_path, find_cache
 
 
@@ -75,7 +75,7 @@ def describe(path: Path) -> dict[str, Any]:
             "path": str(path),
             "bytes": len(code.encode()),
             "backend": spec.backend,
-            "schema_version": spec.schema_version,
+            "schema_version": shown_version(spec.schema_version),
             "torch": f"{spec.torch.version} (git {spec.torch.git[:12]})",
         },
         "call": f"forward({', '.join(a.name for a in spec.args)})",
@@ -146,14 +146,19 @@ def describe(path: Path) -> dict[str, Any]:
 
 
 def _describe_wrapper(code: str, spec: ArtifactSpec) -> str | None:
-    """What calls the kernels, as section 2 says (None for the eager backend)."""
+    """What calls the kernels (None for the eager backend): the spec's wrapper kinds (from
+    10.0; before, section 2's comments), with section 2's reason where a graph runs in Python."""
     if spec.backend != "inductor":
         return None
-    # One line per graph that says (indented in a variant's function); none: Python.
+    # Section 2 says why a graph runs in Python, one line per graph that says.
     said = [
         _shown_wrapper(line)
         for line in re.findall(f"^ *{re.escape(WRAPPER_LINE)}(.*)$", code, re.MULTILINE)
     ]
+    kinds = [kind for variant in spec.all_variants for kind in variant.wrappers]
+    if kinds:  # recorded in the spec from 10.0
+        reasons = iter(s for s in said if s != "cpp")
+        said = [kind if kind == "cpp" else next(reasons, "python") for kind in kinds]
     shown = sorted({*said, *["python"] * (len(spec.all_variants) - len(said))})
     return shown[0] if len(shown) == 1 else "per variant: " + "; ".join(shown)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch_precompile.artifact import envelope
 from torch_precompile.errors import PrecompileError
-from torch_precompile.spec import ArtifactSpec
+from torch_precompile.spec import ArtifactSpec, compat
 
 if TYPE_CHECKING:  # the payload module imports torch: load imports it only for inductor
     from torch_precompile.artifact.kernel_payload import PayloadExamination
@@ -57,7 +57,7 @@ def refuse_builds(
     (a pair read from files); ``problems`` why the envelope is unusable."""
     if spec.backend != "inductor":
         return  # the eager graph builds nothing
-    named = [k.key for k in spec.kernels] if spec.schema_version >= 3 else None
+    named = [k.key for k in spec.kernels] if compat.names_kernels(spec) else None
     if named == []:
         return  # no C++ object to build; another kernel kind is the loader's to refuse
     acceleration = contents.acceleration if contents is not None else None

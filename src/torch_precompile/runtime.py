@@ -14,7 +14,7 @@ from torch_precompile import prebuilt
 from torch_precompile.artifact import bytecode, envelope, signature
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import torch_build
-from torch_precompile.spec import ArtifactSpec, parse_spec
+from torch_precompile.spec import ArtifactSpec, compat, from_literal, parse_spec, shown_version
 
 log = logging.getLogger("torch_precompile")
 _announced: set[str] = set()  # code hashes of the sources load has said it executes
@@ -108,11 +108,7 @@ def _load(
         if contents is not None and contents.belongs_to(python_code)
         else None
     )
-    spec = (
-        ArtifactSpec.from_literal(compiled.spec_literal)
-        if compiled is not None
-        else parse_spec(python_code)
-    )
+    spec = from_literal(compiled.spec_literal) if compiled is not None else parse_spec(python_code)
     check_torch_build(spec)
     envelope.check_pairing(contents, spec.backend, python_code)
     if problems is not None:
@@ -126,9 +122,7 @@ def _load(
     if contents is not None and contents.acceleration is not None and spec.backend == "inductor":
         from torch_precompile.artifact.kernel_payload import load_built_kernels
 
-        pinned = (
-            {k.key: k.sha256 for k in spec.kernels} if spec.schema_version >= 3 else None
-        )  # older schemas name no kernel objects
+        pinned = compat.kernel_pins(spec)
         namespace["PRECOMPILED_KERNELS"] = load_built_kernels(contents.acceleration, pinned)
     if strict and spec.backend == "inductor":
         prebuilt.guard_namespace(python_code, namespace)
@@ -137,7 +131,7 @@ def _load(
     forward = namespace.get("forward")
     # forward is bound on the artifact's last lines (before schema 3, PLAN was): without it
     # the file was cut short.
-    if not callable(forward) or (spec.schema_version < 3 and namespace.get("PLAN") is None):
+    if not callable(forward) or (compat.ends_with_plan(spec) and namespace.get("PLAN") is None):
         raise PrecompileError(
             "python_code ran but did not reach its end (no forward bound to its spec): it is "
             "truncated or not an artifact."
@@ -185,17 +179,18 @@ def _unrecorded_kernel_width(
     if spec.backend != "inductor" or _LOADER_WITHOUT_WIDTH not in python_code:
         return None
     prebuilt = namespace.get("PRECOMPILED_KERNELS", {})
-    if spec.schema_version >= 3 and all(k.key in prebuilt for k in spec.kernels):
+    if compat.names_kernels(spec) and all(k.key in prebuilt for k in spec.kernels):
         return None
     from torch_precompile.artifact.kernel_payload import built_vector_bits
 
     bits = built_vector_bits(contents.acceleration if contents is not None else None)
     if bits is None:
         raise PrecompileError(
-            f"this artifact (schema {spec.schema_version}) needs kernels built from its source, "
-            "and does not record the vector width that source was generated for; built for "
-            "this CPU's width they could corrupt memory. Pass the cache precompile() returned "
-            "with it, or precompile again with this version, which records the width."
+            f"this artifact (schema {shown_version(spec.schema_version)}) needs kernels built "
+            "from its source, and does not record the vector width that source was generated "
+            "for; built for this CPU's width they could corrupt memory. Pass the cache "
+            "precompile() returned with it, or precompile again with this version, which "
+            "records the width."
         )
     return bits
 

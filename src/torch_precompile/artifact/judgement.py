@@ -19,7 +19,7 @@ from torch_precompile.artifact.kernel_payload import (
     object_kind,
 )
 from torch_precompile.errors import PrecompileError
-from torch_precompile.spec import ArtifactSpec, parse_spec
+from torch_precompile.spec import ArtifactSpec, compat, parse_spec, shown_version
 
 # What a finding means for a load and for ``verify``.
 OK = "ok"  # as it should be
@@ -66,7 +66,7 @@ class Judgement:
         schema before 3, whose source names none)."""
         if self.spec.backend != "inductor":
             return 0
-        if self.spec.schema_version < 3:
+        if not compat.names_kernels(self.spec):
             return None
         return len(self.spec.kernels) - len(self.prebuilt)
 
@@ -84,8 +84,9 @@ class Judgement:
             return f"runs, but builds every kernel from the source{_BUILD}"
         if self.to_build is None:
             return (
-                f"runs: {mapped}; its source (schema {self.spec.schema_version}) names no "
-                f"objects, so any other it needs is built on first use{_BUILD}"
+                f"runs: {mapped}; its source (schema "
+                f"{shown_version(self.spec.schema_version)}) names no objects, so any other it "
+                f"needs is built on first use{_BUILD}"
             )
         built = f"{self.to_build} object{'' if self.to_build == 1 else 's'}"
         return f"runs, but builds {built} from the source{_BUILD}" + (
@@ -95,7 +96,7 @@ class Judgement:
 
 def pins(spec: ArtifactSpec) -> dict[str, str] | None:
     """The kernel digests the source names; None before schema 3, which named none."""
-    return {k.key: k.sha256 for k in spec.kernels} if spec.schema_version >= 3 else None
+    return compat.kernel_pins(spec)
 
 
 def judge(

@@ -37,7 +37,7 @@ from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
 from torch_precompile.lower import LoweredGraph, VariantGraphs
 from torch_precompile.shipped import import_block, shipped_source
-from torch_precompile.spec import ArtifactSpec, InputLeaf
+from torch_precompile.spec import ArtifactSpec, InputLeaf, spec_source
 
 _RULE = "# " + "=" * 78
 
@@ -224,7 +224,7 @@ def render(
             sections=_sections_line(all_named),
         ),
         _section(1, "The spec: the calling convention, read by load() without executing"),
-        spec.source(_structure_notes(spec)),
+        spec_source(spec, _structure_notes(spec)),
         _section(
             2,
             "The compiled graph: call(flat_inputs) -> flat_outputs"

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from torch_precompile.driver.records import SPEC_LISTS, SPEC_RECORDS
+from torch_precompile.driver.records import SPEC_DEFAULTS, SPEC_LISTS, SPEC_RECORDS
 
 
 class PrecompileError(RuntimeError):
@@ -842,15 +842,20 @@ def _dtype(name: str) -> torch.dtype:
 # Each record of ARTIFACT_SPEC becomes a named tuple with exactly the fields SPEC_RECORDS
 # names (a table generated from the package's spec records), so a field the driver names that
 # the spec lacks fails at once.
-_RECORD_TYPES = {name: namedtuple(name, fields) for name, fields in SPEC_RECORDS.items()}
+_RECORD_TYPES = {
+    name: namedtuple(name, fields, defaults=SPEC_DEFAULTS.get(name, ()))
+    for name, fields in SPEC_RECORDS.items()
+}
 
 
 def read_spec(literal: Mapping[str, Any]) -> Any:
     """``ARTIFACT_SPEC`` as named tuples (``spec.model[0].shape``); ``variants`` stays as
     the literal holds it (``Variants`` reads it)."""
-    fields = {"variants": (), **literal}
+    fields = dict(literal)
     for name, record in SPEC_LISTS.items():
         make = _RECORD_TYPES[record]
+        if name not in fields:
+            continue  # at its default
         value = fields[name]
         if name in ("torch", "ambient", "autograd"):  # one record, not a list
             fields[name] = None if value is None else make(**value)

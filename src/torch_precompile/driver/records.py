@@ -1,7 +1,10 @@
-"""The spec's records as the driver reads ``ARTIFACT_SPEC``: the fields of each record,
-and which record each list of the spec holds (``torch``, ``ambient`` and ``autograd``:
-one record). Generated from ``torch_precompile.spec`` by
-``python -m torch_precompile.spec_listing --write``; do not edit."""
+"""The spec's records as the driver reads ``ARTIFACT_SPEC``: the fields of each record
+and the defaults of its last ones (a field at its default is left out of the literal),
+which record each list of the spec holds (``torch``, ``ambient`` and ``autograd``: one
+record), and the fields every variant takes from the top level. Generated from
+``torch_precompile.spec`` by ``python -m torch_precompile.spec_listing --write``; do not edit."""
+
+from typing import Any
 
 # fmt: off
 SPEC_RECORDS: dict[str, tuple[str, ...]] = {
@@ -10,7 +13,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
         "out_spec", "value_guards", "dynamic_dims", "size_relations", "output_aliases", "meshes",
         "distributed", "kernels", "optimizers", "param_groups", "optimizer_state", "wrapped",
         "wrapped_inner", "data_parallel", "fully_sharded", "global_hooks", "read_values", "ambient",
-        "mutated", "seed", "autograd", "variants",
+        "mutated", "seed", "autograd", "wrappers", "variants",
     ),
     "TorchBuild": ("version", "git"),
     "Argument": ("name", "is_model", "is_optimizer"),
@@ -45,6 +48,27 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "Ambient": ("autocast", "default_dtype", "deterministic", "modes"),
     "Autograd": ("inputs", "outputs", "tangent_strides", "saved", "unavailable"),
 }
+SPEC_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "ArtifactSpec": (
+        (), (), (), (), (), (), (), (), (), (), (), (), (), (), (), (), None, (), None, None, (),
+        (),
+    ),
+    "Argument": (False,),
+    "ModelTensor": ((),),
+    "Submodule": (None, ()),
+    "InputLeaf": (None, None, None, None, None, None, None),
+    "OutputAlias": (None, None, None),
+    "DistributedTensor": (None,),
+    "Optimizer": (False,),
+    "ParamGroup": (None,),
+    "OptimizerState": (None,),
+    "InnerTensor": (None,),
+    "DataParallel": (None,),
+    "FullyShardedGroup": (None, None, None),
+    "ReadValue": (None,),
+    "Ambient": ((), None, False, ()),
+    "Autograd": ((), (), (), (), None),
+}
 SPEC_LISTS: dict[str, str] = {
     "torch": "TorchBuild", "args": "Argument", "model": "ModelTensor", "submodules": "Submodule",
     "inputs": "InputLeaf", "value_guards": "ValueGuard", "dynamic_dims": "DynamicDim",
@@ -55,4 +79,5 @@ SPEC_LISTS: dict[str, str] = {
     "fully_sharded": "FullyShardedGroup", "read_values": "ReadValue", "ambient": "Ambient",
     "autograd": "Autograd",
 }
+SPEC_SHARED: tuple[str, ...] = ("schema_version", "backend", "torch", "args", "kernels")
 # fmt: on

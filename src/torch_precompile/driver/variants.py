@@ -14,13 +14,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch_precompile.driver.core import PrecompileError
+from torch_precompile.driver.records import SPEC_SHARED
 
 
 def variant_spec(literal: Mapping[str, Any], number: int) -> dict[str, Any]:
     """Variant ``number`` (counting from 1, the top level) of ``ARTIFACT_SPEC`` as a whole
     spec: its own fields over those every variant shares."""
-    own = literal["variants"][number - 2] if number > 1 else {}
-    return {**literal, **own, "variants": ()}
+    if number == 1:
+        return {**literal, "variants": ()}
+    return {
+        **{k: literal[k] for k in SPEC_SHARED if k in literal},
+        **literal["variants"][number - 2],
+    }
 
 
 def variant_label(spec: Any) -> str:

@@ -22,6 +22,8 @@ class LoweredGraph:
     ``input_strides`` holds, per flat graph input, the strides the compiled kernels assume
     (None where any layout will do); None altogether for a layout-flexible backend.
     ``kernels`` names every built kernel object in ``acceleration``, with its digest.
+    ``wrapper`` is the kind of Inductor wrapper that runs the graph ("cpp" or "python"; None
+    for the eager backend).
     """
 
     source: str
@@ -29,6 +31,7 @@ class LoweredGraph:
     input_strides: list[tuple[int, ...] | str | None] | None = None
     kernels: tuple[KernelObject, ...] = ()
     stand_ins: tuple[ModuleType, ...] = ()
+    wrapper: str | None = None
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,12 @@ def _lowered(
     )
     kernels = collect_built_kernels(wrapper)
     return LoweredGraph(
-        source, kernels.payload, input_strides=strides, kernels=kernels.objects, stand_ins=stand_ins
+        source,
+        kernels.payload,
+        input_strides=strides,
+        kernels=kernels.objects,
+        stand_ins=stand_ins,
+        wrapper="cpp" if is_cpp_wrapper(wrapper) else "python",
     )
 
 

@@ -1,0 +1,477 @@
+"""The artifact spec's records: what an artifact's calling convention holds, field by field.
+
+``ArtifactSpec`` is the whole spec; each of its lists holds one kind of record below. Every
+field that came after schema 1.0 names its version (``since``); a record's other fields came
+with the spec field that holds it. How the records are laid out as the ``ARTIFACT_SPEC``
+literal is in ``literal``; how they map onto the graph's flat inputs, in ``layout``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+from torch_precompile.errors import PrecompileError
+from torch_precompile.spec.versions import SchemaVersion, since
+
+# (kind, value) for a Python value: ("const", 3), ("float", "nan"), ("dtype", "float16"),
+# ("device", "cpu"), ("enum", ("pkg.Mode", "FAST")), ("frozen", ("pkg.Cfg", (("n", ("const",
+# 2)),))). Flatten contexts also hold ("none", None), ("list", (items...)), ("tuple", (...)),
+# ("dict", ((key, value), ...)), ("size", (2, 3)) and ("dataclass", like "frozen"). Schema 3
+# and older also wrote ("repr", (type name, repr)).
+EncodedValue = tuple[str, Any]
+Shape = tuple[int | None, ...]
+Layout = tuple[int, ...] | str | None
+# Hooks of one kind, by name: ("forward", ("pkg.log_shapes",)).
+HookSet = tuple[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class TorchBuild:
+    """The torch an artifact was built with, and so the only one it runs under."""
+
+    version: str
+    git: str
+
+
+@dataclass(frozen=True)
+class Argument:
+    """One positional argument of ``fn``: a model (``nn.Module``), an optimizer
+    (``torch.optim.Optimizer``) or a runtime input."""
+
+    name: str
+    is_model: bool
+    is_optimizer: bool = field(default=False, metadata=since(4))
+
+
+@dataclass(frozen=True)
+class ModelTensor:
+    """One name of a model's parameter or buffer, in the order ``forward`` walks them.
+
+    The walk is ``named_parameters(remove_duplicate=False)`` of every model, then
+    ``named_buffers``; with several models names are ``m{i}.{name}``. A name whose tensor
+    appeared earlier under ``tied_to`` takes no flat input of its own. ``strides`` is the
+    layout the compiled kernels assume (None: any layout).
+    """
+
+    name: str
+    kind: str  # "parameter" or "buffer"
+    tied_to: str | None
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    strides: tuple[int, ...] | None
+    requires_grad: bool
+    gets_grad: bool
+    # tensor hooks on a parameter of a training step
+    hooks: tuple[HookSet, ...] = field(default=(), metadata=since(8))
+
+
+@dataclass(frozen=True)
+class Submodule:
+    """A module reached from a model argument: its ``training`` flag, its class by qualified
+    name (None: not recorded, schema 7 and older) and the hooks on it at capture."""
+
+    name: str
+    training: bool
+    cls: str | None = field(default=None, metadata=since(8))
+    hooks: tuple[HookSet, ...] = field(default=(), metadata=since(8))
+
+
+@dataclass(frozen=True)
+class InputLeaf:
+    """One leaf of the runtime inputs, in pytree order: a tensor, or a baked Python value.
+
+    ``shape`` has None for a dynamic dim; ``bounds`` maps such a dim to its declared (min,
+    max); ``strides`` is the layout the kernels assume (a memory-format name for an input
+    with dynamic dims; None: any layout).
+    """
+
+    path: str
+    kind: str  # "tensor" or "value"
+    shape: Shape | None = None
+    dtype: str | None = None
+    device: str | None = None
+    strides: Layout = None
+    requires_grad: bool | None = None
+    bounds: dict[int, tuple[int | None, int | None]] | None = None
+    value: EncodedValue | None = None
+
+
+@dataclass(frozen=True)
+class ValueGuard:
+    """A tensor value the trace decided on; each call must reproduce ``expected``."""
+
+    description: str
+    expected: EncodedValue
+
+
+@dataclass(frozen=True)
+class ReadValue:
+    """A Python value the traced code read, baked into the graph: each call must find
+    ``expected`` there.
+
+    With ``submodule`` set it is the attribute ``path`` of ``submodules[submodule]``
+    (``("scaling",)``, ``("config", "eps")``); otherwise the global ``path[0]`` of the Python
+    module named ``module``; for ``__main__``, ``file`` is the base name of the script it was
+    at capture (no path of the build machine). ``where`` is the line that read it.
+    """
+
+    submodule: int | None
+    module: str | None
+    path: tuple[str, ...]
+    expected: EncodedValue
+    where: str
+    file: str | None = None
+
+
+@dataclass(frozen=True)
+class Ambient:
+    """Thread and process state that changes what the traced ops compute, as at capture:
+    autocast (device type and dtype, where enabled), the default dtype (None when fn built no
+    tensor from it), deterministic algorithms, and the active torch function and dispatch
+    modes by class name."""
+
+    autocast: tuple[tuple[str, str], ...] = ()
+    default_dtype: str | None = None
+    deterministic: bool = False
+    modes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DynamicDim:
+    """One dynamic size: every (input leaf index, dim) that carries it."""
+
+    shape_id: str
+    places: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class SizeRelation:
+    """A relation over the dynamic sizes that must hold at every call.
+
+    ``expr`` is an expression tree: an int, ``("d", i)`` for the size of ``dynamic_dims[i]``,
+    or ``(operator, *operands)`` with the operators of the driver's ``evaluate``.
+    """
+
+    expr: Any
+    readable: str
+
+
+@dataclass(frozen=True)
+class OutputAlias:
+    """A result leaf that is a view of flat input ``source`` (``size`` None: the input)."""
+
+    output: int
+    source: int
+    size: tuple[int, ...] | None = None
+    stride: tuple[int, ...] | None = None
+    offset: int | None = None
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A DeviceMesh the artifact's DTensors live on, and the graph's names for its groups.
+
+    ``ranks`` is the capturing mesh's global ranks, flattened row-major (shown in messages; a
+    sub-mesh of other ranks with the same shape and dim names serves). ``groups[d]`` is the
+    name the compiled graph's collectives use for mesh dim ``d``; the driver binds it to the runtime
+    mesh's group for that dim. ``coordinate`` is the capturing rank's place in the mesh when
+    the graph depends on it (None: the graph serves every rank).
+    """
+
+    device_type: str
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...] | None
+    ranks: tuple[int, ...]
+    groups: tuple[str, ...]
+    coordinate: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class DistributedTensor:
+    """A DTensor at flat input ``index`` (``role`` "input") or result leaf ``index`` ("result").
+
+    The graph sees its local tensor, of ``local_shape``; ``local_strides`` is the layout the
+    kernels assume for an input (None: any). ``placements`` are written as ``Shard(0)``,
+    ``Replicate()``, ``Partial(sum)``; ``shape`` and ``strides`` are global.
+    """
+
+    role: str
+    index: int
+    name: str
+    mesh: int
+    placements: tuple[str, ...]
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    local_strides: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """An optimizer argument: its class, by qualified name (another class is refused).
+    ``zero_grad_first``: fn calls its ``zero_grad()`` before any gradient exists, so a call
+    drops the gradients its parameters hold, as that ``zero_grad()`` would."""
+
+    argument: str
+    cls: str
+    zero_grad_first: bool = False
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """One param group of optimizer ``optimizer`` (an index into ``optimizers``).
+
+    ``params`` names the model parameters it steps, in group order. Each option in
+    ``call_time`` is read from the group at every call (a flat input); each of ``baked`` is
+    fixed in the graph, so a call must pass the same value. ``fresh_start`` is None when a
+    parameter without state may start from zero state (what its first step creates), else why
+    it may not.
+    """
+
+    optimizer: int
+    params: tuple[str, ...]
+    call_time: tuple[str, ...]
+    baked: tuple[tuple[str, EncodedValue], ...]
+    fresh_start: str | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """One state tensor ``optimizer`` keeps for model parameter ``param``: a flat graph input
+    the graph updates in place (``strides``: the layout the kernels assume; None: any)."""
+
+    optimizer: int
+    param: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    strides: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class WrappedTensor:
+    """A traceable tensor subclass (one with ``__tensor_flatten__``) at flat input ``index``
+    (``role`` "input") or result leaf ``index`` ("result"), carried as its inner tensors.
+
+    ``cls`` is its class by qualified name; ``context`` its flatten context, encoded (a call
+    must pass an equal one; a result is rebuilt with it); ``shape`` and ``strides`` are its own
+    (outer) size and strides. Its ``wrapped_inner`` records list the inner tensors.
+    """
+
+    role: str
+    index: int
+    name: str
+    cls: str
+    context: EncodedValue
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class InnerTensor:
+    """One inner tensor of ``wrapped[wrapper]``, by its flatten attribute name, in flatten
+    order (``strides``: the layout the kernels assume; None: any)."""
+
+    wrapper: int
+    attr: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    strides: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """A model argument wrapped in DistributedDataParallel; ``model`` is its index among the
+    model arguments.
+
+    The graph averages its parameters' gradients over the process group it names ``group``
+    (of ``world_size`` ranks) when ``sync_grads`` (False: captured inside ``no_sync()``), and
+    broadcasts its buffers from rank 0 first when ``forward_sync`` is given: DDP's
+    ``require_forward_param_sync`` before the call (which must match) and after it.
+    """
+
+    argument: str
+    model: int
+    group: str
+    world_size: int
+    sync_grads: bool
+    forward_sync: tuple[bool, bool] | None = None
+
+
+@dataclass(frozen=True)
+class FullyShardedGroup:
+    """An FSDP2 param group: the module of model argument ``model`` (by index among the model
+    arguments) whose forward gathers it, ``module`` its path ("" for the model itself).
+
+    The graph gathers the group's parameters before that module's forward (in ``param_dtype``
+    when given), reduce-scatters their gradients' average (in ``reduce_dtype``) and, with
+    ``reshard_after_forward``, gathers them again for backward. Gradients are divided by
+    ``divide_factor`` (``set_gradient_divide_factor``; None: the world size) before the sum.
+    """
+
+    model: int
+    module: str
+    reshard_after_forward: bool
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    divide_factor: float | None = None
+
+
+@dataclass(frozen=True)
+class Autograd:
+    """How the results of an artifact whose fn runs no backward carry autograd history.
+
+    With ``inputs``, the artifact holds a forward and a backward graph beside the plain one:
+    a call under grad mode where a flat input requires grad runs the forward, whose results
+    get history; ``backward()`` later runs the backward graph, which gives gradients for
+    ``inputs`` (flat input indices). ``outputs`` are the result leaves with history, in the
+    order the backward takes their tangents, each in the layout ``tangent_strides`` gives.
+    ``saved`` says what the forward keeps for backward, one entry per value. Without
+    ``inputs``, ``unavailable`` says why results carry no history (None: nothing required
+    grad at capture).
+    """
+
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+    tangent_strides: tuple[tuple[int, ...], ...] = ()
+    saved: tuple[str, ...] = ()
+    unavailable: str | None = None
+
+
+@dataclass(frozen=True)
+class KernelObject:
+    """A built kernel object the cache may carry: its kernel key and the SHA-256 of its bytes."""
+
+    key: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ArtifactSpec:
+    """Everything the driver needs to check a call and map it onto ``call(flat_inputs)``."""
+
+    schema_version: SchemaVersion
+    backend: str
+    torch: TorchBuild
+    args: tuple[Argument, ...]
+    model: tuple[ModelTensor, ...]
+    submodules: tuple[Submodule, ...]
+    inputs: tuple[InputLeaf, ...]
+    in_spec: str | None
+    out_spec: str
+    value_guards: tuple[ValueGuard, ...] = ()
+    dynamic_dims: tuple[DynamicDim, ...] = ()
+    size_relations: tuple[SizeRelation, ...] = ()
+    output_aliases: tuple[OutputAlias, ...] = ()
+    meshes: tuple[Mesh, ...] = field(default=(), metadata=since(2))
+    distributed: tuple[DistributedTensor, ...] = field(default=(), metadata=since(2))
+    kernels: tuple[KernelObject, ...] = field(default=(), metadata=since(3))
+    optimizers: tuple[Optimizer, ...] = field(default=(), metadata=since(4))
+    param_groups: tuple[ParamGroup, ...] = field(default=(), metadata=since(4))
+    optimizer_state: tuple[OptimizerState, ...] = field(default=(), metadata=since(4))
+    wrapped: tuple[WrappedTensor, ...] = field(default=(), metadata=since(5))
+    wrapped_inner: tuple[InnerTensor, ...] = field(default=(), metadata=since(5))
+    data_parallel: tuple[DataParallel, ...] = field(default=(), metadata=since(6))
+    fully_sharded: tuple[FullyShardedGroup, ...] = field(default=(), metadata=since(6))
+    global_hooks: tuple[HookSet, ...] = field(default=(), metadata=since(8))
+    read_values: tuple[ReadValue, ...] = field(default=(), metadata=since(8))
+    ambient: Ambient | None = field(default=None, metadata=since(8))
+    mutated: tuple[int, ...] = field(default=(), metadata=since(8))
+    seed: int | None = field(default=None, metadata=since(8))
+    autograd: Autograd | None = field(default=None, metadata=since(9))
+    # inductor: the wrapper of each graph (plain, then forward and backward): cpp or python
+    wrappers: tuple[str, ...] = field(default=(), metadata=since(10))
+    variants: tuple[ArtifactSpec, ...] = field(default=(), metadata=since(7))
+
+    # What every variant has in common, held once at the top level (the first variant's).
+    SHARED: ClassVar[tuple[str, ...]] = ("schema_version", "backend", "torch", "args", "kernels")
+    RECORDS: ClassVar[dict[str, type]] = {
+        "torch": TorchBuild,
+        "args": Argument,
+        "model": ModelTensor,
+        "submodules": Submodule,
+        "inputs": InputLeaf,
+        "value_guards": ValueGuard,
+        "dynamic_dims": DynamicDim,
+        "size_relations": SizeRelation,
+        "output_aliases": OutputAlias,
+        "meshes": Mesh,
+        "distributed": DistributedTensor,
+        "kernels": KernelObject,
+        "optimizers": Optimizer,
+        "param_groups": ParamGroup,
+        "optimizer_state": OptimizerState,
+        "wrapped": WrappedTensor,
+        "wrapped_inner": InnerTensor,
+        "data_parallel": DataParallel,
+        "fully_sharded": FullyShardedGroup,
+        "read_values": ReadValue,
+        "ambient": Ambient,
+        "autograd": Autograd,
+    }
+    # Fields that hold one record (or None), not a list of them.
+    SINGLE: ClassVar[tuple[str, ...]] = ("torch", "ambient", "autograd")
+
+    @property
+    def interned(self) -> tuple[ModelTensor, ...]:
+        """The model tensors that are flat graph inputs (those not tied to an earlier one)."""
+        return tuple(t for t in self.model if t.tied_to is None)
+
+    @property
+    def parameters(self) -> tuple[ModelTensor, ...]:
+        return tuple(t for t in self.interned if t.kind == "parameter")
+
+    @property
+    def buffers(self) -> tuple[ModelTensor, ...]:
+        return tuple(t for t in self.interned if t.kind == "buffer")
+
+    @property
+    def tensor_inputs(self) -> tuple[InputLeaf, ...]:
+        return tuple(leaf for leaf in self.inputs if leaf.kind == "tensor")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.args if a.is_model)
+
+    @property
+    def optimizer_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.args if a.is_optimizer)
+
+    def with_kernels(self, kernels: Sequence[KernelObject]) -> ArtifactSpec:
+        """The spec naming the kernel objects a lowering built."""
+        return replace(self, kernels=tuple(kernels))
+
+    @property
+    def all_variants(self) -> tuple[ArtifactSpec, ...]:
+        """Every variant, the first (this spec, less its ``variants``) included."""
+        return (replace(self, variants=()), *self.variants)
+
+    def with_variants(self, others: Sequence[ArtifactSpec]) -> ArtifactSpec:
+        """This spec as the first variant of an artifact that also holds ``others``; the
+        kernels of all of them are named at the top level."""
+        for other in others:
+            if other.args != self.args or other.backend != self.backend:
+                raise PrecompileError(
+                    "the calls of one capture must take the same arguments (models in the same "
+                    f"positions) and use one backend; got ({_arguments(self)}) and then "
+                    f"({_arguments(other)}). Capture each calling convention on its own."
+                )
+        kernels = {k.key: k for spec in (self, *others) for k in spec.kernels}
+        kept = tuple(sorted(kernels.values(), key=lambda k: k.key))
+        return replace(
+            self,
+            kernels=kept,
+            variants=tuple(replace(o, kernels=kept, variants=()) for o in others),
+        )
+
+
+def _arguments(spec: ArtifactSpec) -> str:
+    return ", ".join(
+        f"{a.name}: {'model' if a.is_model else 'optimizer' if a.is_optimizer else 'input'}"
+        for a in spec.args
+    )
