@@ -32,18 +32,23 @@ class ShippedSource:
 
 def shipped_source(module: ModuleType) -> ShippedSource:
     """Split ``module``'s source; its imports must all come before its first definition."""
-    source = inspect.getsource(module)
+    return shipped_text(inspect.getsource(module), module.__name__)
+
+
+def shipped_text(source: str, name: str) -> ShippedSource:
+    """Split the source of a module named ``name`` as ``shipped_source`` does."""
     tree = ast.parse(source)
     statements = list(tree.body)
     docstring = ast.get_docstring(tree, clean=True) or ""
     if docstring:
         statements = statements[1:]
     imports: list[ast.Import | ast.ImportFrom] = []
-    while statements and isinstance(statements[0], ast.Import | ast.ImportFrom):
-        imports.append(statements.pop(0))
+    while statements and isinstance(head := statements[0], ast.Import | ast.ImportFrom):
+        imports.append(head)
+        statements.pop(0)
     late = [s for s in statements if isinstance(s, ast.Import | ast.ImportFrom)]
     if late or any(isinstance(s, ast.ImportFrom) and s.module == "__future__" for s in imports):
-        raise PrecompileError(f"internal: {module.__name__} has imports an artifact cannot hold")
+        raise PrecompileError(f"internal: {name} has imports an artifact cannot hold")
     lines = source.splitlines()
     first = statements[0].lineno - 1 if statements else len(lines)
     while first > 0 and lines[first - 1].startswith("#"):  # comments above the first statement

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import re
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 from torch_precompile.spec import SCHEMA_HISTORY, SCHEMA_VERSION, ArtifactSpec, shown_version
@@ -66,17 +67,25 @@ def listing() -> str:
     )
 
 
-def driver_records() -> str:
+def driver_records(lists: Collection[str] | None = None) -> str:
     """The source of ``driver/records.py``: each record's fields and defaults, each list's
     record and the fields variants share, as the driver (which ships without this package)
-    reads ``ARTIFACT_SPEC``."""
-    records = [ArtifactSpec, *ArtifactSpec.RECORDS.values()]
+    reads ``ARTIFACT_SPEC``. With ``lists``, only the records of those spec fields: what an
+    artifact whose spec holds no others carries."""
+    held = {
+        name: cls for name, cls in ArtifactSpec.RECORDS.items() if lists is None or name in lists
+    }
+    records = [ArtifactSpec, *dict.fromkeys(held.values())]
+    whose = "The spec's" if lists is None else "The artifact spec's"
     lines = [
-        '"""The spec\'s records as the driver reads ``ARTIFACT_SPEC``: the fields of each record',
+        f'"""{whose} records as the driver reads ``ARTIFACT_SPEC``: the fields of each record',
         "and the defaults of its last ones (a field at its default is left out of the literal),",
         "which record each list of the spec holds (``torch``, ``ambient`` and ``autograd``: one",
         "record), and the fields every variant takes from the top level. Generated from",
-        f'``torch_precompile.spec`` by ``{WRITE_COMMAND}``; do not edit."""',
+        f'``torch_precompile.spec`` by ``{WRITE_COMMAND}``; do not edit."""'
+        if lists is None
+        else "``torch_precompile.spec`` for the records this artifact's spec holds; do not "
+        'edit."""',
         "",
         "from typing import Any",
         "",
@@ -93,7 +102,7 @@ def driver_records() -> str:
         if defaults:
             lines += _entry(cls.__name__, defaults)
     lines += ["}", "SPEC_LISTS: dict[str, str] = {"]
-    pairs = [f'"{name}": "{cls.__name__}",' for name, cls in ArtifactSpec.RECORDS.items()]
+    pairs = [f'"{name}": "{cls.__name__}",' for name, cls in held.items()]
     lines += _packed(pairs, "    ")
     shared = ", ".join(f'"{name}"' for name in ArtifactSpec.SHARED)
     lines += ["}", f"SPEC_SHARED: tuple[str, ...] = ({shared})"]

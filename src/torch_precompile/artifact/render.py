@@ -24,8 +24,10 @@ from torch_precompile.driver import (
     data_parallel,
     distributed,
     dynamic,
+    encoded,
     facts,
     memo,
+    no_history,
     optimizers,
     planned,
     records,
@@ -36,8 +38,9 @@ from torch_precompile.driver import (
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
 from torch_precompile.lower import LoweredGraph, VariantGraphs
-from torch_precompile.shipped import import_block, shipped_source
-from torch_precompile.spec import ArtifactSpec, InputLeaf, spec_source
+from torch_precompile.shipped import ShippedSource, import_block, shipped_source, shipped_text
+from torch_precompile.spec import ArtifactSpec, InputLeaf, spec_source, to_literal
+from torch_precompile.spec_listing import driver_records
 
 _RULE = "# " + "=" * 78
 
@@ -141,9 +144,12 @@ _SUBCLASSES = DriverPart(subclasses, "subclasses", "WrappedCall")
 _PLANNED = DriverPart(planned, None, None)
 _OPTIMIZERS = DriverPart(optimizers, "optimizers", "OptimizerSteps")
 _DATA_PARALLEL = DriverPart(data_parallel, "data_parallel", "DataParallelSteps")
+_NO_HISTORY = DriverPart(no_history, "autograd", "NoHistory")
 _AUTOGRAD = DriverPart(autograd, "autograd", "differentiable")
+_ENCODED = DriverPart(encoded, None, None)
 _VARIANTS = DriverPart(variants, None, None)
 _PART_ORDER = (
+    _ENCODED,
     _VALUES,
     _FACTS,
     _MEMO,
@@ -153,8 +159,11 @@ _PART_ORDER = (
     _SUBCLASSES,
     _OPTIMIZERS,
     _DATA_PARALLEL,
+    _NO_HISTORY,
     _AUTOGRAD,
 )
+# Parts other parts call into: shipped with them.
+_USED_BY = {id(_VALUES): _ENCODED, id(_FACTS): _ENCODED, id(_AUTOGRAD): _NO_HISTORY}
 
 
 def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
@@ -172,7 +181,8 @@ def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
             (_SUBCLASSES, bool(spec.wrapped)),
             (_OPTIMIZERS, bool(spec.optimizers)),
             (_DATA_PARALLEL, bool(spec.data_parallel or spec.fully_sharded)),
-            (_AUTOGRAD, spec.autograd is not None),
+            (_NO_HISTORY, spec.autograd is not None and not spec.autograd.outputs),
+            (_AUTOGRAD, spec.autograd is not None and bool(spec.autograd.outputs)),
         )
         if needed
     ]
@@ -181,6 +191,7 @@ def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
 def _all_parts(variants: Sequence[ArtifactSpec]) -> list[DriverPart]:
     """The parts any variant needs, in driver order, and the dispatch over several."""
     needed = {id(part) for variant in variants for part in driver_parts(variant)}
+    needed |= {id(_USED_BY[part]) for part in needed if part in _USED_BY}
     parts = [part for part in _PART_ORDER if id(part) in needed]
     return [*parts, _VARIANTS] if len(variants) > 1 else parts
 
@@ -210,9 +221,8 @@ def render(
     call_example = ", ".join(a.name for a in spec.args)
     named = _named_graphs(variants, graphs)
     graph_section = _graph_section(named)
-    driver_source = _driver_source(
-        [records, core, *(p.module for p in _all_parts(variants))], graph_section
-    )
+    shipped = [shipped_source(m) for m in (core, *(p.module for p in _all_parts(variants)))]
+    driver_source = _driver_source([_records(variants), *shipped], graph_section)
     _check_no_clash(graph_section, driver_source)
     all_named = [g for per_variant in named for g in per_variant]
     sections = [
@@ -325,11 +335,9 @@ def _binding(variants: Sequence[ArtifactSpec], named: Sequence[Sequence[_NamedGr
     """The lines that bind ``forward``."""
 
     def keywords(variant: ArtifactSpec, graphs: Sequence[_NamedGraph]) -> str:
-        given = {
-            _AUTOGRAD.keyword: "differentiable(" + ", ".join(g.function for g in graphs[1:]) + ")"
-        }
+        given = {id(_AUTOGRAD): "differentiable(" + ", ".join(g.function for g in graphs[1:]) + ")"}
         return "".join(
-            f", {p.keyword}={given.get(p.keyword, p.factory)}"
+            f", {p.keyword}={given.get(id(p), p.factory)}"
             for p in driver_parts(variant)
             if p.keyword and (p is not _MEMO or variant.model_names)
         )
@@ -416,9 +424,15 @@ def _indented(source: str) -> str:
     )
 
 
-def _driver_source(modules: list[ModuleType], graph_source: str) -> str:
+def _records(variants: Sequence[ArtifactSpec]) -> ShippedSource:
+    """The driver's table of the spec's records (``driver/records.py``), for the records
+    these variants' spec holds."""
+    held = {name for variant in variants for name in to_literal(variant)}
+    return shipped_text(driver_records(held), records.__name__)
+
+
+def _driver_source(shipped: list[ShippedSource], graph_source: str) -> str:
     """The driver's modules, with the imports the graph section has not made already."""
-    shipped = [shipped_source(module) for module in modules]
     made = {
         ast.unparse(node)
         for node in ast.parse(graph_source).body

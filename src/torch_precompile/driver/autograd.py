@@ -11,13 +11,13 @@ graph runs as before.
 """
 
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from torch_precompile.driver.core import Driver, PrecompileError
+from torch_precompile.driver.no_history import NoHistory
 
 Graph = Callable[[list[Any]], list[Any]]
 
@@ -30,7 +30,7 @@ def differentiable(
     return lambda driver: AutogradCall(driver, forward, backward)
 
 
-class AutogradCall:
+class AutogradCall(NoHistory):
     """Whether a call needs history, and the call that gives it."""
 
     def __init__(
@@ -39,13 +39,10 @@ class AutogradCall:
         forward: Callable[[], Graph] | None,
         backward: Callable[[], Graph] | None,
     ) -> None:
+        super().__init__(driver)
         record = driver.spec.autograd
-        self.driver = driver
-        self.inputs = frozenset(record.inputs)
         self.outputs = list(record.outputs)
         self.tangent_strides = [tuple(s) for s in record.tangent_strides]
-        self.unavailable = record.unavailable
-        self.warned = False
         self.ready = (forward, backward)
         # The graphs once readied (None before): Any, as they are called only after that.
         self.forward: Any = None
@@ -55,19 +52,8 @@ class AutogradCall:
 
     def wanted(self, flat: Sequence[torch.Tensor]) -> bool:
         """Whether this call (under grad mode) must give its results history."""
-        requiring = [i for i, t in enumerate(flat) if t.requires_grad]
-        if not requiring:
+        if not self.may_have_history(flat):
             return False
-        if self.unavailable is not None:
-            self._warn_once()
-            return False
-        other = [i for i in requiring if i not in self.inputs]
-        if other:
-            raise PrecompileError(
-                f"{self.driver.flat_name(other[0])} requires grad at this call but did not at "
-                "capture, so the artifact computes no gradient for it. Precompile with it "
-                "requiring grad, or call under torch.no_grad() if no backward will follow."
-            )
         if self.forward is None and self.ready[0] is not None:
             self._ready_graphs()
         return self.forward is not None
@@ -79,15 +65,6 @@ class AutogradCall:
             if self.forward is None:
                 self.backward = self.ready[1]()  # type: ignore[misc]  # both given when readied
                 self.forward = self.ready[0]()  # type: ignore[misc]
-
-    def _warn_once(self) -> None:
-        if not self.warned:
-            self.warned = True
-            warnings.warn(
-                f"this precompiled artifact's {self.unavailable}; call it under "
-                "torch.no_grad(), or keep the backward inside fn.",
-                stacklevel=4,
-            )
 
     def __call__(self, flat: list[torch.Tensor]) -> list[Any]:
         """Run the forward with history (grad mode on); the results as the plain call's."""

@@ -12,7 +12,6 @@ structure), ``torch._C._set_grad_enabled`` (cheaper than the context manager) an
 """
 
 import functools
-import math
 from collections import namedtuple
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,8 +40,8 @@ class Driver:
     parts its spec needs: ``values`` (nested inputs, Python values, value guards), ``memo``
     (remembers checked models), ``sizes`` (dynamic dims), ``distributed`` (DTensors),
     ``subclasses`` (other tensor subclasses), ``optimizers`` (optimizer arguments) and
-    ``data_parallel`` (DistributedDataParallel models) and ``autograd`` (results with
-    history, where fn runs no backward).
+    ``data_parallel`` (DistributedDataParallel models) and ``autograd`` (where fn runs no
+    backward: ``NoHistory``, or ``differentiable`` for results with history).
     """
 
     def __init__(
@@ -777,62 +776,6 @@ def _requires_grad_message(what: str, captured: bool) -> str:
         f"{captured}: which tensors get gradients from the backward inside fn is fixed at "
         "capture. Set it back, or precompile again."
     )
-
-
-def value_matches(encoded: Any, value: Any) -> bool:
-    """Whether ``value`` is the Python value the spec encodes (the same type, and equal)."""
-    kind, expected = encoded
-    if kind == "float":
-        return type(value) is float and (
-            math.isnan(value) if expected == "nan" else value == float(expected)
-        )
-    if kind == "none":
-        return value is None
-    if kind == "dtype":
-        return isinstance(value, torch.dtype) and value == getattr(torch, expected)
-    if kind == "device":
-        return isinstance(value, torch.device) and value == torch.device(expected)
-    if kind == "enum":
-        return _qualified(value) == expected[0] and getattr(value, "name", None) == expected[1]
-    if kind == "callable":
-        return callable(value) and qualified_name(value) == expected
-    if kind == "tuple":
-        return (
-            type(value) is tuple
-            and len(value) == len(expected)
-            and all(value_matches(item, v) for item, v in zip(expected, value, strict=True))
-        )
-    if kind == "frozen":
-        return _qualified(value) == expected[0] and all(
-            hasattr(value, field) and value_matches(item, getattr(value, field))
-            for field, item in expected[1]
-        )
-    return type(value) is type(expected) and value == expected
-
-
-def _qualified(value: Any) -> str:
-    return qualified_name(type(value))
-
-
-def shown_value(encoded: Any) -> str:
-    """An encoded value as Python would show it."""
-    kind, expected = encoded
-    if kind == "float":
-        return repr(float(expected))
-    if kind == "none":
-        return "None"
-    if kind == "dtype":
-        return f"torch.{expected}"
-    if kind == "device":
-        return f"device({expected!r})"
-    if kind in ("enum", "callable"):
-        return ".".join(expected) if kind == "enum" else expected
-    if kind == "tuple":
-        return "(" + ", ".join(map(shown_value, expected)) + (",)" if len(expected) == 1 else ")")
-    if kind == "frozen":
-        fields = ", ".join(f"{field}={shown_value(item)}" for field, item in expected[1])
-        return f"{expected[0]}({fields})"
-    return repr(expected)
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -15,9 +15,8 @@ from typing import Any
 from torch_precompile.driver.core import (
     Driver,
     PrecompileError,
-    shown_value,
-    value_matches,
 )
+from torch_precompile.driver.encoded import shown_value, value_matches
 
 _MISSING = object()
 

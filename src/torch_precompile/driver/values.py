@@ -13,10 +13,9 @@ from torch_precompile.driver.core import (
     LeafPlan,
     PrecompileError,
     Shown,
-    shown_value,
     structure_error,
-    value_matches,
 )
+from torch_precompile.driver.encoded import shown_value, value_matches
 
 
 class InputValues:

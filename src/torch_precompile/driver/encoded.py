@@ -1,0 +1,67 @@
+"""Python values as the spec encodes them (``("float", "nan")``, ``("dtype", "float16")``, ...):
+whether a value at a call is the one captured, and how to show it in a message. Shipped where
+a call's Python values are checked (inputs, value guards, values the trace read).
+"""
+
+import math
+from typing import Any
+
+import torch
+
+from torch_precompile.driver.core import qualified_name
+
+
+def value_matches(encoded: Any, value: Any) -> bool:
+    """Whether ``value`` is the Python value the spec encodes (the same type, and equal)."""
+    kind, expected = encoded
+    if kind == "float":
+        return type(value) is float and (
+            math.isnan(value) if expected == "nan" else value == float(expected)
+        )
+    if kind == "none":
+        return value is None
+    if kind == "dtype":
+        return isinstance(value, torch.dtype) and value == getattr(torch, expected)
+    if kind == "device":
+        return isinstance(value, torch.device) and value == torch.device(expected)
+    if kind == "enum":
+        return _qualified(value) == expected[0] and getattr(value, "name", None) == expected[1]
+    if kind == "callable":
+        return callable(value) and qualified_name(value) == expected
+    if kind == "tuple":
+        return (
+            type(value) is tuple
+            and len(value) == len(expected)
+            and all(value_matches(item, v) for item, v in zip(expected, value, strict=True))
+        )
+    if kind == "frozen":
+        return _qualified(value) == expected[0] and all(
+            hasattr(value, field) and value_matches(item, getattr(value, field))
+            for field, item in expected[1]
+        )
+    return type(value) is type(expected) and value == expected
+
+
+def _qualified(value: Any) -> str:
+    return qualified_name(type(value))
+
+
+def shown_value(encoded: Any) -> str:
+    """An encoded value as Python would show it."""
+    kind, expected = encoded
+    if kind == "float":
+        return repr(float(expected))
+    if kind == "none":
+        return "None"
+    if kind == "dtype":
+        return f"torch.{expected}"
+    if kind == "device":
+        return f"device({expected!r})"
+    if kind in ("enum", "callable"):
+        return ".".join(expected) if kind == "enum" else expected
+    if kind == "tuple":
+        return "(" + ", ".join(map(shown_value, expected)) + (",)" if len(expected) == 1 else ")")
+    if kind == "frozen":
+        fields = ", ".join(f"{field}={shown_value(item)}" for field, item in expected[1])
+        return f"{expected[0]}({fields})"
+    return repr(expected)
