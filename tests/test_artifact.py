@@ -7,12 +7,14 @@ import os
 import re
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
 import torch_precompile
+from torch_precompile import PrecompileError, precompile
 from torch_precompile.driver import core, distributed, dynamic, memo, values
 from torch_precompile.lower.inductor import GENERATED_END, GENERATED_START
 from torch_precompile.shipped import shipped_source
@@ -119,9 +121,41 @@ def test_sections_in_order(backend: str, artifacts) -> None:
         < driver.index("class ModelMemo:")
     )
     # The MLP's ReLU and BatchNorm read their options (inplace, momentum, eps): Python values.
-    binding = f"forward = Driver({SPEC_NAME}, call, facts=PythonFacts, memo=ModelMemo)"
+    binding = f"forward = Driver({SPEC_NAME}, call, check_call, facts=PythonFacts, memo=ModelMemo)"
     statements = [line for line in driver.splitlines() if line and not line.startswith("#")]
     assert statements[-3] == binding
+
+
+def test_a_calls_checks_are_generated_for_what_the_spec_holds(artifacts) -> None:
+    """One line per check, in the order they run, and none for a feature the spec lacks."""
+    code, _ = artifacts.pair("mlp_train", "eager")
+    checks = code[code.index("\ndef check_call(") : code.index("    return state, inputs, ()")]
+    lines = [line.strip() for line in checks.splitlines()]
+    order = [
+        "driver.ambient.check()",
+        "raise grad_mode_error()",
+        "check_arguments(driver, args, kwargs)",
+        "leaves = positional_leaves(driver, args)",
+        "inputs = checked_inputs(driver, leaves)",
+        "state = model_tensors(driver, [args[0]])",
+    ]
+    found = [next(i for i, line in enumerate(lines) if line.startswith(o)) for o in order]
+    assert found == sorted(found), lines
+    assert "# x: float32[5, 4] on cpu, t: float32[5, 3] on cpu" in checks
+    for absent in ("driver.values", "driver.optimizers", "driver.data_parallel"):
+        assert absent not in checks
+    code, _ = artifacts.pair("pytree", "eager")
+    assert "leaves = driver.values.input_leaves(args)" in code
+    assert "raise grad_mode_error()" not in code
+
+
+def test_a_refused_call_fails_in_the_generated_checks(artifacts) -> None:
+    run = precompile.load(*artifacts.pair("mlp_infer", "eager"))
+    model, _ = WORKLOADS["mlp_infer"].args()
+    with pytest.raises(PrecompileError) as refused:
+        run(model, torch.randn(5, 7))
+    frames = [frame.name for frame in traceback.extract_tb(refused.value.__traceback__)]
+    assert "check_call" in frames and refused.value.check_stage == 2
 
 
 def test_header_says_how_the_artifact_was_made(backend: str, artifacts) -> None:

@@ -42,6 +42,8 @@ SHIPPED = {
         "._get_fsdp_state",
         "._fsdp_param_groups",
         "torch.distributed.tensor.placement_types._StridedShard",
+        # Not torch: the no-history warning finds the caller's frame (sys._getframe).
+        "._getframe",
         # The state a call must share with the capture (AmbientPlan).
         "torch._C._is_any_autocast_enabled",
         "torch._C._get_deterministic_algorithms",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch_precompile
+from torch_precompile.artifact.checks import check_function
 from torch_precompile.driver import (
     autograd,
     core,
@@ -222,7 +223,11 @@ def render(
     named = _named_graphs(variants, graphs)
     graph_section = _graph_section(named)
     shipped = [shipped_source(m) for m in (core, *(p.module for p in _all_parts(variants)))]
-    driver_source = _driver_source([_records(variants), *shipped], graph_section)
+    checks = [
+        check_function(v, _check_name(n, len(variants)), _keywords(v))
+        for n, v in enumerate(variants, 1)
+    ]
+    driver_source = _driver_source([_records(variants), *shipped], graph_section, checks)
     _check_no_clash(graph_section, driver_source)
     all_named = [g for per_variant in named for g in per_variant]
     sections = [
@@ -326,7 +331,8 @@ def _sections_line(named: Sequence[_NamedGraph]) -> str:
         graphs = "the compiled graphs, one per variant"
     text = (
         f"Sections: 1. the spec (ARTIFACT_SPEC, the calling convention)  2. {graphs}  "
-        "3. the driver: forward's checks, in call order. Last, the seal."
+        "3. the driver: check_call (the checks a call runs, one a line, in order), then the "
+        "helpers it calls and forward. Last, the seal."
     )
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
 
@@ -345,13 +351,14 @@ def _binding(variants: Sequence[ArtifactSpec], named: Sequence[Sequence[_NamedGr
     if len(variants) == 1:
         return [
             "# forward: the driver over this spec and graph.",
-            f"forward = Driver(ARTIFACT_SPEC, call{keywords(variants[0], named[0])})",
+            f"forward = Driver(ARTIFACT_SPEC, call, check_call{keywords(variants[0], named[0])})",
         ]
     return [
         "# forward: a driver over each variant's spec and graph; a call runs the variant it fits.",
         "forward = Variants([",
         *(
-            f"    Driver(variant_spec(ARTIFACT_SPEC, {n}), {graphs[0].name}{keywords(v, graphs)}),"
+            f"    Driver(variant_spec(ARTIFACT_SPEC, {n}), {graphs[0].name}, "
+            f"{_check_name(n, len(variants))}{keywords(v, graphs)}),"
             for n, (v, graphs) in enumerate(zip(variants, named, strict=True), 1)
         ),
         "])",
@@ -431,8 +438,23 @@ def _records(variants: Sequence[ArtifactSpec]) -> ShippedSource:
     return shipped_text(driver_records(held), records.__name__)
 
 
-def _driver_source(shipped: list[ShippedSource], graph_source: str) -> str:
-    """The driver's modules, with the imports the graph section has not made already."""
+def _check_name(number: int, count: int) -> str:
+    """The generated check function of variant ``number`` (of ``count``)."""
+    return "check_call" if count == 1 else f"check_call_{number}"
+
+
+def _keywords(variant: ArtifactSpec) -> list[str]:
+    """The keywords of the driver parts a variant's ``Driver`` is given."""
+    return [
+        p.keyword
+        for p in driver_parts(variant)
+        if p.keyword and (p is not _MEMO or variant.model_names)
+    ]
+
+
+def _driver_source(shipped: list[ShippedSource], graph_source: str, checks: list[str]) -> str:
+    """The generated check functions, then the driver's modules, after the imports the graph
+    section has not made already."""
     made = {
         ast.unparse(node)
         for node in ast.parse(graph_source).body
@@ -444,6 +466,8 @@ def _driver_source(shipped: list[ShippedSource], graph_source: str) -> str:
         if line not in made
     ]
     pieces = ["\n".join(block)]
+    for check in checks:
+        pieces += ["", "", check.rstrip("\n")]
     for source in shipped:
         pieces += ["", "", source.comment, "", source.body.rstrip("\n")]
     return "\n".join(pieces) + "\n"

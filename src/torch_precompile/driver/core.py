@@ -48,6 +48,7 @@ class Driver:
         self,
         literal: Mapping[str, Any],
         call: Callable[[list[Any]], list[Any]],
+        checks: Callable[["Driver", Sequence[Any], Mapping[str, Any]], CheckedCall],
         *,
         values: Any = None,
         memo: Any = None,
@@ -60,6 +61,7 @@ class Driver:
         autograd: Any = None,
     ) -> None:
         spec = self.spec = read_spec(literal)
+        self.checks = checks
         self.arity = len(spec.args)
         self.arg_names = [a.name for a in spec.args]
         self.model_positions = [i for i, a in enumerate(spec.args) if a.is_model]
@@ -74,7 +76,6 @@ class Driver:
         self.single_result = self.out_spec == pytree.tree_flatten(0)[1]
         # A backward ran inside fn: gradients come out, or an optimizer inside fn took them.
         training = any(t.gets_grad for t in spec.model) or bool(spec.optimizers)
-        self.needs_grad = training
         # Flat inputs a driver part unwraps; every other one must be a plain tensor.
         carried = {d.index for d in (*spec.distributed, *spec.wrapped) if d.role == "input"}
         self.leaves = [LeafPlan(leaf, training) for leaf in spec.inputs]
@@ -108,7 +109,6 @@ class Driver:
         self.values: Any = values(self) if values is not None else None
         self.ambient = AmbientPlan(spec.ambient)
         self.facts: Any = facts(self) if facts is not None else None
-        self.reads_globals = self.facts is not None and bool(self.facts.global_reads)
         self.model.facts = self.facts
         self.memo: Any = memo(self.model) if memo is not None else None
         # Positional tensors of static shapes: a layout check the memo can remember.
@@ -130,35 +130,12 @@ class Driver:
         return self.run(args, self.checked(args, kwargs))
 
     def checked(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> CheckedCall:
-        """Check a call without running anything. A failure's ``check_stage`` says how far
-        the checks got, in call order: 0 arguments, 1 input structure, 2 inputs, 3 models,
-        4 optimizers (``Variants`` names the variant that came nearest by it)."""
-        stage = 0
-        try:
-            self.ambient.check()
-            if self.needs_grad and not torch.is_grad_enabled():
-                raise grad_mode_error()
-            if kwargs or len(args) != self.arity:
-                check_arguments(self, args, kwargs)
-            stage = 1
-            if self.values is None:  # the inputs are positional tensors
-                leaves: Sequence[Any] = positional_leaves(self, args)
-            else:
-                leaves = self.values.input_leaves(args)
-            stage = 2
-            inputs = checked_inputs(self, leaves)
-            stage = 3
-            if self.data_parallel is not None:
-                self.data_parallel.check(args)
-            state = model_tensors(self, [args[i] for i in self.model_positions])
-            if self.reads_globals:
-                self.facts.check_globals()
-            stage = 4
-            stepped = () if self.optimizers is None else self.optimizers.flat_inputs(args, state)
-        except PrecompileError as error:
-            error.check_stage = stage
-            raise
-        return state, inputs, stepped
+        """Check a call without running anything: the artifact's generated check function,
+        which runs only the checks its spec needs. A failure's ``check_stage`` says how far
+        they got, in call order: 0 the state and the arguments, 1 input structure, 2 inputs,
+        3 models (and the globals the trace read), 4 optimizers (``Variants`` names the
+        variant that came nearest by it)."""
+        return self.checks(self, args, kwargs)
 
     def flat_name(self, index: int) -> str:
         """How flat input ``index`` (a model tensor or an input tensor) is named."""

@@ -1,0 +1,112 @@
+"""The checks of a call as generated code: one function per variant, one line per check.
+
+The function opens section 3 of the artifact. It lists, in the order they run, only the checks
+its spec needs (no branch for a feature the artifact does not use), each a call into the
+driver's helpers below it with a comment saying what it holds the call to. ``Driver`` calls it
+for every call; it returns the flat tensors the graph takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch_precompile.spec import ArtifactSpec, InputLeaf, ModelTensor
+
+_SHOWN_LEAVES = 4  # input leaves named in a comment before the rest are counted
+
+
+def check_function(spec: ArtifactSpec, name: str, parts: Sequence[str]) -> str:
+    """The source of ``name(driver, args, kwargs)`` for ``spec``; ``parts`` are the keywords
+    of the driver parts the artifact gives this variant's ``Driver``."""
+    call = f"forward({', '.join(a.name for a in spec.args)})"
+    steps = _steps(spec, parts)
+    stepped = "stepped" if "optimizers" in parts else "()"
+    lines = [
+        f"def {name}(",
+        '    driver: "Driver", args: "tuple[Any, ...]", kwargs: "dict[str, Any]"',
+        ') -> "CheckedCall":',
+        f'    """What a call {call} must pass before anything runs, in the order the checks',
+        "    run (generated from the spec). Each raises PrecompileError naming what differs from",
+        '    the capture; the error\'s ``check_stage`` says how far the checks got."""',
+        "    stage = 0",
+        "    try:",
+        *(f"        {line}" for line in steps),
+        "    except PrecompileError as error:",
+        "        error.check_stage = stage",
+        "        raise",
+        f"    return state, inputs, {stepped}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _steps(spec: ArtifactSpec, parts: Sequence[str]) -> list[str]:
+    """The body of the check function: stage by stage, as ``Driver.checked`` documents."""
+    models = [i for i, a in enumerate(spec.args) if a.is_model]
+    arguments = ", ".join(
+        f"{a.name} ({'model' if a.is_model else 'optimizer' if a.is_optimizer else 'input'})"
+        for a in spec.args
+    )
+    steps = ["driver.ambient.check()  # autocast, default dtype, deterministic, modes: as captured"]
+    if any(t.gets_grad for t in spec.model) or spec.optimizers:
+        steps += [
+            "if not torch.is_grad_enabled():  # fn runs a backward",
+            "    raise grad_mode_error()",
+        ]
+    steps += [
+        f"if kwargs or len(args) != {len(spec.args)}:  # {arguments or 'no arguments'}",
+        "    check_arguments(driver, args, kwargs)",
+        "stage = 1",
+        (
+            "leaves = driver.values.input_leaves(args)  # the inputs' structure and Python values"
+            if "values" in parts
+            else "leaves = positional_leaves(driver, args)  # positional tensors"
+        ),
+        "stage = 2",
+        f"inputs = checked_inputs(driver, leaves)  # {_shown_inputs(spec.inputs)}",
+        "stage = 3",
+    ]
+    if "data_parallel" in parts:
+        steps.append("driver.data_parallel.check(args)  # DDP and FSDP2 wrappers, as captured")
+    shown = ", ".join(f"args[{i}]" for i in models)
+    steps.append(f"state = model_tensors(driver, [{shown}])  # {_shown_models(spec)}")
+    if any(r.submodule is None for r in spec.read_values):
+        names = ", ".join(sorted({r.path[0] for r in spec.read_values if r.submodule is None}))
+        steps.append(f"driver.facts.check_globals()  # the globals the trace read: {names}")
+    steps.append("stage = 4")
+    if "optimizers" in parts:
+        names = ", ".join(a.name for a in spec.args if a.is_optimizer)
+        steps.append(
+            f"stepped = driver.optimizers.flat_inputs(args, state)  # {names}: groups, state"
+        )
+    return steps
+
+
+def _shown_inputs(leaves: Sequence[InputLeaf]) -> str:
+    tensors = [leaf for leaf in leaves if leaf.kind == "tensor"]
+    if not tensors:
+        return "no input tensors"
+    shown = [_shown_tensor(leaf.path, leaf.dtype, leaf.shape, leaf.device) for leaf in tensors]
+    more = len(shown) - _SHOWN_LEAVES
+    return ", ".join(shown[:_SHOWN_LEAVES]) + (f" and {more} more" if more > 0 else "")
+
+
+def _shown_tensor(
+    path: str, dtype: str | None, shape: Sequence[int | None] | None, device: str | None
+) -> str:
+    dims = ", ".join("*" if d is None else str(d) for d in shape or ())
+    return f"{path}: {(dtype or '').removeprefix('torch.')}[{dims}] on {device}"
+
+
+def _shown_models(spec: ArtifactSpec) -> str:
+    if not spec.model_names:
+        return "no models"
+    parameters = _count(spec.model, "parameter")
+    buffers = _count(spec.model, "buffer")
+    modules = len(spec.submodules)
+    names = ", ".join(spec.model_names)
+    plural = "" if modules == 1 else "s"
+    return f"{names}: {parameters} parameters, {buffers} buffers, {modules} module{plural}"
+
+
+def _count(tensors: Sequence[ModelTensor], kind: str) -> int:
+    return sum(1 for t in tensors if t.kind == kind)
