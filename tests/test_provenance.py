@@ -135,3 +135,17 @@ def test_the_generated_codes_positional_arguments_are_named() -> None:
     named = re.findall(r"^#   (arg\d+_1) +(\w+)", block, re.M)
     assert named[:3] == [("arg0_1", "p_weight"), ("arg1_1", "p_bias"), ("arg2_1", "in_x")]
     assert named[-1][1].startswith("opt_lr") and "exp_avg_sq" in block
+
+
+def test_a_removed_working_directory_does_not_break_capture(tmp_path, monkeypatch) -> None:
+    """Graph comments name files relative to the working directory, when there is one."""
+    import torch._dynamo  # torch's own first import of it needs a working directory
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    code, _ = precompile(
+        lambda m, x: m(x), torch.nn.Linear(2, 2), torch.randn(1, 2), backend="eager"
+    )
+    assert "forward = Driver(" in code

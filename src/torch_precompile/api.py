@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard, cast
 
 from torch_precompile import progress, runtime, storage
 from torch_precompile.artifact import bytecode, envelope, signature
@@ -137,9 +137,10 @@ class Precompile:
                 python_code = storage.read_source(Path(python_code))
         elif _names_a_file(cache):
             cache = storage.read_cache(Path(cache))
+        # What names a file was read above: the source is a str, the cache bytes or None.
         return runtime.load(
-            python_code,
-            cache,
+            cast(str, python_code),
+            cast("bytes | None", cache),
             verify_key=verify_key,
             require_prebuilt=require_prebuilt,
             cache_absence=absence,
@@ -279,7 +280,7 @@ def _grad_mode() -> bool:
     return torch.is_grad_enabled()
 
 
-def _names_a_file(value: object) -> bool:
+def _names_a_file(value: object) -> TypeGuard[str | os.PathLike[str]]:
     """A path, or a non-empty string of one line: an artifact's source always has many."""
     return isinstance(value, os.PathLike) or (
         isinstance(value, str) and bool(value) and "\n" not in value

@@ -20,7 +20,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 PROG = "torch-precompile"
 EXIT_FAILED, EXIT_USAGE, EXIT_UNVERIFIED_SIGNATURE = 1, 2, 3
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     # Progress keeps its own handler (in place on a terminal), not the one-line error format.
     logging.getLogger("torch_precompile.progress").propagate = False
     try:
-        return args.run(args)
+        return cast(int, args.run(args))
     except KeyboardInterrupt:
         return 130
     except UsageError as e:  # worded like argparse's own usage errors

@@ -10,8 +10,9 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +32,11 @@ class DemoMLP(nn.Module):
         self.fc2 = nn.Linear(64, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.relu(self.bn(self.fc1(x))))
+        return cast(torch.Tensor, self.fc2(F.relu(self.bn(self.fc1(x)))))
 
 
 def infer(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x)
+    return cast(torch.Tensor, model(x))
 
 
 def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -54,7 +55,7 @@ def example(kind: str) -> tuple[Any, ...]:
     return model.train(), x, torch.randint(0, 10, (BATCH,))
 
 
-WORKLOADS = {"infer": infer, "train": train_step}
+WORKLOADS: dict[str, Callable[..., torch.Tensor]] = {"infer": infer, "train": train_step}
 
 # Run in a fresh interpreter: time import, load and first call, then check against eager.
 _CHECK = """

@@ -298,7 +298,7 @@ def _describe_input(leaf: InputLeaf) -> dict[str, Any]:
         kind, value = leaf.value
         return {"name": leaf.path, "value": value[1] if kind == "repr" else value}
     assert leaf.shape is not None
-    described = {
+    described: dict[str, Any] = {
         "name": leaf.path,
         "shape": ["*" if s is None else s for s in leaf.shape],
         "dtype": leaf.dtype,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 from torch_precompile.errors import PrecompileError
 
@@ -34,7 +34,7 @@ def build_on_rank_zero(build: Callable[[], Built]) -> Built:
     dist.broadcast_object_list(outcome, src=0)
     if failure is not None:
         raise failure
-    kind, payload = outcome[0]  # type: ignore[misc]
+    kind, payload = cast("tuple[str, Any]", outcome[0])
     if kind == "failed":
         raise PrecompileError(f"rank 0 could not precompile, so no rank has an artifact: {payload}")
     built: Built = payload

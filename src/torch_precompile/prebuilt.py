@@ -163,7 +163,7 @@ def guard_namespace(python_code: str, namespace: dict[str, Any]) -> None:
 class _PrebuiltOnly(dict[str, Callable[..., Any]]):
     """A prebuilt kernel table whose ``get`` refuses a kernel it lacks."""
 
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> Any:
         if key in self:
             return self[key]
         raise PrecompileError(

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import TextIO
+from typing import TextIO, cast
 
 log = logging.getLogger("torch_precompile.progress")
 
@@ -43,7 +43,7 @@ class StderrProgress(logging.Handler):
             self._ticking.set()
             self._ticking = None
         ends = getattr(record, "ends_step", True)
-        with self.lock:
+        with cast(threading.RLock, self.lock):  # created by Handler.__init__
             stream.write(f"\r\033[K{text}" + ("\n" if ends else ""))
             stream.flush()
         if not ends:
@@ -55,7 +55,7 @@ class StderrProgress(logging.Handler):
     def _tick(self, stream: TextIO, text: str, stop: threading.Event) -> None:
         started = time.perf_counter()
         while not stop.wait(0.5):
-            with self.lock:
+            with cast(threading.RLock, self.lock):  # created by Handler.__init__
                 if not stop.is_set():
                     stream.write(f"\r\033[K{text} {time.perf_counter() - started:.1f} s")
                     stream.flush()

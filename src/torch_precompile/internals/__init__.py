@@ -11,6 +11,7 @@ keep their own few touches of torch, listed in their docstrings.
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -27,7 +28,7 @@ def torch_build() -> TorchBuild:
 
 def storage_id(tensor: torch.Tensor) -> int:
     """An identity for ``tensor``'s storage, shared by all views of it."""
-    return tensor.untyped_storage()._cdata
+    return cast(int, tensor.untyped_storage()._cdata)
 
 
 def enable_prebuilt_kernel_imports() -> None:
@@ -37,5 +38,6 @@ def enable_prebuilt_kernel_imports() -> None:
     this environment variable.
     """
     os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
-        torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr
+        # Missing from torch's stubs.
+        torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr  # type: ignore[attr-defined]
     )

@@ -11,10 +11,16 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.fx
+
+if TYPE_CHECKING:
+    from torch._functorch._aot_autograd.schemas import (
+        AOTDispatchCompiler,
+        ViewAndMutationMeta,
+    )
 
 __all__ = ["SplitGraphs", "is_tangent", "returns_alias", "split_forward_backward"]
 
@@ -56,15 +62,18 @@ def split_forward_backward(
     graphs: dict[str, torch.fx.GraphModule] = {}
     written: list[int] = []
 
-    def keep(name: str) -> Callable[[torch.fx.GraphModule, Any], Any]:
+    def keep(name: str) -> AOTDispatchCompiler:
         def compiler(gm: torch.fx.GraphModule, _: Any) -> Any:
             graphs[name] = gm
             if name == "forward":  # AOTAutograd's account of the inputs the function writes
-                metadata = torch._guards.TracingContext.get().fw_metadata
+                # Set by AOTAutograd before it calls the forward compiler.
+                metadata = cast(
+                    "ViewAndMutationMeta", torch._guards.TracingContext.get().fw_metadata
+                )
                 written.extend(metadata.mutated_inp_runtime_indices)
             return _boxed(gm)
 
-        return compiler
+        return cast("AOTDispatchCompiler", compiler)
 
     partition = min_cut_rematerialization_partition if min_cut else default_partition
     traced = aot_function(
@@ -86,7 +95,8 @@ def split_forward_backward(
 
 
 def _boxed(gm: torch.fx.GraphModule) -> Any:
-    from torch._functorch.aot_autograd import make_boxed_func
+    # Re-exported there without an explicit `as`, which mypy does not see as an export.
+    from torch._functorch.aot_autograd import make_boxed_func  # type: ignore[attr-defined]
 
     return make_boxed_func(gm)
 

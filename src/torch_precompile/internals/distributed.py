@@ -6,10 +6,14 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.fx
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+    from typing_extensions import TypeIs
 
 __all__ = [
     "DataParallelOptions",
@@ -28,7 +32,7 @@ __all__ = [
 _FUNCTIONAL_NAMESPACE = "_c10d_functional"
 
 
-def is_dtensor(tensor: Any) -> bool:
+def is_dtensor(tensor: Any) -> TypeIs[DTensor]:
     """Whether ``tensor`` is a DTensor (without importing DTensor where nobody did)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
@@ -125,14 +129,14 @@ def all_reduce_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """A functional (traceable) all_reduce summing over ``group``."""
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.all_reduce(tensor, "sum", group)
+    return cast(torch.Tensor, funcol.all_reduce(tensor, "sum", group))
 
 
 def broadcast_from(tensor: torch.Tensor, src: int, group: Any) -> torch.Tensor:
     """A functional (traceable) broadcast from group rank ``src``."""
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.broadcast(tensor, src, group)
+    return cast(torch.Tensor, funcol.broadcast(tensor, src, group))
 
 
 def all_gather_rows(tensor: torch.Tensor, group: Any) -> torch.Tensor:
@@ -151,4 +155,4 @@ def reduce_scatter_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     from torch.distributed import _functional_collectives as funcol
 
     scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-    return scatter(tensor.reshape(-1), "sum", 0, group)
+    return cast(torch.Tensor, scatter(tensor.reshape(-1), "sum", 0, group))

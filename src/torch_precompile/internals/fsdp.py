@@ -7,7 +7,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -68,7 +68,7 @@ def fsdp_groups(root: torch.nn.Module) -> list[ShardedGroup]:
     groups = []
     try:
         for module in fsdp_modules(root):
-            state = module._get_fsdp_state()
+            state = cast(Any, module)._get_fsdp_state()  # an FSDPModule
             if state._modules[0] is not module:
                 continue  # a grouped fully_shard([a, b]): read once, at its first module
             for group in state._fsdp_param_groups:
@@ -172,7 +172,8 @@ def without_fsdp_hooks(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
 def bind_parameter(owner: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Make ``owner.<name>`` read ``tensor`` (a plain tensor or DTensor, not a Parameter), as
     FSDP2 itself swaps gathered parameters in."""
-    owner._parameters[name] = tensor
+    # torch types this dict as Parameters only, but FSDP2 stores plain tensors in it too.
+    owner._parameters[name] = tensor  # type: ignore[assignment]
 
 
 def view_base(tensor: torch.Tensor) -> torch.Tensor:

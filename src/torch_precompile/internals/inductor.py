@@ -15,7 +15,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -159,7 +159,7 @@ def _cpp_wrapper_left_unbuilt() -> Iterator[None]:
             return _unbuilt_entry
         return real.__get__(None, CppWrapperCodeCache)(*args, **kwargs)
 
-    CppWrapperCodeCache.load_pybinding = staticmethod(load_pybinding)  # type: ignore[assignment]
+    CppWrapperCodeCache.load_pybinding = staticmethod(load_pybinding)  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -250,7 +250,7 @@ def without_input_asserts(wrapper: str, names: set[str]) -> str:
             continue
         first = call.args[0]
         if call.func.id == "assert_size_stride" and isinstance(first, ast.Name):
-            kept = [] if first.id in names else None
+            kept: list[int] | None = [] if first.id in names else None
         elif call.func.id == "assert_size_stride_grouped" and isinstance(first, ast.Tuple):
             kept = [
                 i
@@ -275,14 +275,15 @@ def _grouped_assert_of(call: ast.Call, kept: list[int]) -> ast.Call:
     ``kept``; a single one becomes a plain ``assert_size_stride``."""
     parts = call.args[:3]
     if not all(
-        isinstance(part, ast.Tuple) and len(part.elts) == len(parts[0].elts) for part in parts
+        isinstance(part, ast.Tuple) and len(part.elts) == len(cast(ast.Tuple, parts[0]).elts)
+        for part in parts
     ):
         raise PrecompileError(
             "internal: Inductor's grouped layout assert is not in the form (names), (sizes), "
             f"(strides) (torch {torch.__version__}); this torch release is not supported yet. "
             "Use backend='eager'."
         )
-    picked = [[part.elts[i] for i in kept] for part in parts]
+    picked = [[cast(ast.Tuple, part).elts[i] for i in kept] for part in parts]
     rest = call.args[3:]
     if len(kept) == 1:
         return ast.Call(
@@ -466,7 +467,7 @@ def _units_built_side_by_side(codecache: Any) -> Iterator[None]:
     def side_by_side(lock_path: str, builders: Any) -> None:
         *units, link = builders
         if len(units) < 2 or (os.cpu_count() or 1) < 2:
-            return serial(lock_path, builders)
+            return cast(None, serial(lock_path, builders))
         from torch.utils._filelock import FileLock
 
         with FileLock(lock_path, timeout=codecache.LOCK_TIMEOUT):
@@ -516,7 +517,7 @@ def cpp_wrapper_build(wrapper_source: str) -> tuple[list[str], str, dict[str, An
             keywords = {k.arg: k.value for k in node.keywords if k.arg}
             if (
                 isinstance(keywords.get("main_code"), ast.Name)
-                and keywords["main_code"].id == _CPP_WRAPPER_SOURCE
+                and cast(ast.Name, keywords["main_code"]).id == _CPP_WRAPPER_SOURCE
             ):
                 options = {
                     k: value(v) for k, v in keywords.items() if k not in ("argtypes", "main_code")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch.optim.optimizer import (
     _get_scalar_dtype,
@@ -23,4 +25,4 @@ def step_hooks(optimizer: torch.optim.Optimizer) -> str:
 
 def step_count_dtype(fused: bool | None) -> torch.dtype:
     """The dtype torch.optim gives a new ``step`` tensor."""
-    return _get_scalar_dtype(is_fused=fused)
+    return cast(torch.dtype, _get_scalar_dtype(is_fused=fused))

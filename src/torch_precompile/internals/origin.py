@@ -3,6 +3,7 @@ machine's absolute paths."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -16,10 +17,9 @@ def shown_path(filename: str) -> str:
     entry it is imported from (``transformers/models/...``), else its base name."""
     if filename.startswith("<") or not os.path.isabs(filename):
         return filename
-    roots = [
-        os.getcwd(),
-        *sorted((p for p in sys.path if p and os.path.isabs(p)), key=len, reverse=True),
-    ]
+    roots = sorted((p for p in sys.path if p and os.path.isabs(p)), key=len, reverse=True)
+    with contextlib.suppress(FileNotFoundError):  # a removed working directory is no root
+        roots.insert(0, os.getcwd())
     for root in roots:
         if filename.startswith(root.rstrip(os.sep) + os.sep):
             return os.path.relpath(filename, root)

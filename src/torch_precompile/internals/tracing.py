@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 import torch.utils.checkpoint
@@ -68,7 +68,7 @@ __all__ = [
     "version_of",
 ]
 
-check = torch._check
+check: Callable[..., None] = torch._check
 
 
 # Reads whose value the trace baked (capture guards them); nothing downstream uses the result.
@@ -167,7 +167,7 @@ def trace_with_user_lines(
     fn: Callable[..., Any],
     decomposition_table: Mapping[Any, Callable[..., Any]] | None = None,
     *,
-    tracing_mode: str = "real",
+    tracing_mode: Literal["real", "fake", "symbolic"] = "real",
     tolerate_data_dependent_ops: bool = False,
 ) -> Callable[..., torch.fx.GraphModule]:
     """``make_fx(fn)`` whose nodes each carry the user's source line that produced them.
@@ -239,7 +239,8 @@ def _user_frames_only() -> Iterator[None]:
     global _filter_users
     with _filter_lock:
         if _filter_users == 0:
-            PythonKeyTracer._filter_traceback_frames = _innermost_user_frame
+            # A patch of torch's method, which mypy cannot check.
+            PythonKeyTracer._filter_traceback_frames = _innermost_user_frame  # type: ignore[assignment]
         _filter_users += 1
     token = _KEEPING_USER_FRAMES.set(True)
     try:
@@ -251,7 +252,8 @@ def _user_frames_only() -> Iterator[None]:
             if _filter_users == 0 and _OWN_FRAME_FILTER is None:
                 del PythonKeyTracer._filter_traceback_frames
             elif _filter_users == 0:
-                PythonKeyTracer._filter_traceback_frames = _OWN_FRAME_FILTER
+                # Restores torch's own method (not None here), a patch mypy cannot check.
+                PythonKeyTracer._filter_traceback_frames = _OWN_FRAME_FILTER  # type: ignore[assignment]
 
 
 def rename_node(node: torch.fx.Node, name: str) -> None:
@@ -369,14 +371,14 @@ def padded_lengths_in_python() -> Iterator[None]:
         lengths = [sum(1 for size in sizes if size > b) for b in range(sizes[0] if sizes else 0)]
         return padded, torch.tensor(lengths, dtype=torch.int64)
 
-    torch._VF._pad_packed_sequence = pad  # type: ignore[attr-defined]
+    torch._VF._pad_packed_sequence = cast(Any, pad)  # takes the operator's arguments positionally
     try:
         yield
     finally:
         if saved is None:
             del torch._VF._pad_packed_sequence
         else:
-            torch._VF._pad_packed_sequence = saved  # type: ignore[attr-defined]
+            torch._VF._pad_packed_sequence = saved
 
 
 def reshape_unwritten_views(graph: torch.fx.Graph) -> None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 import torch.fx
@@ -41,6 +42,9 @@ from torch_precompile.lower.kernels import collect_built_kernels
 from torch_precompile.spec import ArtifactSpec, Layout
 from torch_precompile.trace import Capture
 from torch_precompile.trace.checks import MAX_LITERAL_ELEMENTS, literal_source
+
+if TYPE_CHECKING:
+    from torch_precompile.spec import DistributedTensor, WrappedTensor
 
 aten = torch.ops.aten
 log = logging.getLogger("torch_precompile")
@@ -90,11 +94,11 @@ class _GraphOutputs(NamedTuple):
 
     tensors: list[int]
     constants: dict[int, Any]
-    count: int
+    count: int  # type: ignore[assignment]  # the field shadows tuple.count
 
     @classmethod
     def of(cls, capture: Capture) -> _GraphOutputs:
-        outputs = list(capture.graph.graph.output_node().args[0])
+        outputs = list(cast("Sequence[Any]", capture.graph.graph.output_node().args[0]))
         return cls(
             [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)],
             {i: o for i, o in enumerate(outputs) if not isinstance(o, torch.fx.Node)},
@@ -402,7 +406,13 @@ def _driver_checked(spec: ArtifactSpec, strides: list[Layout]) -> list[int]:
     """The flat inputs whose static layout the driver checks exactly on every call: plain
     model tensors and plain tensor inputs. Optimizer state, DTensor shards and subclasses'
     inner tensors keep Inductor's asserts."""
-    carried = {d.index for d in (*spec.distributed, *spec.wrapped) if d.role == "input"}
+    carried = {
+        d.index
+        for d in cast(
+            "tuple[DistributedTensor | WrappedTensor, ...]", (*spec.distributed, *spec.wrapped)
+        )
+        if d.role == "input"
+    }
     checked = len([t for t in spec.model if t.tied_to is None]) + len(
         [leaf for leaf in spec.inputs if leaf.kind == "tensor"]
     )

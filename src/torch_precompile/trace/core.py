@@ -8,7 +8,7 @@ import keyword
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -531,7 +531,7 @@ def _drop_constant_guards(
     input can change needs no check."""
     assert outputs.spec is not None  # the trace called the flat function
     output = gm.graph.output_node()
-    values = list(output.args[0])
+    values = list(cast("Sequence[Any]", output.args[0]))
     start = outputs.spec.num_leaves + len(outputs.grad_indices)
     constant = [values[start + i].op == "get_attr" for i in range(len(recorder.guards))]
     if not any(constant):
@@ -661,7 +661,7 @@ def _input_shapes(layout: _Layout, dynamic_inputs: dynamic.DynamicInputs | None)
                 if m.low is not None or m.high is not None
             } or None
     dynamic_dims = tuple(
-        DynamicDim(label, tuple(tuple(place) for place in places))
+        DynamicDim(label, tuple(cast("tuple[int, int]", tuple(place)) for place in places))
         for label, places in zip(dynamic_inputs.labels, dynamic_inputs.occurrences, strict=True)
     )
     return _InputShapes(shapes, bounds, dynamic_dims, relations)
@@ -839,7 +839,8 @@ def _output_aliases(results: list[Any], flat: tuple[torch.Tensor, ...]) -> tuple
             continue
         layout = (*result.shape, *result.stride(), result.storage_offset())
         if all(isinstance(v, int) for v in layout):  # a view with symbolic sizes stays a copy
-            offset = result.storage_offset() - flat[source].storage_offset()
+            # An int: the result's offset is (checked above), and the flat inputs' are static.
+            offset = cast(int, result.storage_offset() - flat[source].storage_offset())
             aliases.append(
                 OutputAlias(out, source, tuple(result.shape), tuple(result.stride()), offset)
             )
@@ -875,7 +876,7 @@ def fork_rng(tensors: list[torch.Tensor]) -> Any:
 
 
 def _reject_stray_gradients(
-    state: ModelState, flat: tuple[torch.Tensor, ...], num_params: int
+    state: ModelState, flat: Sequence[torch.Tensor], num_params: int
 ) -> None:
     for name, tensor in zip(state.buffer_names, flat[num_params : len(state.tensors)], strict=True):
         if tensor.grad is not None:

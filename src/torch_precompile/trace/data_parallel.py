@@ -17,7 +17,7 @@ import contextlib
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -48,7 +48,7 @@ class DataParallelArg:
 
     @property
     def world_size(self) -> int:
-        return self.module.process_group.size()
+        return cast(int, self.module.process_group.size())
 
     @property
     def broadcasts_buffers(self) -> bool:
@@ -188,18 +188,29 @@ class _GradientBuckets:
         self.arrived = 0
 
     def add(self, param: torch.Tensor) -> None:
-        if self.pending and self.pending[0].grad.dtype != param.grad.dtype:
+        # A post-accumulate-grad hook: every parameter here has its gradient.
+        if (
+            self.pending
+            and cast(torch.Tensor, self.pending[0].grad).dtype
+            != cast(torch.Tensor, param.grad).dtype
+        ):
             self._flush()  # DDP's buckets hold one dtype each
         self.pending.append(param)
         self.arrived += 1
         if self.arrived == self.count:
             self._flush()
             self.arrived = 0  # a later backward in fn starts over
-        elif sum(p.grad.numel() * p.grad.element_size() for p in self.pending) >= self.cap:
+        elif (
+            sum(
+                cast(torch.Tensor, p.grad).numel() * cast(torch.Tensor, p.grad).element_size()
+                for p in self.pending
+            )
+            >= self.cap
+        ):
             self._flush()
 
     def _flush(self) -> None:
-        grads = [param.grad for param in self.pending]
+        grads = [cast(torch.Tensor, param.grad) for param in self.pending]
         flat = torch.cat([grad.reshape(-1) for grad in grads]) * self.scale
         reduced = all_reduce_sum(flat, self.arg.module.process_group)
         start = 0

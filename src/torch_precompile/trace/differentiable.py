@@ -12,9 +12,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.fx
@@ -34,6 +34,9 @@ from torch_precompile.internals.tracing import (
 from torch_precompile.spec import ArtifactSpec, Autograd
 from torch_precompile.trace.core import Capture, fork_rng
 
+if TYPE_CHECKING:
+    from torch_precompile.spec import InputLeaf, ModelTensor
+
 
 @dataclass(frozen=True)
 class Differentiable:
@@ -46,7 +49,7 @@ class Differentiable:
 
 def differentiable_inputs(spec: ArtifactSpec) -> list[int]:
     """The flat inputs that required grad at capture (parameters, input tensors)."""
-    tensors = [*spec.interned, *spec.tensor_inputs]
+    tensors: list[ModelTensor | InputLeaf] = [*spec.interned, *spec.tensor_inputs]
     return [i for i, t in enumerate(tensors) if t.requires_grad]
 
 
@@ -84,7 +87,7 @@ def differentiate(
     """Split ``capture`` (whose fn ran no backward) into its forward and backward."""
     inputs = differentiable_inputs(capture.spec)
     gm = capture.graph
-    outputs = list(gm.graph.output_node().args[0])
+    outputs = list(cast("Sequence[Any]", gm.graph.output_node().args[0]))
     tensor_slots = [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)]
     split = _traced(capture, inputs, tensor_slots, backend, decompositions)
     mutated = split.written
@@ -101,7 +104,7 @@ def differentiate(
     # the forward graph writes them back, as the capture did.
     forward = _forward_graph(split.forward, gm, outputs, tensor_slots, mutated, num_saved)
     saved_values = [p.meta.get("val") for p in placeholders if not is_tangent(p)]
-    saved_nodes = list(forward.graph.output_node().args[0])[len(outputs) :]
+    saved_nodes = list(cast("Sequence[Any]", forward.graph.output_node().args[0]))[len(outputs) :]
     backward = _backward_graph(
         split.backward,
         len(capture.example_inputs),
@@ -139,7 +142,7 @@ def _traced(
 ) -> SplitGraphs:
     """AOTAutograd's forward and backward of the captured graph's tensor results; a result
     that may alias an input or another result is returned as a copy."""
-    outputs = list(capture.graph.graph.output_node().args[0])
+    outputs = list(cast("Sequence[Any]", capture.graph.graph.output_node().args[0]))
     copies = {i for i in tensor_slots if returns_alias(outputs[i])}
     interpreter = torch.fx.Interpreter(_without_baked_reads(capture.graph))
 
@@ -193,7 +196,7 @@ def _forward_graph(
         rename_node(node, original.name)
         node.target = node.name
     output = graph.output_node()
-    values = list(output.args[0])
+    values = list(cast("Sequence[Any]", output.args[0]))
     new_values, rest = values[: len(mutated)], values[len(mutated) :]
     if len(rest) != len(tensor_slots) + num_saved:
         raise PrecompileError(
@@ -225,7 +228,7 @@ def _backward_graph(
         rename_node(node, name)
         node.target = node.name
     output = graph.output_node()
-    grads = list(output.args[0])[:num_flat]
+    grads = list(cast("Sequence[Any]", output.args[0]))[:num_flat]
     output.args = ([grads[i] for i in inputs],)
     graph.eliminate_dead_code()
     gm = torch.fx.GraphModule(aot_backward, graph)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.fx
@@ -25,6 +25,9 @@ from torch_precompile.internals.distributed import (
     non_functional_collectives,
 )
 from torch_precompile.spec import DistributedTensor, Mesh
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 _PLACEMENTS = ("Shard", "Replicate", "Partial", "_StridedShard")
 
@@ -51,7 +54,8 @@ class Distribution:
         """The examples with each DTensor replaced by (a detached alias of) its local tensor."""
         with torch.no_grad():
             return [
-                e.to_local().detach() if i in self.inputs else e for i, e in enumerate(examples)
+                cast("DTensor", e).to_local().detach() if i in self.inputs else e
+                for i, e in enumerate(examples)
             ]
 
     def rebuild(self, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -60,7 +64,7 @@ class Distribution:
 
         views = list(flat)
         for index, sharded in self.inputs.items():
-            dtensor = DTensor.from_local(
+            dtensor: torch.Tensor = DTensor.from_local(
                 flat[index],
                 self.meshes[sharded.record.mesh],
                 sharded.placements,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -131,7 +131,7 @@ def fake_inputs(
     fakes: list[torch.Tensor] = []
     with fake_mode:
         for tensor in state:
-            fake = fake_mode.from_tensor(tensor, static_shapes=True)
+            fake: torch.Tensor = fake_mode.from_tensor(tensor, static_shapes=True)
             fakes.append(fake.requires_grad_(tensor.requires_grad) if tensor.is_leaf else fake)
         for index, (leaf, name, leaf_marks) in enumerate(zip(leaves, names, marks, strict=True)):
             if not isinstance(leaf, torch.Tensor):
@@ -283,7 +283,7 @@ def _text(tree: Any, names: Sequence[str]) -> str:
         return str(tree)
     op, *args = tree
     if op == "d":
-        return names[args[0]]
+        return cast(str, names[args[0]])
     parts = [_text(arg, names) for arg in args]
     if op == "not":
         return f"(not {parts[0]})"

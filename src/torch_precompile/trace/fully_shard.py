@@ -23,7 +23,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -40,6 +40,11 @@ from torch_precompile.internals.fsdp import (
 )
 from torch_precompile.spec import FullyShardedGroup
 from torch_precompile.trace.gather_buckets import bucket_of, gather
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+    from torch_precompile.trace.gather_buckets import Bucket
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ class _Regather:
     regather: Callable[[], torch.Tensor]
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    offset: int
+    offset: int | torch.SymInt
     dtensor: tuple[Any, tuple[Any, ...], torch.Size, tuple[int, ...]] | None = None
 
 
@@ -156,8 +161,10 @@ def _before(group: ShardedGroup, leaves: _Leaves, gathered: _Gathered) -> Any:
 
     def regathered(index: int) -> torch.Tensor:
         if "fulls" not in again:
-            again["fulls"] = gather(
-                bucket, [leaf.to_local() for _, _, leaf in leaves], differentiable=False
+            again["fulls"] = gather(  # only called where there is a bucket
+                cast("Bucket", bucket),
+                [leaf.to_local() for _, _, leaf in leaves],
+                differentiable=False,
             )
         return again["fulls"][index]
 
@@ -209,6 +216,7 @@ def _gather(leaf: Any, group: ShardedGroup, differentiable: bool) -> torch.Tenso
         forward_dtype=group.param_dtype,
         backward_dtype=group.reduce_dtype,
     )
+    local: torch.Tensor
     if not differentiable:
         local = full.to_local()
     else:
@@ -239,7 +247,7 @@ def _pack(tensor: torch.Tensor, gathered: _Gathered) -> Any:
             tuple(tensor.stride()),
             tensor.storage_offset() - base.storage_offset(),
         )
-    local, base_local = tensor.to_local(), base.to_local()
+    local, base_local = tensor.to_local(), cast("DTensor", base).to_local()  # a DTensor's base
     return _Regather(
         entry[1],
         tuple(local.shape),
@@ -258,7 +266,7 @@ def _unpack(saved: Any) -> Any:
         return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
     from torch.distributed.tensor import DTensor
 
-    local = full.to_local()
+    local = cast("DTensor", full).to_local()  # regathered on tp: a DTensor
     view = local.as_strided(saved.size, saved.stride, local.storage_offset() + saved.offset)
     mesh, placements, shape, stride = saved.dtensor
     return DTensor.from_local(view, mesh, placements, run_check=False, shape=shape, stride=stride)

@@ -79,7 +79,8 @@ def gather(
     """Each parameter in full (a DTensor on ``tp`` under tensor parallelism), from this
     rank's local ``shards`` (of the parameters' dtype)."""
     if differentiable:
-        fulls = _GatherBucket.apply(bucket, *shards)
+        # torch leaves Function.apply unannotated.
+        fulls = _GatherBucket.apply(bucket, *shards)  # type: ignore[no-untyped-call]
     else:
         with torch.no_grad():
             fulls = _gathered(bucket, shards)

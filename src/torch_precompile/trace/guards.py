@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -49,18 +49,18 @@ class GuardRecorder(TorchDispatchMode):
     supports_higher_order_operators = True
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.guards: list[Guard] = []
         self._ops_seen = 0  # dispatches this recorder received: tells a live read from print's
         self._depth = 0  # > 0 while an operator is being dispatched (reads there are torch's)
         self._fixed: list[torch.Tensor] = []  # batch sizes of packings: fixed by a guard
 
     def __enter__(self) -> GuardRecorder:
-        super().__enter__()
+        super().__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         try:
             _READS.enter(self)
         except BaseException:
-            super().__exit__(None, None, None)
+            super().__exit__(None, None, None)  # type: ignore[no-untyped-call]  # unannotated
             raise
         return self
 
@@ -68,7 +68,7 @@ class GuardRecorder(TorchDispatchMode):
         try:
             _READS.exit(self)
         finally:
-            super().__exit__(*exc)
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -107,7 +107,8 @@ class GuardRecorder(TorchDispatchMode):
         try:
             if tensor.numel() == 1 and not tensor.is_complex():
                 guard = tensor.detach().reshape(())
-                expected = _TOLIST(guard)
+                # A 0-dim tensor's .tolist() is one number (torch's stub says a list).
+                expected = cast("bool | int | float", _TOLIST(guard))
                 what, after = f"the value of a tensor read with .{method}()", ""
             else:
                 guard, expected = _equals_captured(tensor, method), True
@@ -143,7 +144,8 @@ class GuardRecorder(TorchDispatchMode):
                 f" equal those at capture{shown}",
             )
         if not _packable(data, lengths, values, batch_first):
-            return func(data, lengths, batch_first)  # raises the operator's own error
+            # raises the operator's own error
+            return cast("tuple[torch.Tensor, torch.Tensor]", func(data, lengths, batch_first))
         steps = data.transpose(0, 1) if batch_first else data  # (time, batch, *features)
         width = steps.shape[1]
         sizes = [sum(1 for n in values if n > t) for t in range(values[0])]
@@ -294,7 +296,7 @@ class _ValueReads:
     def _stack(self) -> list[GuardRecorder]:
         if not hasattr(self._local, "stack"):
             self._local.stack = []
-        return self._local.stack
+        return cast("list[GuardRecorder]", self._local.stack)
 
     def _reporting(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)

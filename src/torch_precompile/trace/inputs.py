@@ -7,7 +7,7 @@ import enum
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -38,7 +38,8 @@ def flatten_user_inputs(args: tuple[Any, ...], arg_names: list[str]) -> UserInpu
     values: list[EncodedValue | None] = []
     for path, leaf in with_paths:
         head, *rest = path
-        name = arg_names[head.idx] + pytree.keystr(tuple(rest))
+        # The top level is the args tuple: its keys are sequence indices.
+        name = arg_names[cast("pytree.SequenceKey[Any]", head).idx] + pytree.keystr(tuple(rest))
         leaves.append(leaf)
         names.append(name)
         values.append(None if isinstance(leaf, torch.Tensor) else encode_value(name, leaf))
@@ -65,8 +66,8 @@ def encode_value(name: str, value: Any) -> EncodedValue:
     if (
         dataclasses.is_dataclass(value)
         and not isinstance(value, type)
-        and (type(value).__dataclass_params__.frozen)
-    ):  # type: ignore[attr-defined]
+        and (cast(Any, type(value)).__dataclass_params__.frozen)  # not in typeshed
+    ):
         return (
             "frozen",
             (

@@ -329,6 +329,7 @@ def optimizer_records(
     """The spec records of the optimizers; state entries of parameters never stepped are
     dropped (the caller drops their flat inputs too)."""
     names = state.param_names
+    entries: list[OptimizerState]
     records, groups, entries = [], [], []
     for number, arg in enumerate(optimizers):
         optimizer = arg.optimizer

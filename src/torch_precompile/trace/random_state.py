@@ -8,7 +8,7 @@ draw cannot be placed inside a compiled graph: capture refuses it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -23,7 +23,7 @@ class SeedWatch(TorchDispatchMode):
     supports_higher_order_operators = True
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.seed: int | None = None
         self.draws = 0
         self.late: str | None = None  # where fn set a seed after a draw
@@ -31,12 +31,13 @@ class SeedWatch(TorchDispatchMode):
 
     def __enter__(self) -> SeedWatch:
         self.saved = (torch.manual_seed, torch.random.manual_seed)
-        torch.manual_seed = torch.random.manual_seed = self._manual_seed  # type: ignore[assignment]
-        return super().__enter__()
+        torch.manual_seed = torch.random.manual_seed = self._manual_seed
+        # torch leaves it unannotated; it returns the mode itself.
+        return cast(SeedWatch, super().__enter__())  # type: ignore[no-untyped-call]
 
     def __exit__(self, *exc: Any) -> None:
         torch.manual_seed, torch.random.manual_seed = self.saved
-        super().__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
     def _manual_seed(self, seed: int) -> Any:
         if self.draws:

@@ -24,7 +24,7 @@ import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -194,9 +194,9 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
 def _loads_last(instruction: dis.Instruction) -> str | None:
     """The local an instruction leaves on top of the stack (Python 3.13 loads two at once)."""
     if instruction.opname in _SELF_LOADS:
-        return instruction.argval
+        return cast(str, instruction.argval)
     if instruction.opname in _PAIR_LOADS:
-        return instruction.argval[1]
+        return cast(str, instruction.argval[1])
     return None
 
 

@@ -17,7 +17,7 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,7 +42,8 @@ class Flattened:
     inner: tuple[torch.Tensor, ...]
 
     def rebuild(self, inner: Sequence[torch.Tensor]) -> Any:
-        return self.cls.__tensor_unflatten__(
+        # A traceable wrapper subclass: flatten checked that it has __tensor_unflatten__.
+        return cast(Any, self.cls).__tensor_unflatten__(
             dict(zip(self.attrs, inner, strict=True)), self.context, self.shape, self.strides
         )
 
@@ -65,6 +66,7 @@ class Wrapping:
     ) -> list[torch.Tensor]:
         """Graph inputs from flat inputs: each subclass's first inner tensor in its place,
         the others after the flat inputs; those of flat inputs from ``copy_from`` on copied."""
+        extras: list[torch.Tensor]
         graph, extras = list(flat), []
         for index, flattened in self.inputs.items():
             inner = [getattr(flat[index], attr) for attr in flattened.attrs]
@@ -76,6 +78,7 @@ class Wrapping:
 
     def graph_names(self, names: Sequence[str]) -> list[str]:
         """Names of the graph inputs, from those of the flat inputs."""
+        extras: list[str]
         graph, extras = list(names), []
         for index, flattened in self.inputs.items():
             graph[index] = f"{names[index]}_{flattened.attrs[0]}"
@@ -95,13 +98,14 @@ class Wrapping:
         """Result leaves with subclasses replaced by their first inner tensor, each recorded,
         and their other inner tensors (which go after every other output)."""
         self.results.clear()
+        extras: list[torch.Tensor]
         unwrapped, extras = list(leaves), []
         for index, leaf in enumerate(leaves):
             # (A symbolic trace's results are fake tensors: plain ones, for this purpose.)
             if not is_traceable_wrapper_subclass(leaf) or is_dtensor(leaf):
                 continue
             name = f"result leaf {index}"
-            flattened = flatten(leaf, name)
+            flattened = flatten(cast(torch.Tensor, leaf), name)  # the check saw a Tensor
             wrapper = len(self.records) + len(self.results)
             self.results.append(
                 (_record(flattened, "result", index, name), _inner_records(flattened, wrapper))
