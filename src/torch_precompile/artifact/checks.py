@@ -85,16 +85,16 @@ def _shown_inputs(leaves: Sequence[InputLeaf]) -> str:
     tensors = [leaf for leaf in leaves if leaf.kind == "tensor"]
     if not tensors:
         return "no input tensors"
-    shown = [_shown_tensor(leaf.path, leaf.dtype, leaf.shape, leaf.device) for leaf in tensors]
+    shown = [f"{leaf.path}: {tensor_type(leaf)} on {leaf.device}" for leaf in tensors]
     more = len(shown) - _SHOWN_LEAVES
     return ", ".join(shown[:_SHOWN_LEAVES]) + (f" and {more} more" if more > 0 else "")
 
 
-def _shown_tensor(
-    path: str, dtype: str | None, shape: Sequence[int | None] | None, device: str | None
-) -> str:
-    dims = ", ".join("*" if d is None else str(d) for d in shape or ())
-    return f"{path}: {(dtype or '').removeprefix('torch.')}[{dims}] on {device}"
+def tensor_type(leaf: InputLeaf) -> str:
+    """An input tensor's dtype and shape as the artifact shows them: ``float32[*, 4]`` (``*``
+    for a dynamic dim, as the driver's messages show one)."""
+    dims = ", ".join("*" if d is None else str(d) for d in leaf.shape or ())
+    return f"{str(leaf.dtype).removeprefix('torch.')}[{dims}]"
 
 
 def _shown_models(spec: ArtifactSpec) -> str:

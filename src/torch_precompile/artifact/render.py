@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch_precompile
-from torch_precompile.artifact.checks import check_function
+from torch_precompile.artifact.checks import check_function, tensor_type
 from torch_precompile.driver import (
     autograd,
     core,
@@ -40,7 +40,7 @@ from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
 from torch_precompile.lower import LoweredGraph, VariantGraphs
 from torch_precompile.shipped import ShippedSource, import_block, shipped_source, shipped_text
-from torch_precompile.spec import ArtifactSpec, InputLeaf, spec_source, to_literal
+from torch_precompile.spec import ArtifactSpec, spec_source, to_literal
 from torch_precompile.spec_listing import driver_records
 
 _RULE = "# " + "=" * 78
@@ -340,25 +340,22 @@ def _sections_line(named: Sequence[_NamedGraph]) -> str:
 def _binding(variants: Sequence[ArtifactSpec], named: Sequence[Sequence[_NamedGraph]]) -> list[str]:
     """The lines that bind ``forward``."""
 
-    def keywords(variant: ArtifactSpec, graphs: Sequence[_NamedGraph]) -> str:
+    def keywords(variant: ArtifactSpec, graphs: Sequence[_NamedGraph]) -> list[str]:
         given = {id(_AUTOGRAD): "differentiable(" + ", ".join(g.function for g in graphs[1:]) + ")"}
-        return "".join(
-            f", {p.keyword}={given.get(id(p), p.factory)}"
-            for p in driver_parts(variant)
-            if p.keyword and (p is not _MEMO or variant.model_names)
-        )
+        return [f"{p.keyword}={given.get(id(p), p.factory)}" for p in _given_parts(variant)]
 
     if len(variants) == 1:
-        return [
-            "# forward: the driver over this spec and graph.",
-            f"forward = Driver(ARTIFACT_SPEC, call, check_call{keywords(variants[0], named[0])})",
-        ]
+        arguments = ["ARTIFACT_SPEC", "call", "check_call", *keywords(variants[0], named[0])]
+        line = f"forward = Driver({', '.join(arguments)})"
+        if len(line) > 100:  # one argument a line, as a reader would wrap it
+            line = "\n".join(["forward = Driver(", *(f"    {a}," for a in arguments), ")"])
+        return ["# forward: the driver over this spec and graph.", line]
     return [
         "# forward: a driver over each variant's spec and graph; a call runs the variant it fits.",
         "forward = Variants([",
         *(
             f"    Driver(variant_spec(ARTIFACT_SPEC, {n}), {graphs[0].name}, "
-            f"{_check_name(n, len(variants))}{keywords(v, graphs)}),"
+            f"{', '.join([_check_name(n, len(variants)), *keywords(v, graphs)])}),"
             for n, (v, graphs) in enumerate(zip(variants, named, strict=True), 1)
         ),
         "])",
@@ -443,13 +440,15 @@ def _check_name(number: int, count: int) -> str:
     return "check_call" if count == 1 else f"check_call_{number}"
 
 
-def _keywords(variant: ArtifactSpec) -> list[str]:
-    """The keywords of the driver parts a variant's ``Driver`` is given."""
+def _given_parts(variant: ArtifactSpec) -> list[DriverPart]:
+    """The driver parts a variant's ``Driver`` is given, by keyword."""
     return [
-        p.keyword
-        for p in driver_parts(variant)
-        if p.keyword and (p is not _MEMO or variant.model_names)
+        p for p in driver_parts(variant) if p.keyword and (p is not _MEMO or variant.model_names)
     ]
+
+
+def _keywords(variant: ArtifactSpec) -> list[str]:
+    return [p.keyword for p in _given_parts(variant) if p.keyword]
 
 
 def _driver_source(shipped: list[ShippedSource], graph_source: str, checks: list[str]) -> str:
@@ -480,7 +479,7 @@ def _origin(specs: Sequence[ArtifactSpec], call_example: str, origin: str | None
     if origin is not None:
         text += f", captured from {origin}"
     tensors = [
-        f"{leaf.path} {_tensor_type(leaf)}" for leaf in specs[0].inputs if leaf.kind == "tensor"
+        f"{leaf.path} {tensor_type(leaf)}" for leaf in specs[0].inputs if leaf.kind == "tensor"
     ]
     if tensors:
         text += " with " + ", ".join(tensors)
@@ -491,11 +490,6 @@ def _origin(specs: Sequence[ArtifactSpec], call_example: str, origin: str | None
     if unavailable:
         text += f" Its {unavailable}."
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
-
-
-def _tensor_type(leaf: InputLeaf) -> str:
-    dims = ", ".join("?" if d is None else str(d) for d in leaf.shape or ())
-    return f"{str(leaf.dtype).removeprefix('torch.')}[{dims}]"
 
 
 def _provenance(spec: ArtifactSpec, tracer: str) -> str:
