@@ -39,6 +39,14 @@ def test_input_in_another_layout(backend: str, artifacts) -> None:
         )
 
 
+def test_a_sparse_input_is_refused_by_its_layout(artifacts) -> None:
+    """Before (0.13.0) the message spoke of strides (0, 0), which a sparse tensor has not."""
+    run = artifacts.load("mlp_infer", "inductor")
+    model, x = WORKLOADS["mlp_infer"].args()
+    with pytest.raises(PrecompileError, match=r"input x: the graph reads a dense tensor, got a "):
+        run(model, x.to_sparse())
+
+
 def test_parameter_in_another_layout(backend: str, artifacts) -> None:
     run = artifacts.load("mlp_infer", backend)
     model, x = WORKLOADS["mlp_infer"].args()

@@ -355,6 +355,41 @@ def test_an_optimizer_nested_in_an_input_is_refused() -> None:
         )
 
 
+def step_returning_lr(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, t: torch.Tensor
+) -> dict[str, Any]:
+    return {"loss": step(model, opt, x, t), "lr": opt.param_groups[0]["lr"]}
+
+
+def test_a_returned_lr_is_refused_at_capture_naming_the_fix() -> None:
+    """lr is read at every call for the step, but a returned Python float is baked. Before
+    (0.13.0): after a scheduler halved lr, the artifact still returned the capture's lr."""
+    model = make_model(12)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        PrecompileError,
+        match=r"fn's result holds the lr of param group 0 of optimizer opt \(0\.1\) at leaf 1"
+        r".*outside fn \(opt\.param_groups\[0\]\['lr'\]\)",
+    ):
+        precompile(step_returning_lr, model, opt, *batch(0))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("kind", ["scheduler", "scaler"])
+def test_a_scheduler_or_grad_scaler_argument_is_refused_with_the_fix(kind: str) -> None:
+    model = make_model(12)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if kind == "scheduler":
+        helper: Any = torch.optim.lr_scheduler.StepLR(opt, 1)
+        match = r"input helper is a learning-rate scheduler .*Step it outside fn"
+    else:
+        helper = torch.amp.GradScaler("cpu")
+        match = r"input helper is a GradScaler: .*precompile\.module\(model, \*inputs\)"
+    with pytest.raises(PrecompileError, match=match):
+        precompile(lambda m, o, x, t, helper: step(m, o, x, t), model, opt, *batch(0), helper)
+
+
 def test_the_earlier_silent_wrong_cases_now_match_eager(backend: str) -> None:
     """Before (torch-precompile 0.3.0), on this step and an MLP: after 3 steps the weights
     differed from eager's by 3e-2 to 4e-2 for SGD(momentum=0.9), AdamW(lr=1e-2) and

@@ -10,6 +10,8 @@ and returned or wrote wrong numbers.
 from __future__ import annotations
 
 import copy
+import functools
+import random
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -823,3 +825,253 @@ def test_the_remembered_check_reads_any_attribute_name() -> None:
     assert not unchanged(model)
     del model.options
     assert not unchanged(model)
+
+
+class Scaled(nn.Module):
+    """Reads a class attribute (``factor``) through ``self``."""
+
+    factor = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.factor
+
+
+def test_a_class_attribute_read_through_self_is_checked(backend: str) -> None:
+    """A value of the model's class (``factor = 2.0`` in the class body) is baked like an
+    instance attribute. Before (0.13.0): changed after capture, the artifact scaled by the
+    old value with no error."""
+    model = Scaled()
+    run = build(forward, model, new_x(), backend=backend)
+    x = new_x()
+    agree(run, forward, (model, x), (model, x))  # the next call takes the remembered path
+    Scaled.factor = 5.0
+    try:
+        with refused(r"attribute 'factor' of the model is 5\.0, but was 2\.0", model, x):
+            run(model, x)
+    finally:
+        Scaled.factor = 2.0
+    model.factor = 3.0  # an instance attribute now shadows the class's
+    with refused(r"attribute 'factor' of the model is 3\.0, but was 2\.0", model, x):
+        run(model, x)
+    del model.factor
+    agree(run, forward, (model, x), (model, x))
+
+
+class Settings:
+    def __init__(self) -> None:
+        self.scale = 2.0
+
+
+SETTINGS = Settings()  # a plain object global: fn reads SETTINGS.scale
+SETTINGS_MODULE: Any = None  # a module of the user's, imported by the test: SETTINGS_MODULE.SCALE
+
+
+def read_settings(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x) * SETTINGS.scale + SETTINGS_MODULE.SCALE
+
+
+def test_attributes_of_a_global_object_or_module_are_checked(
+    backend: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``config.SCALE`` where ``config`` is a global module or object of the user's: the value
+    is baked, so a call must find the same one. Before (0.13.0): changed after capture, the
+    artifact used the old value with no error."""
+    global SETTINGS_MODULE
+    (tmp_path / "user_settings.py").write_text("SCALE = 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import user_settings  # type: ignore[import-not-found]
+
+    SETTINGS_MODULE = user_settings
+    model = mlp(0)
+    run = build(read_settings, model, new_x(), backend=backend)
+    x = new_x()
+    agree(run, read_settings, (model, x), (model, x))
+    SETTINGS.scale = 4.0
+    try:
+        with refused(r"global 'SETTINGS\.scale' of module .* is 4\.0, but was 2\.0", model, x):
+            run(model, x)
+    finally:
+        SETTINGS.scale = 2.0
+    agree(run, read_settings, (model, x), (model, x))
+    user_settings.SCALE = -1.0
+    with refused(r"global 'SETTINGS_MODULE\.SCALE' of module .* is -1\.0, but was 1\.0", model, x):
+        run(model, x)
+    user_settings.SCALE = 1.0
+    agree(run, read_settings, (model, x), (model, x))
+
+
+def patched_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(self.lin(x))
+
+
+def test_a_forward_set_on_an_instance_or_patched_into_a_class_is_refused(backend: str) -> None:
+    """The artifact runs the forward the trace ran. Before (0.13.0): a forward set on a
+    submodule after capture (as wrappers that patch ``module.forward`` do), or patched into its
+    class, was never run, with no error."""
+    model = nn.Sequential(Scaled(), nn.ReLU())
+    run = build(forward, model, new_x(), backend=backend)
+    x = new_x()
+    agree(run, forward, (model, x), (model, x))  # the next call takes the remembered path
+    inner = model[0].forward
+    model[0].forward = lambda x: inner(x) + 1
+    with refused(r"module '0' runs the forward .*<lambda>, but ran its class's own forward", x):
+        run(model, x)
+    del model[0].forward
+    agree(run, forward, (model, x), (model, x))
+    original = Scaled.forward
+    Scaled.forward = patched_forward  # type: ignore[method-assign]
+    try:
+        with refused(r"module '0' runs the forward .*\.patched_forward, but ran its class's", x):
+            run(model, x)
+    finally:
+        Scaled.forward = original  # type: ignore[method-assign]
+    agree(run, forward, (model, x), (model, x))
+
+
+def test_a_forward_set_before_capture_is_the_one_checked(backend: str) -> None:
+    """A forward set on the instance before capture is recorded by name: the artifact runs it
+    while it is there, and refuses once the class's own is back."""
+    model = Scaled()
+    model.forward = functools.partial(patched_forward, model)  # type: ignore[method-assign]
+    run = build(forward, model, new_x(), backend=backend)
+    for _ in range(2):
+        x = new_x()
+        agree(run, forward, (model, x), (model, x))
+    del model.forward
+    with refused(r"the model runs its class's own forward, but ran the forward .*patched_forward"):
+        run(model, new_x())
+
+
+def optional_bias(m: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return m(x) if bias is None else m(x) + bias
+
+
+def test_none_is_an_input_value(backend: str) -> None:
+    """An optional input left as None (``mask=None``) is a Python value like any other: baked,
+    and a call must pass None there. Before (0.13.0): refused at capture."""
+    model = mlp(0)
+    run = build(optional_bias, model, new_x(), None, backend=backend)
+    x = new_x()
+    assert_same(run(model, x, None), optional_bias(model, x, None))
+    with refused(r"input bias: expected the value None, got Tensor\.", x):
+        run(model, x, torch.ones(2))
+
+
+CRITERION = nn.CrossEntropyLoss()  # a module held in a global, not passed to fn
+
+
+def criterion_step(m: nn.Module, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return CRITERION(m(x), t)
+
+
+def test_options_of_a_module_held_in_a_global_are_checked(backend: str) -> None:
+    """A loss module held in a global reads its options (``label_smoothing``) in forward:
+    they are baked like the model's. Before (0.13.0): changed after capture, the artifact
+    computed the old loss with no error."""
+    model, t = mlp(0), torch.tensor([0, 1, 1])
+    run = build(criterion_step, model, new_x(), t, backend=backend)
+    x = new_x()
+    agree(run, criterion_step, (model, x, t), (model, x, t))
+    CRITERION.label_smoothing = 0.3
+    try:
+        with refused(r"global 'CRITERION\.label_smoothing' .* is 0\.3, but was 0\.0", model, x):
+            run(model, x, t)
+    finally:
+        CRITERION.label_smoothing = 0.0
+    agree(run, criterion_step, (model, x, t), (model, x, t))
+
+
+class Splitter(nn.Module):
+    """Splits by a list attribute (``sizes``), as configs hold them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.sizes = [1, 3]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, rest = torch.split(self.lin(x), self.sizes, dim=-1)
+        return first.sum(-1) + rest.sum(-1) * 2
+
+
+def test_a_list_attribute_changed_in_place_is_refused(backend: str) -> None:
+    """A list read in forward is baked by value. Before (0.13.0): changed in place after a
+    passing call, the artifact split as at capture with no error."""
+    model = Splitter()
+    run = build(forward, model, new_x(), backend=backend)
+    x = new_x()
+    agree(run, forward, (model, x), (model, x))  # the next call takes the remembered path
+    model.sizes[0] = 2
+    model.sizes[1] = 2
+    with refused(r"attribute 'sizes' of the model is \[2, 2\], but was \[1, 3\]", model, x):
+        run(model, x)
+    model.sizes[:] = [1, 3]
+    agree(run, forward, (model, x), (model, x))
+
+
+def python_random_scale(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x) * random.random()
+
+
+def numpy_random_scale(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    numpy = sys.modules["numpy"]
+    return m(x) * float(numpy.random.rand())
+
+
+class OwnGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.rand(x.shape[0], 2, generator=self.gen)
+
+
+def test_draws_a_trace_would_bake_are_refused_at_capture(backend: str) -> None:
+    """A number drawn from Python's or NumPy's global generator, or from a generator of fn's
+    own, would be the same at every call. Before (0.13.0): Python's and NumPy's draws were
+    baked with no error, and a module's own generator failed at the first call with a
+    NameError."""
+    pytest.importorskip("numpy")
+    for fn, match in (
+        (python_random_scale, r"fn drew from Python's random module"),
+        (numpy_random_scale, r"fn drew from NumPy's global random generator"),
+    ):
+        model = mlp(0)
+        with refused(match + r".*Draw with torch \(torch\.rand", model):
+            precompile(fn, model, new_x(), backend=backend)
+    model = OwnGenerator()
+    with refused(r"fn draws random numbers from a torch\.Generator of its own", model):
+        precompile(forward, model, new_x(), backend=backend)
+    with refused(r"input gen is a torch\.Generator"):
+        precompile(
+            lambda m, x, gen: m(x) + torch.rand(3, 2, generator=gen),
+            mlp(0),
+            new_x(),
+            torch.Generator(),
+            backend=backend,
+        )
+
+
+def noisy(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x) + torch.rand(x.shape[0], 2) + torch.randn_like(x)[:, :2]
+
+
+def test_torch_random_ops_draw_anew_at_every_call(backend: str) -> None:
+    """torch.rand and its kin draw at every call, as eager does (the eager backend with the
+    same seed draws the same numbers). Before (0.13.0) the inductor backend refused them."""
+    model = mlp(0)
+    run = build(noisy, model, new_x(), backend=backend)
+    x = new_x()
+    torch.manual_seed(5)
+    first = run(model, x)
+    second = run(model, x)
+    assert not torch.equal(first, second)
+    if backend == "eager":
+        torch.manual_seed(5)
+        assert_same(first, noisy(model, x))

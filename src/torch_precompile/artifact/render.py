@@ -73,8 +73,8 @@ _CHECKS = (
 _VALUES_NOTE = " (and Python values, which are baked)"
 _MODELS_NOTE = (
     ", and each model's parameter and buffer names, order, tying, shapes, dtypes and devices, "
-    "and every submodule's class, training mode and hooks (those present at capture are in "
-    "the graph)"
+    "and every submodule's class, training mode, forward and hooks (those present at capture "
+    "are in the graph)"
 )
 _READS_NOTE = (
     " The Python values the trace read (module attributes, module globals; listed in "

@@ -224,7 +224,7 @@ def positional_leaves(driver: Driver, args: Sequence[Any]) -> list[Any]:
 def structure_error(expected: Any, given: Any) -> PrecompileError:
     return PrecompileError(
         "the runtime inputs have a different structure than at capture: expected "
-        f"{_sketch(expected)}, got {_sketch(given)}. Pass the same nesting of lists, tuples "
+        f"{sketch(expected)}, got {sketch(given)}. Pass the same nesting of lists, tuples "
         "and dicts."
     )
 
@@ -239,7 +239,7 @@ class Shown:
         return self.text
 
 
-def _sketch(tree: Any) -> str:
+def sketch(tree: Any) -> str:
     """A structure with tensors shown as ``Tensor``, for error messages."""
     text = repr(
         pytree.tree_map(lambda v: Shown("Tensor") if isinstance(v, torch.Tensor) else v, tree)
@@ -356,6 +356,11 @@ def check_layout(
     tensor: torch.Tensor, strides: Sequence[int], name: str, backend: str = "inductor"
 ) -> None:
     """The graph assumes a layout; anything else is refused before it runs."""
+    if tensor.layout is not torch.strided:
+        raise PrecompileError(
+            f"{name}: the graph reads a dense tensor, got a {tensor.layout} one. Pass it "
+            "dense (.to_dense())."
+        )
     if not layout_differs(tensor, strides):
         return
     if backend == "eager":  # an input the graph writes, or returns a view of
@@ -386,6 +391,7 @@ class ModelPlan:
         self.training = training
         self.submodules = [(s.name, s.training) for s in spec.submodules]
         self.classes = [s.cls for s in spec.submodules]
+        self.forwards = [s.forward for s in spec.submodules]
         self.hooks = [s.hooks for s in spec.submodules]
         self.global_hooks = spec.global_hooks
         # Tensor hooks on parameters run in a backward: they matter where fn has one.
@@ -533,8 +539,8 @@ def _checked_modes(model: ModelPlan, models: Sequence[torch.nn.Module]) -> list[
             + (f" (new: {', '.join(repr(n or '<root>') for n in added[:5])})" if added else "")
             + ". Pass a model with the same modules as the example."
         )
-    for (name, module), (_, training), cls in zip(
-        found, model.submodules, model.classes, strict=True
+    for (name, module), (_, training), cls, forward in zip(
+        found, model.submodules, model.classes, model.forwards, strict=True
     ):
         if cls is not None and qualified_name(type(module)) != cls:
             raise PrecompileError(
@@ -542,6 +548,8 @@ def _checked_modes(model: ModelPlan, models: Sequence[torch.nn.Module]) -> list[
                 "capture: the artifact runs the code the captured class ran. Pass a model "
                 "built like the example, or precompile again with this one."
             )
+        if cls is not None and forward_name(module) != forward:
+            raise forward_error(_shown_module(name), forward, forward_name(module))
         if module.training != training:
             shown = _shown_module(name)
             mode, fix = ("training", ".train()") if training else ("eval", ".eval()")
@@ -561,6 +569,34 @@ def _shown_module(name: str) -> str:
 def qualified_name(obj: Any) -> str:
     """``module.qualname`` of a class or function (a hook's name in the spec)."""
     return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', '?')}"
+
+
+def forward_name(module: Any) -> str | None:
+    """None where ``module`` runs its class's own forward (as the class, or the base that
+    defines it, wrote it); otherwise the name of what it runs instead: a forward set on the
+    instance, or one patched into the class."""
+    if "forward" in vars(module):
+        return hook_name(vars(module)["forward"])
+    for klass in type(module).__mro__:
+        function = vars(klass).get("forward")
+        if function is not None:
+            own = klass is torch.nn.Module or (
+                getattr(function, "__qualname__", None) == f"{klass.__qualname__}.forward"
+                and getattr(function, "__module__", None) == klass.__module__
+            )
+            return None if own else hook_name(function)
+    return None
+
+
+def forward_error(what: str, captured: str | None, now: str | None) -> PrecompileError:
+    def shown(name: str | None) -> str:
+        return "its class's own forward" if name is None else f"the forward {name}"
+
+    return PrecompileError(
+        f"{what} runs {shown(now)}, but ran {shown(captured)} at capture: the artifact runs "
+        "the code the captured forward ran. Set the forward back, or precompile again with "
+        "this one."
+    )
 
 
 # Where nn.Module keeps hooks, by the kind the spec names them.

@@ -28,9 +28,9 @@ def value_matches(encoded: Any, value: Any) -> bool:
         return _qualified(value) == expected[0] and getattr(value, "name", None) == expected[1]
     if kind == "callable":
         return callable(value) and qualified_name(value) == expected
-    if kind == "tuple":
+    if kind in ("tuple", "list"):
         return (
-            type(value) is tuple
+            type(value).__name__ == kind
             and len(value) == len(expected)
             and all(value_matches(item, v) for item, v in zip(expected, value, strict=True))
         )
@@ -61,6 +61,8 @@ def shown_value(encoded: Any) -> str:
         return ".".join(expected) if kind == "enum" else expected
     if kind == "tuple":
         return "(" + ", ".join(map(shown_value, expected)) + (",)" if len(expected) == 1 else ")")
+    if kind == "list":
+        return "[" + ", ".join(map(shown_value, expected)) + "]"
     if kind == "frozen":
         fields = ", ".join(f"{field}={shown_value(item)}" for field, item in expected[1])
         return f"{expected[0]}({fields})"

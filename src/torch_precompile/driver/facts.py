@@ -1,4 +1,5 @@
-"""The driver part for Python values the traced code read: module attributes and globals.
+"""The driver part for Python values the traced code read: module attributes and globals
+(and attributes of the user's modules and objects held in globals: ``config.SCALE``).
 
 The graph holds each such value as a constant (a LoRA ``scaling``, a dropout ``p``, a global
 ``SCALE``), so every call must find the same value where the trace read it. A value that is
@@ -59,15 +60,22 @@ class PythonFacts:
         dicts, names, seen = [], [], []
         settled = True
         for read in self.global_reads:
-            namespace = read.namespace()
-            if namespace is None:
+            holder = read.namespace()
+            if holder is None:
                 settled = settled and read.never_here
                 continue
-            value = namespace.get(read.record.path[0], _MISSING)
+            # Each step of the path (config, then config.SCALE) is remembered, so that the
+            # next call sees a rebound config as surely as a changed SCALE.
+            for name in read.record.path:
+                value = holder.get(name, _MISSING)
+                dicts.append(holder)
+                names.append(name)
+                seen.append(value)
+                holder = getattr(value, "__dict__", None)
+                if not isinstance(holder, dict):
+                    holder = {}
             _compare(read.record, read.shown, value)
-            dicts.append(namespace)
-            names.append(read.record.path[0])
-            seen.append(value)
+            settled = settled and type(value) is not list  # it can change in place
         self.global_dicts, self.global_names, self.global_seen = dicts, names, seen
         self.globals_settled = settled
 
@@ -77,7 +85,7 @@ class GlobalRead:
 
     def __init__(self, record: Any) -> None:
         self.record = record
-        self.shown = f"global {record.path[0]!r} of module {record.module}"
+        self.shown = f"global {'.'.join(record.path)!r} of module {record.module}"
         self.never_here = False
 
     def namespace(self) -> dict[str, Any] | None:

@@ -7,12 +7,13 @@ The walk's result is kept per set of model objects. While no parameter, buffer o
 has been registered anywhere since (the public module-registration hooks of
 ``torch.nn.modules.module`` count each one) and no hook has been registered anywhere (each takes
 a new ``RemovableHandle`` id), a call runs one function generated for that set of models: it
-compares each submodule's class and training flag, the number of members and hooks of each
-dict the walk found non-empty (a removed one shrinks it), and the Python values the trace read
-off the modules, each by identity with what the walk saw. Then each tensor's shape, dtype,
-device, strides and requires_grad are compared in C++ with
-``torch._C._dynamo.guards.TensorGuards`` (torch.compile's own tensor check). Where this torch
-has no such check, every call takes the full walk.
+compares each submodule's class, training flag and forward (none set on the instance, none
+patched into its class), the number of members and hooks of each dict the walk found non-empty
+(a removed one shrinks it), and the Python values the trace read off the modules, each by
+identity with what the walk saw. Then each tensor's shape, dtype, device, strides and
+requires_grad are compared in C++ with ``torch._C._dynamo.guards.TensorGuards``
+(torch.compile's own tensor check). Where this torch has no such check, every call takes the
+full walk.
 """
 
 import keyword
@@ -67,6 +68,9 @@ def module_check(
     for module in walked.submodules:
         check.same(f"type({check.module(module)})", type(module))
         check.same(check.read(module, ("training",)), module.training)
+        check.no_other_forward(module)
+    for cls in dict.fromkeys(map(type, walked.submodules)):  # a forward patched into a class
+        check.same(f"{check.hold('value', cls)}.forward", getattr(cls, "forward", None))
     for index, path in paths:
         module = walked.submodules[index]
         check.same(check.read(module, path), _value_at(module, path))
@@ -117,8 +121,20 @@ class _CheckSource:
             code = _attribute(code, name)
         return code
 
+    def no_other_forward(self, module: Any) -> None:
+        """A term: no forward set on the instance since the walk (or the same one)."""
+        attributes = self.hold("attributes", vars(module))
+        if "forward" in vars(module):
+            self.same(f"{attributes}['forward']", vars(module)["forward"])
+        else:
+            self.terms.append(f"'forward' not in {attributes}")
+
     def same(self, code: str, value: Any) -> None:
-        """A term: ``code`` gives the very object ``value``."""
+        """A term: ``code`` gives the very object ``value`` (a list: an equal one, since a
+        list can change in place)."""
+        if type(value) is list:
+            self.terms.append(f"{code} == {self.hold('value', list(value))}")
+            return
         known = (
             repr(value)
             if value is None or value is True or value is False

@@ -21,7 +21,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
         "name", "kind", "tied_to", "shape", "dtype", "device", "strides", "requires_grad",
         "gets_grad", "hooks",
     ),
-    "Submodule": ("name", "training", "cls", "hooks"),
+    "Submodule": ("name", "training", "cls", "hooks", "forward"),
     "InputLeaf": (
         "path", "kind", "shape", "dtype", "device", "strides", "requires_grad", "bounds", "value",
     ),
@@ -55,7 +55,7 @@ SPEC_DEFAULTS: dict[str, tuple[Any, ...]] = {
     ),
     "Argument": (False,),
     "ModelTensor": ((),),
-    "Submodule": (None, ()),
+    "Submodule": (None, (), None),
     "InputLeaf": (None, None, None, None, None, None, None),
     "OutputAlias": (None, None, None),
     "DistributedTensor": (None,),

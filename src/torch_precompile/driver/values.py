@@ -13,6 +13,7 @@ from torch_precompile.driver.core import (
     LeafPlan,
     PrecompileError,
     Shown,
+    sketch,
     structure_error,
 )
 from torch_precompile.driver.encoded import shown_value, value_matches
@@ -45,7 +46,8 @@ class InputValues:
     def check_value(self, plan: LeafPlan, value: Any) -> None:
         if not value_matches(plan.value, value):
             raise PrecompileError(
-                f"input {plan.name}: expected the value {shown_value(plan.value)}, got {value!r}. "
+                f"input {plan.name}: expected the value {shown_value(plan.value)}, got "
+                f"{sketch(value)}. "
                 "Python values are baked into the graph at capture; precompile again for "
                 "another value, or pass it as a tensor."
             )

@@ -105,6 +105,17 @@ def _eager_layout_cat(inductor_cat: Any, tensors: list[torch.Tensor], dim: int =
     return result.clone(memory_format=memory_format)
 
 
+def _native_random_ops(graph: torch.fx.GraphModule, fake_mode: FakeTensorMode | None) -> None:
+    """Inductor's own random ops in place of ATen's (``torch.rand`` and its kin), the pass
+    ``compile_fx`` runs before lowering: Inductor lowers only those."""
+    from torch._inductor.fx_passes.replace_random import replace_random_passes
+    from torch._inductor.virtualized import V
+
+    with V.set_fake_mode(fake_mode or FakeTensorMode()):
+        if replace_random_passes(graph):
+            graph.recompile()
+
+
 def compile_to_wrapper(
     graph: torch.fx.GraphModule,
     fake_mode: FakeTensorMode | None,
@@ -127,6 +138,7 @@ def compile_to_wrapper(
         inductor_config.patch({**INDUCTOR_OPTIONS, **options}),
         _cpp_wrapper_left_unbuilt(),
     ):
+        _native_random_ops(graph, fake_mode)
         compiled = compile_fx_inner(graph, fake_inputs, is_inference=True, cpp_wrapper=cpp_wrapper)
     source = getattr(compiled, "source_code", None)
     expected = _CPP_WRAPPER_BUILD if cpp_wrapper else "runner.call"

@@ -71,12 +71,14 @@ class ModelTensor:
 @dataclass(frozen=True)
 class Submodule:
     """A module reached from a model argument: its ``training`` flag, its class by qualified
-    name (None: not recorded, schema 7 and older) and the hooks on it at capture."""
+    name (None: not recorded, schema 7 and older), the hooks on it at capture, and the
+    forward it ran where that is not its class's own (None: the class's own)."""
 
     name: str
     training: bool
     cls: str | None = field(default=None, metadata=since(8))
     hooks: tuple[HookSet, ...] = field(default=(), metadata=since(8))
+    forward: str | None = field(default=None, metadata=since(10, 1))
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ class ReadValue:
 
     With ``submodule`` set it is the attribute ``path`` of ``submodules[submodule]``
     (``("scaling",)``, ``("config", "eps")``); otherwise the global ``path[0]`` of the Python
-    module named ``module``; for ``__main__``, ``file`` is the base name of the script it was
+    module named ``module``, then the attributes ``path[1:]`` off it (from 10.1); for
+    ``__main__``, ``file`` is the base name of the script it was
     at capture (no path of the build machine). ``where`` is the line that read it.
     """
 

@@ -117,6 +117,13 @@ SCHEMA_HISTORY = (
         "out of the literal. wrappers: for the inductor backend, the wrapper that runs each of "
         "a variant's graphs ('cpp' or 'python').",
     ),
+    SchemaChange(
+        (10, 1),
+        "2026-12-04",
+        "Submodule.forward: the forward a module runs where it is not its class's own (one "
+        "set on the instance, or a class's patched in). A global read's path may go on into "
+        "attributes of the user's modules and objects (('config', 'SCALE')).",
+    ),
 )
 SCHEMA_VERSION: SchemaVersion = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""

@@ -38,6 +38,20 @@ def reject_control_flow(gm: torch.fx.GraphModule) -> None:
         )
 
 
+def reject_own_generators(gm: torch.fx.GraphModule) -> None:
+    """A random op that draws from a ``torch.Generator`` of fn's own (a module's ``self.gen``)
+    would need that generator, whose state moves at every draw, inside the artifact."""
+    for node, value in _get_attrs(gm):
+        if isinstance(value, torch.Generator):
+            users = ", ".join(str(user.target) for user in node.users)
+            raise PrecompileError(
+                f"fn draws random numbers from a torch.Generator of its own ({users}); the "
+                "artifact cannot carry that generator's state from call to call. Draw from "
+                "the default generator (seed it with torch.manual_seed, before the call or "
+                "inside fn) or pass the noise in as an input tensor."
+            )
+
+
 def reject_effects(gm: torch.fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if effect_of(node.target):

@@ -66,13 +66,14 @@ from torch_precompile.trace.inputs import (
 )
 from torch_precompile.trace.optimizers import (
     OptimizerArg,
+    check_returned_lrs,
     kept_entries,
     optimizer_records,
     read_optimizers,
     stepping,
 )
 from torch_precompile.trace.python_state import put_back, refuse_changes, take_snapshot
-from torch_precompile.trace.random_state import SeedWatch
+from torch_precompile.trace.random_state import PythonDraws, SeedWatch
 from torch_precompile.trace.reads import ReadRecorder, drop_changed_reads
 from torch_precompile.trace.state import (
     ModelState,
@@ -135,6 +136,7 @@ def capture(
         put_back(before)  # fn's own error is the one to report
         raise
     refuse_changes(before)
+    watch.draws.refuse()
     drop_changed_reads(watch.reads)
     _refuse_aliased_writes(layout, traced.mutated)
     traced = _drop_unstepped_state(traced, layout)
@@ -143,6 +145,7 @@ def capture(
     check_graph(gm)
     checks.reject_control_flow(gm)
     checks.reject_effects(gm)
+    checks.reject_own_generators(gm)
     if layout.sharding is not None or layout.data_parallel:
         stable = data_parallel.stable_group_names(layout.data_parallel)
         if layout.sharding is not None:
@@ -235,6 +238,7 @@ class _Watch:
         self.global_hooks = global_hooks()
         self.hooks = [module_hooks(m) for m in self.submodules]
         self.seeds = SeedWatch()
+        self.draws = PythonDraws()
 
     def named_submodules(self) -> list[tuple[str, torch.nn.Module]]:
         """Each submodule as messages name it, in walk order."""
@@ -373,6 +377,7 @@ def _flat_function(
             stack.enter_context(data_parallel.tracing(layout.data_parallel, _trained(layout, flat)))
             stack.enter_context(fully_shard.tracing(layout.fully_sharded, state.tensors, flat))
             with (
+                watch.draws,  # outermost: what it runs to compare is not fn's
                 recording,
                 watch.reads,
                 watch.default_dtype,
@@ -384,6 +389,7 @@ def _flat_function(
         _reject_stray_gradients(state, flat, layout.num_params)
         result_leaves, outputs.spec = pytree.tree_flatten(result)
         checks.check_result_leaves(result_leaves)
+        check_returned_lrs(layout.optimizers, result_leaves)
         grads = [(i, p.grad) for i, p in enumerate(flat[: layout.num_params]) if p.grad is not None]
         if sharding is not None:
             result_leaves = sharding.local_results(result_leaves)

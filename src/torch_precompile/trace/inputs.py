@@ -49,10 +49,12 @@ def flatten_user_inputs(args: tuple[Any, ...], arg_names: list[str]) -> UserInpu
 def encode_value(name: str, value: Any) -> EncodedValue:
     """Encode an immutable Python leaf so the driver can insist on an equal value at every call.
 
-    Numbers, strings, bytes, dtypes, devices, enum members and frozen dataclasses of such are
-    compared by equality; anything else could change after capture without the artifact
-    knowing, so it is refused.
+    None, numbers, strings, bytes, dtypes, devices, enum members and frozen dataclasses of
+    such are compared by equality; anything else could change after capture without the
+    artifact knowing, so it is refused.
     """
+    if value is None:  # an optional input left out (``mask=None``)
+        return ("none", None)
     if isinstance(value, float) and not math.isfinite(value):
         return ("float", repr(value))
     if type(value) in (bool, int, float, complex, str, bytes):
@@ -77,6 +79,26 @@ def encode_value(name: str, value: Any) -> EncodedValue:
                     for f in dataclasses.fields(value)
                 ),
             ),
+        )
+    if isinstance(value, torch.Generator):
+        raise PrecompileError(
+            f"input {name} is a torch.Generator; the artifact cannot carry its state from "
+            "call to call. Draw from the default generator (seed it with torch.manual_seed) "
+            "or pass the noise in as an input tensor."
+        )
+    if isinstance(value, torch.optim.lr_scheduler.LRScheduler):
+        raise PrecompileError(
+            f"input {name} is a learning-rate scheduler ({_qualified(value)}). Step it outside "
+            "fn, after each call: the artifact reads each param group's lr at every call, so "
+            "the schedule takes effect as in eager."
+        )
+    if isinstance(value, torch.amp.GradScaler):
+        raise PrecompileError(
+            f"input {name} is a GradScaler: its scale and the skipping of steps with "
+            "non-finite gradients are Python decisions a trace cannot carry. Train in bfloat16 "
+            "under autocast (no scaler needed), or precompile the model alone "
+            "(precompile.module(model, *inputs)) and keep the scaler, backward and step in "
+            "your loop."
         )
     if isinstance(value, torch.optim.Optimizer):
         raise PrecompileError(

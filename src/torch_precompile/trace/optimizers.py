@@ -109,6 +109,23 @@ class OptimizerArg:
     zero_grad_first: bool = False  # fn called zero_grad() before any gradient existed
 
 
+def check_returned_lrs(optimizers: Sequence[OptimizerArg], leaves: Sequence[Any]) -> None:
+    """Refuse a result that is a param group's lr as fn read it: lr is read at every call for
+    the step, but a result leaf is baked, so the artifact would return the capture's lr after
+    a scheduler had changed it."""
+    for arg in optimizers:
+        for number, group in enumerate(arg.optimizer.param_groups):
+            lr = group.get("lr")
+            at = [i for i, leaf in enumerate(leaves) if type(leaf) is float and leaf is lr]
+            if at:
+                raise PrecompileError(
+                    f"fn's result holds the lr of param group {number} of optimizer "
+                    f"{arg.name} ({lr}) at leaf {at[0]}: the artifact reads lr at every call "
+                    "for the step, but would return this value as it was at capture. Read it "
+                    f"after the call, outside fn ({arg.name}.param_groups[{number}]['lr'])."
+                )
+
+
 def read_optimizers(
     args: Sequence[Any], arg_names: Sequence[str], state: ModelState, backend: str
 ) -> list[OptimizerArg]:

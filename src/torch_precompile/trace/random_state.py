@@ -1,4 +1,5 @@
-"""Seeds set inside ``fn``: replayed by the artifact, or refused.
+"""Seeds set inside ``fn``: replayed by the artifact, or refused; and draws a trace cannot
+replay (Python's ``random``, NumPy's generators, the clock): refused.
 
 ``torch.manual_seed(0)`` inside fn makes eager draw the same random numbers at every call; a
 trace records only the draws. A seed set before fn's first random draw is recorded, and the
@@ -8,6 +9,8 @@ draw cannot be placed inside a compiled graph: capture refuses it.
 
 from __future__ import annotations
 
+import random
+import sys
 from typing import Any, cast
 
 import torch
@@ -61,3 +64,47 @@ class SeedWatch(TorchDispatchMode):
                 "random operation, or outside fn."
             )
         return self.seed
+
+
+class PythonDraws:
+    """While active (``with``), notes whether fn draws from Python's global ``random``
+    generator or NumPy's global one: eager fn draws anew at every call, the graph would repeat
+    the capture's number. (Their states are compared before and after: watching every call
+    would slow the trace by half.)"""
+
+    def __init__(self) -> None:
+        self.found: list[str] = []
+        self.before: tuple[Any, Any] = (None, None)
+
+    def __enter__(self) -> PythonDraws:
+        self.before = (random.getstate(), _numpy_state())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        python_before, numpy_before = self.before
+        if random.getstate() != python_before:
+            self.found.append("Python's random module (random.random, random.randint, ...)")
+        numpy_after = _numpy_state()
+        if numpy_before is not None and not _same_numpy_state(numpy_before, numpy_after):
+            self.found.append("NumPy's global random generator (numpy.random.rand, ...)")
+
+    def refuse(self) -> None:
+        """Refuse a capture during which fn drew such a number."""
+        if self.found:
+            raise PrecompileError(
+                f"fn drew from {' and '.join(self.found)} while it was traced. The numbers it "
+                "got are baked into the graph, so every call would repeat them where eager "
+                "draws anew. Draw with torch (torch.rand, torch.randint: the artifact draws at "
+                "every call), or pass the numbers in as inputs."
+            )
+
+
+def _numpy_state() -> Any:
+    """NumPy's global generator state, where NumPy is loaded (fn cannot use it otherwise)."""
+    numpy = sys.modules.get("numpy")
+    return None if numpy is None else numpy.random.get_state()
+
+
+def _same_numpy_state(before: Any, after: Any) -> bool:
+    numpy = sys.modules["numpy"]
+    return bool(before[2:] == after[2:] and numpy.array_equal(before[1], after[1]))

@@ -4,12 +4,14 @@ A trace records tensor operations; a module attribute (``self.scaling``) or a mo
 (``SCALE``) that the code multiplies by is baked into the graph as a number. So while ``fn``
 is traced, every Python function entered is looked at once: the attribute paths it reads off
 its first argument when that is one of the model's submodules (``self.p``,
-``self.config.eps``) and the globals it names. Those holding plain values (numbers, strings,
-bools, None, enum members, dtypes, functions, tuples of such) are recorded with the value they
-had; the driver compares them at every call. Reads are found by reading each function's
-bytecode, so a name used only in a branch the trace did not take is checked too (a stricter
-check, never a missed one). Values held elsewhere (a closure cell, an object passed in) are
-the caller's to keep; see docs/CONTRACT.md.
+``self.config.eps``, a class attribute of the user's ``self.factor``) and the globals it names,
+followed into attributes of the user's own modules and plain objects (``config.SCALE``), and of
+modules held in globals (a global ``criterion``'s ``self.label_smoothing``). Those holding
+plain values (numbers, strings, bools, None, enum members, dtypes, functions, tuples and lists
+of such) are recorded with the value they had; the driver compares them at every call. Reads
+are found by reading each function's bytecode, so a name used only in a branch the trace did
+not take is checked too (a stricter check, never a missed one). Values held elsewhere (a
+closure cell, an object passed in) are the caller's to keep; see docs/CONTRACT.md.
 """
 
 from __future__ import annotations
@@ -53,12 +55,13 @@ _NOT_READS = frozenset({"training", "_parameters", "_buffers", "_modules"})
 
 @dataclass(frozen=True)
 class _CodeReads:
-    """What one code object reads: attribute paths off its first argument, global names; each
-    with the line of its first read."""
+    """What one code object reads: attribute paths off its first argument, and global names
+    with the attributes read off them (``("config", "SCALE")``); each with the line of its
+    first read."""
 
     self_name: str | None
     paths: tuple[tuple[tuple[str, ...], int], ...]
-    globals: tuple[tuple[str, int], ...]
+    globals: tuple[tuple[tuple[str, ...], int], ...]
 
 
 class ReadRecorder:
@@ -74,6 +77,8 @@ class ReadRecorder:
         self.code_reads: dict[types.CodeType, _CodeReads | None] = {}
         self.reads: dict[tuple[Any, ...], ReadValue] = {}
         self.namespaces: dict[str, dict[str, Any]] = {}  # where each global was read
+        # Modules held in globals, not the model's (a loss: ``criterion``): where each is.
+        self.global_modules: dict[int, tuple[dict[str, Any], str]] = {}
         self.previous: Any = None
 
     def __enter__(self) -> ReadRecorder:
@@ -104,21 +109,28 @@ class ReadRecorder:
         if reads.paths:
             owner = frame.f_locals.get(reads.self_name) if reads.self_name else None
             index = self.index.get(id(owner))
-            if index is not None:
-                for path, line in reads.paths:
+            held = self.global_modules.get(id(owner))
+            for path, line in reads.paths:
+                if index is not None:
                     self._module_read(index, path, where.format(line))
-        for name, line in reads.globals:
-            self._global_read(frame.f_globals, name, where.format(line))
+                elif held is not None:  # a global criterion's ``self.label_smoothing``
+                    self._global_read(held[0], (held[1], *path), where.format(line))
+        for path, line in reads.globals:
+            self._global_read(frame.f_globals, path, where.format(line))
 
     def _module_read(self, index: int, path: tuple[str, ...], where: str) -> None:
         key = ("module", index, path)
         if key in self.reads:
             return
-        namespace = vars(self.submodules[index])
+        module = self.submodules[index]
+        namespace = vars(module)
         for depth, name in enumerate(path):
-            if name not in namespace:
-                return  # a parameter, buffer, submodule or class attribute: not a value
-            value = namespace[name]
+            if name in namespace:
+                value = namespace[name]
+            elif depth == 0 and (found := _class_value(type(module), name)) is not _UNSEEN:
+                value = found  # ``factor = 2.0`` in the class body, read as ``self.factor``
+            else:
+                return  # a parameter, buffer, submodule, method or property: not a value
             encoded = encode_read(value)
             if encoded is not None:
                 self.reads[key] = ReadValue(index, None, path[: depth + 1], encoded, where)
@@ -127,17 +139,32 @@ class ReadRecorder:
                 return
             namespace = vars(value)
 
-    def _global_read(self, namespace: dict[str, Any], name: str, where: str) -> None:
+    def _global_read(self, namespace: dict[str, Any], path: tuple[str, ...], where: str) -> None:
+        """Record the global ``path[0]``, or the first plain value on ``path`` off it where
+        it is one of the user's modules or a plain object (``config.SCALE``)."""
         module = namespace.get("__name__")
-        key = ("global", module, name)
-        if key in self.reads or name not in namespace or not isinstance(module, str):
+        if path[0] not in namespace or not isinstance(module, str):
             return
-        encoded = encode_read(namespace[name])
-        if encoded is not None:
-            self.namespaces[module] = namespace
-            self.reads[key] = ReadValue(
-                None, module, (name,), encoded, where, _script_name(module, namespace)
-            )
+        value = namespace[path[0]]
+        if isinstance(value, torch.nn.Module) and id(value) not in self.index:
+            self.global_modules.setdefault(id(value), (namespace, path[0]))
+        for depth, name in enumerate(path):
+            if depth:
+                followed = _followed(value) or id(value) in self.global_modules
+                holder = vars(value) if followed else {}
+                if name not in holder:
+                    return
+                value = holder[name]
+            key = ("global", module, path[: depth + 1])
+            if key in self.reads:
+                return
+            encoded = encode_read(value)
+            if encoded is not None:
+                self.namespaces[module] = namespace
+                self.reads[key] = ReadValue(
+                    None, module, path[: depth + 1], encoded, where, _script_name(module, namespace)
+                )
+                return
 
     def records(self) -> tuple[ReadValue, ...]:
         """Every read, modules' attributes first (in walk order), then globals."""
@@ -152,6 +179,19 @@ class ReadRecorder:
 _UNSEEN: Any = object()
 
 
+def _class_value(cls: type, name: str) -> Any:
+    """The plain value a class of the user's (not one of torch's) holds under ``name``, as an
+    instance without its own reads it; ``_UNSEEN`` for anything else (methods, properties,
+    descriptors, torch's own class constants)."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            value = vars(klass)[name]
+            user_class = not klass.__module__.startswith(("torch.", "builtins"))
+            descriptor = hasattr(type(value), "__get__")
+            return value if user_class and not descriptor else _UNSEEN
+    return _UNSEEN
+
+
 def _script_name(module: str, namespace: dict[str, Any]) -> str | None:
     """For ``__main__``, the base name of its script: a later process whose ``__main__`` is
     another script has none of these globals to compare."""
@@ -159,13 +199,18 @@ def _script_name(module: str, namespace: dict[str, Any]) -> str | None:
     return os.path.basename(file) if module == "__main__" and isinstance(file, str) else None
 
 
+def _in_standard_library(filename: str) -> bool:
+    """Whether ``filename`` is a module of Python's standard library (not an installed
+    package, though a virtual environment keeps those under its own lib/)."""
+    return filename.startswith(_STDLIB_ROOTS) and not any(p in filename for p in _INSTALLED)
+
+
 def _code_reads(code: types.CodeType) -> _CodeReads | None:
     """The reads in ``code`` worth recording, or None (torch's internals, this package)."""
     filename = code.co_filename
-    in_stdlib = filename.startswith(_STDLIB_ROOTS) and not any(p in filename for p in _INSTALLED)
     if (
         filename.startswith(_PACKAGE_ROOT)
-        or in_stdlib
+        or _in_standard_library(filename)
         or (filename.startswith("<") and not filename.startswith(("<ipython", "<stdin")))
     ):
         return None  # this package, the standard library, code made by exec (namedtuple)
@@ -174,14 +219,15 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
         return None
     self_name = code.co_varnames[0] if code.co_argcount else None
     paths: dict[tuple[str, ...], int] = {}
-    names: dict[str, int] = {}
+    names: dict[tuple[str, ...], int] = {}
     line = code.co_firstlineno
     instructions = list(dis.get_instructions(code))
     for i, instruction in enumerate(instructions):
         line = (instruction.positions and instruction.positions.lineno) or line
         if instruction.opname in _GLOBAL_LOADS and not in_torch:
             name = instruction.argval
-            names.setdefault(name[1] if isinstance(name, tuple) else name, line)
+            name = name[1] if isinstance(name, tuple) else name
+            names.setdefault((name, *_attribute_chain(instructions, i + 1)), line)
         elif _loads_last(instruction) == self_name:
             path = tuple(_attribute_chain(instructions, i + 1))
             if path and path[0] not in _NOT_READS:
@@ -209,6 +255,20 @@ def _attribute_chain(instructions: Sequence[dis.Instruction], start: int) -> Ite
         yield name[1] if isinstance(name, tuple) else name
 
 
+def _followed(value: Any) -> bool:
+    """Whether a read follows attributes off a global: a plain object, or a module of the
+    user's own (not torch, the standard library or an installed package, whose constants are
+    theirs)."""
+    if isinstance(value, types.ModuleType):
+        file = getattr(value, "__file__", None)
+        return (
+            isinstance(file, str)
+            and not file.startswith((_TORCH_ROOT, *_STDLIB_ROOTS, _PACKAGE_ROOT))
+            and not any(p in file for p in _INSTALLED)
+        )
+    return _is_plain_object(value)
+
+
 def _is_plain_object(value: Any) -> bool:
     """An object whose attributes a read may follow (a config), not a module or tensor."""
     return hasattr(value, "__dict__") and not isinstance(
@@ -223,13 +283,17 @@ def _is_plain_object(value: Any) -> bool:
     )
 
 
+_MOST_ITEMS = 256  # a longer tuple or list read is a table, not a setting: not recorded
+
+
 def encode_read(value: Any) -> EncodedValue | None:
     """A read value as the spec holds it; None for a value that is not a plain one."""
     if value is None:
         return ("none", None)
-    if isinstance(value, tuple) and type(value) is tuple:
-        items = [encode_read(v) for v in value]
-        return None if any(i is None for i in items) else ("tuple", tuple(items))
+    if type(value) in (tuple, list) and len(value) <= _MOST_ITEMS:
+        items = [encode_read(v) for v in value]  # a list: compared by value at every call
+        kind = type(value).__name__
+        return None if any(i is None for i in items) else (kind, tuple(items))
     if isinstance(value, types.FunctionType) and "<" not in value.__qualname__:
         return ("callable", qualified_name(value))  # a lambda's name would say nothing
     if isinstance(value, enum.Enum | torch.dtype | torch.device) or type(value) in (
@@ -255,6 +319,8 @@ def drop_changed_reads(recorder: ReadRecorder) -> None:
     for key, read in list(recorder.reads.items()):
         if read.submodule is None:
             value = recorder.namespaces[read.module or ""].get(read.path[0])
+            for name in read.path[1:]:
+                value = getattr(value, name, None)
         else:
             value = recorder.submodules[read.submodule]
             for name in read.path:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torch_precompile.driver.core import qualified_name
+from torch_precompile.driver.core import forward_name, qualified_name
 from torch_precompile.spec import HookSet, ModelTensor, Submodule
 from torch_precompile.trace.hooks import tensor_hooks
 
@@ -101,7 +101,9 @@ def submodule_records(
         for name, module in root.named_modules(remove_duplicate=False)
     ]
     return tuple(
-        Submodule(name, module.training, qualified_name(type(module)), module_hooks)
+        Submodule(
+            name, module.training, qualified_name(type(module)), module_hooks, forward_name(module)
+        )
         for (name, module), module_hooks in zip(found, hooks, strict=True)
     )
 
