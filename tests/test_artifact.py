@@ -15,9 +15,9 @@ import torch
 
 import torch_precompile
 from torch_precompile import PrecompileError, precompile
-from torch_precompile.driver import core, distributed, dynamic, memo, values
 from torch_precompile.lower.inductor import GENERATED_END, GENERATED_START
-from torch_precompile.shipped import shipped_source
+from torch_precompile.shipped.driver import core, distributed, dynamic, memo, values
+from torch_precompile.shipped.source import shipped_source
 from torch_precompile.spec import SCHEMA_VERSION, SPEC_NAME
 
 from conftest import run_python

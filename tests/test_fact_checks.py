@@ -8,7 +8,7 @@ import dataclasses
 import inspect
 import pkgutil
 
-import torch_precompile.driver as driver_package
+import torch_precompile.shipped.driver as driver_package
 from torch_precompile.spec import ArtifactSpec
 
 # Fields read outside the per-call driver, with where and why.
@@ -45,7 +45,7 @@ def _driver_attribute_reads() -> set[str]:
     """Attribute names any shipped driver module reads (``record.cls``, ``spec.seed``)."""
     names: set[str] = set()
     for info in pkgutil.iter_modules(driver_package.__path__):
-        module = __import__(f"torch_precompile.driver.{info.name}", fromlist=["_"])
+        module = __import__(f"torch_precompile.shipped.driver.{info.name}", fromlist=["_"])
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if isinstance(node, ast.Attribute):
                 names.add(node.attr)

@@ -13,9 +13,9 @@ import pytest
 
 from torch_precompile import PrecompileError, capture, precompile, storage
 from torch_precompile.artifact import envelope
-from torch_precompile.kernel_loader import KernelBuildRefused, KernelLoader
 from torch_precompile.prebuilt import VARIABLE, guard_namespace
 from torch_precompile.runtime import LoadedArtifact, check_torch_build
+from torch_precompile.shipped.kernel_loader import KernelBuildRefused, KernelLoader
 
 from conftest import (
     assert_same,
@@ -264,7 +264,7 @@ def test_the_kernel_loader_refuses_builds_when_told() -> None:
     with pytest.raises(KernelBuildRefused, match="asks Inductor for 'triton' kernels"):
         getattr(refusing, "triton")  # noqa: B009 - the attribute read is the request
     # In an artifact the flag comes through the namespace load fills.
-    import torch_precompile.kernel_loader as module
+    import torch_precompile.shipped.kernel_loader as module
 
     namespace = {"PRECOMPILED_KERNELS_ONLY": True}
     exec(compile(Path(module.__file__).read_text(), module.__file__, "exec"), namespace)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from torch_precompile import PrecompileError, spec, spec_listing
-from torch_precompile.driver import core
+from torch_precompile.shipped.driver import core
 from torch_precompile.spec.versions import fields_since, record_versions
 
 

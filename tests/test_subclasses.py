@@ -169,7 +169,7 @@ def test_a_tensor_changed_after_a_call_that_passed_is_checked_again() -> None:
 
 
 def test_a_class_or_context_that_cannot_be_rebuilt_at_the_call_is_a_precompile_error() -> None:
-    from torch_precompile.driver.subclasses import Wrapped, named
+    from torch_precompile.shipped.driver.subclasses import Wrapped, named
 
     with pytest.raises(
         PrecompileError,

@@ -196,10 +196,13 @@ def _package_names() -> frozenset[str]:
 
 
 def _shipped_part(relative: Path) -> str | None:
-    if relative.parts[0] in {"driver", "driver.py"}:
+    """Which shipped part a module of ``shipped/`` is (its copier, ``source``, is none)."""
+    if relative.parts[0] != "shipped" or len(relative.parts) < 2:
+        return None
+    if relative.parts[1] == "driver":
         return "driver"
     return {"kernel_loader.py": "kernel_loader", "wrapper_imports.py": "wrapper_imports"}.get(
-        str(relative)
+        relative.parts[1]
     )
 
 

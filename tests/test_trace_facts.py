@@ -812,7 +812,7 @@ def test_checkpointed_dropout_uses_the_forwards_mask() -> None:
 def test_the_remembered_check_reads_any_attribute_name() -> None:
     """The generated check of remembered models reads a name that is no Python identifier
     with getattr, and fails (so the call walks the models) when the value changes."""
-    from torch_precompile.driver.memo import _CheckSource
+    from torch_precompile.shipped.driver.memo import _CheckSource
 
     model = nn.Linear(2, 2)
     model.options = type("Options", (), {})()

@@ -239,7 +239,7 @@ def test_a_graph_inside_a_function_gets_kernels_ready_not_pending() -> None:
     """A kernel Inductor builds in the background is handed out ready with resolve_now (a
     variant's names cannot be rebound by wait(globals())); without it, as Inductor gave it."""
     from torch_precompile.internals.inductor import vector_bits
-    from torch_precompile.kernel_loader import KernelLoader
+    from torch_precompile.shipped.kernel_loader import KernelLoader
 
     class Pending:
         def result(self) -> str:

@@ -30,9 +30,9 @@ from torch_precompile.artifact.kernel_payload import (
     object_kind,
     read_payload,
 )
-from torch_precompile.driver.variants import variant_label
 from torch_precompile.errors import PrecompileError
 from torch_precompile.lower import WRAPPER_LINE
+from torch_precompile.shipped.driver.variants import variant_label
 from torch_precompile.spec import ArtifactSpec, InputLeaf, parse_spec, shown_version
 from torch_precompile.storage import cache_path, find_cache
 

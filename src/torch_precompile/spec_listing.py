@@ -3,7 +3,7 @@ committed listing of every field's name, type and default, and the driver's tabl
 
     python -m torch_precompile.spec_listing           # print the listing
     python -m torch_precompile.spec_listing --write   # rewrite docs/spec-schema.txt and
-                                                      # torch_precompile/driver/records.py
+                                                      # torch_precompile/shipped/driver/records.py
 
 Tests compare both files with what the current dataclasses generate. The listing carries
 ``SCHEMA_VERSION`` and a digest of the fields: a change to the records that keeps the version
@@ -25,7 +25,7 @@ from torch_precompile.spec import SCHEMA_HISTORY, SCHEMA_VERSION, ArtifactSpec, 
 from torch_precompile.spec.versions import SchemaVersion, fields_since, record_versions
 
 LISTING_PATH = Path(__file__).resolve().parents[2] / "docs" / "spec-schema.txt"
-RECORDS_PATH = Path(__file__).resolve().parent / "driver" / "records.py"
+RECORDS_PATH = Path(__file__).resolve().parent / "shipped" / "driver" / "records.py"
 WRITE_COMMAND = "python -m torch_precompile.spec_listing --write"
 
 

@@ -19,7 +19,10 @@ from types import ModuleType
 
 import torch_precompile
 from torch_precompile.artifact.checks import check_function, tensor_type
-from torch_precompile.driver import (
+from torch_precompile.errors import PrecompileError
+from torch_precompile.internals import pytree
+from torch_precompile.lower import LoweredGraph, VariantGraphs
+from torch_precompile.shipped.driver import (
     autograd,
     core,
     data_parallel,
@@ -36,10 +39,12 @@ from torch_precompile.driver import (
     values,
     variants,
 )
-from torch_precompile.errors import PrecompileError
-from torch_precompile.internals import pytree
-from torch_precompile.lower import LoweredGraph, VariantGraphs
-from torch_precompile.shipped import ShippedSource, import_block, shipped_source, shipped_text
+from torch_precompile.shipped.source import (
+    ShippedSource,
+    import_block,
+    shipped_source,
+    shipped_text,
+)
 from torch_precompile.spec import ArtifactSpec, spec_source, to_literal
 from torch_precompile.spec_listing import driver_records
 

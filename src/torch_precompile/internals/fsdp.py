@@ -11,8 +11,8 @@ from typing import Any, cast
 
 import torch
 
-from torch_precompile.driver.data_parallel import resolved_dtypes
 from torch_precompile.errors import PrecompileError
+from torch_precompile.shipped.driver.data_parallel import resolved_dtypes
 
 __all__ = [
     "ShardedGroup",

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import torch
 import torch.fx
 
-from torch_precompile import kernel_loader, wrapper_imports
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.inductor import (
     asserted_inputs,
@@ -39,6 +38,7 @@ from torch_precompile.internals.tracing import (
 )
 from torch_precompile.lower import WRAPPER_LINE, LoweredGraph
 from torch_precompile.lower.kernels import collect_built_kernels
+from torch_precompile.shipped import kernel_loader, wrapper_imports
 from torch_precompile.spec import ArtifactSpec, Layout
 from torch_precompile.trace import Capture
 from torch_precompile.trace.checks import MAX_LITERAL_ELEMENTS, literal_source

@@ -14,7 +14,7 @@ from torch_precompile.internals.inductor import (
     cpp_kernel_calls,
     cpp_wrapper_build,
 )
-from torch_precompile.kernel_loader import kernel_key
+from torch_precompile.shipped.kernel_loader import kernel_key
 from torch_precompile.spec import KernelObject
 
 

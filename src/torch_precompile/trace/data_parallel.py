@@ -264,7 +264,7 @@ def _forward_as_ddp(arg: DataParallelArg) -> Iterator[None]:
 def stable_group_names(found: Sequence[DataParallelArg]) -> dict[str, str]:
     """This process's group name of each DDP's process group -> the graph's name for it, and
     that name bound to the group here (for lowering, and a call in this process)."""
-    from torch_precompile.driver.data_parallel import bind_group
+    from torch_precompile.shipped.driver.data_parallel import bind_group
 
     names = {}
     for arg in found:

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.fx
 
-from torch_precompile.driver.distributed import bind_groups, placement_text
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.distributed import (
     collective_group_names,
     is_dtensor,
     non_functional_collectives,
 )
+from torch_precompile.shipped.driver.distributed import bind_groups, placement_text
 from torch_precompile.spec import DistributedTensor, Mesh
 
 if TYPE_CHECKING:

@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from torch_precompile.driver.core import (
+from torch_precompile.errors import PrecompileError
+from torch_precompile.internals.tracing import BatchNormBase, forward_pre_hooks
+from torch_precompile.shipped.driver.core import (
     GLOBAL_HOOKS,
     MODULE_HOOKS,
     TENSOR_HOOKS,
     hook_name,
     hook_sets,
 )
-from torch_precompile.errors import PrecompileError
-from torch_precompile.internals.tracing import BatchNormBase, forward_pre_hooks
 from torch_precompile.spec import HookSet
 from torch_precompile.trace.python_state import Slot
 

@@ -30,8 +30,8 @@ from typing import Any, cast
 
 import torch
 
-from torch_precompile.driver.core import qualified_name
 from torch_precompile.errors import PrecompileError
+from torch_precompile.shipped.driver.core import qualified_name
 from torch_precompile.spec import EncodedValue, ReadValue
 from torch_precompile.trace.inputs import encode_value
 

@@ -21,10 +21,10 @@ from typing import Any, cast
 
 import torch
 
-from torch_precompile.driver.subclasses import decode_context
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.distributed import is_dtensor
 from torch_precompile.internals.tracing import is_traceable_wrapper_subclass
+from torch_precompile.shipped.driver.subclasses import decode_context
 from torch_precompile.spec import EncodedValue, InnerTensor, WrappedTensor
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torch_precompile.driver.core import qualified_name
+from torch_precompile.shipped.driver.core import qualified_name
 
 
 def value_matches(encoded: Any, value: Any) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from torch_precompile.driver.records import SPEC_DEFAULTS, SPEC_LISTS, SPEC_RECORDS
+from torch_precompile.shipped.driver.records import SPEC_DEFAULTS, SPEC_LISTS, SPEC_RECORDS
 
 
 class PrecompileError(RuntimeError):

@@ -17,7 +17,7 @@ from types import ModuleType
 
 from torch_precompile.errors import PrecompileError
 
-_SIBLINGS = "torch_precompile.driver."
+_SIBLINGS = "torch_precompile.shipped.driver."
 
 
 @dataclass(frozen=True)

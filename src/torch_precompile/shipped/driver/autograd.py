@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from torch_precompile.driver.core import Driver, PrecompileError
-from torch_precompile.driver.no_history import NoHistory
+from torch_precompile.shipped.driver.core import Driver, PrecompileError
+from torch_precompile.shipped.driver.no_history import NoHistory
 
 Graph = Callable[[list[Any]], list[Any]]
 

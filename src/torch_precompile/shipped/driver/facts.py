@@ -13,11 +13,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from torch_precompile.driver.core import (
+from torch_precompile.shipped.driver.core import (
     Driver,
     PrecompileError,
 )
-from torch_precompile.driver.encoded import shown_value, value_matches
+from torch_precompile.shipped.driver.encoded import shown_value, value_matches
 
 _MISSING = object()
 

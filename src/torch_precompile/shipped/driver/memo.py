@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from torch_precompile.driver.core import (
+from torch_precompile.shipped.driver.core import (
     GLOBAL_HOOKS,
     MODULE_HOOKS,
     TENSOR_HOOKS,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torch_precompile.driver.core import Driver, PrecompileError, check_layout
+from torch_precompile.shipped.driver.core import Driver, PrecompileError, check_layout
 
 
 class DistributedCall:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_precompile.driver.core import Driver, PrecompileError
+from torch_precompile.shipped.driver.core import Driver, PrecompileError
 
 
 class NoHistory:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from torch_precompile.driver.core import Driver, PrecompileError
+from torch_precompile.shipped.driver.core import Driver, PrecompileError
 
 
 class DataParallelSteps:

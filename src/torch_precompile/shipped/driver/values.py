@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from torch_precompile.driver.core import (
+from torch_precompile.shipped.driver.core import (
     Driver,
     LeafPlan,
     PrecompileError,
@@ -16,7 +16,7 @@ from torch_precompile.driver.core import (
     sketch,
     structure_error,
 )
-from torch_precompile.driver.encoded import shown_value, value_matches
+from torch_precompile.shipped.driver.encoded import shown_value, value_matches
 
 
 class InputValues:
