@@ -39,12 +39,16 @@ def test_input_in_another_layout(backend: str, artifacts) -> None:
         )
 
 
-def test_a_sparse_input_is_refused_by_its_layout(artifacts) -> None:
-    """Before (0.13.0) the message spoke of strides (0, 0), which a sparse tensor has not."""
-    run = artifacts.load("mlp_infer", "inductor")
+def test_a_sparse_input_or_parameter_is_refused_by_its_layout(backend: str, artifacts) -> None:
+    """Before (0.13.0): a sparse parameter reached the eager graph and failed there with
+    torch's own error, and the inductor message spoke of strides (0, 0)."""
+    run = artifacts.load("mlp_infer", backend)
     model, x = WORKLOADS["mlp_infer"].args()
     with pytest.raises(PrecompileError, match=r"input x: the graph reads a dense tensor, got a "):
         run(model, x.to_sparse())
+    model.fc1.weight = nn.Parameter(model.fc1.weight.detach().to_sparse())
+    with pytest.raises(PrecompileError, match=r"parameter 'fc1\.weight': the graph reads a dense"):
+        run(model, x)
 
 
 def test_parameter_in_another_layout(backend: str, artifacts) -> None:

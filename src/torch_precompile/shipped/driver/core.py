@@ -306,6 +306,8 @@ def check_tensor_leaf(driver: Driver, plan: LeafPlan, leaf: Any) -> torch.Tensor
         raise subclass_error(f"input {name}", leaf)
     if leaf.device != plan.device:
         raise PrecompileError(f"input {name}: expected device {plan.device}, got {leaf.device}.")
+    if leaf.layout is not torch.strided:
+        raise dense_error(f"input {name}", leaf)
     if plan.requires_grad is not None and leaf.requires_grad != plan.requires_grad:
         raise PrecompileError(_requires_grad_message(f"input {name}", plan.requires_grad))
     if isinstance(plan.strides, str):  # an input with dynamic dims: its memory format
@@ -344,6 +346,14 @@ def subclass_error(what: str, tensor: torch.Tensor) -> PrecompileError:
     return PrecompileError(f"{what} is a {kind}, but was a plain tensor at capture. {fix}")
 
 
+def dense_error(what: str, tensor: torch.Tensor) -> PrecompileError:
+    """A sparse (or other non-strided) tensor where the capture had a dense one."""
+    return PrecompileError(
+        f"{what}: the graph reads a dense tensor, got a {tensor.layout} one. Pass it dense "
+        "(.to_dense())."
+    )
+
+
 def layout_differs(tensor: torch.Tensor, strides: Sequence[int]) -> bool:
     # Strides of dims of size 0 or 1 never matter, as in Inductor's own assert.
     return bool(tensor.numel()) and any(
@@ -357,10 +367,7 @@ def check_layout(
 ) -> None:
     """The graph assumes a layout; anything else is refused before it runs."""
     if tensor.layout is not torch.strided:
-        raise PrecompileError(
-            f"{name}: the graph reads a dense tensor, got a {tensor.layout} one. Pass it "
-            "dense (.to_dense())."
-        )
+        raise dense_error(name, tensor)
     if not layout_differs(tensor, strides):
         return
     if backend == "eager":  # an input the graph writes, or returns a view of
@@ -519,6 +526,8 @@ def _check_model_tensor(model: ModelPlan, record: Any, tensor: torch.Tensor) -> 
         raise PrecompileError(_requires_grad_message(what, record.requires_grad))
     if type(tensor) not in PLAIN and record.name not in model.carried:
         raise subclass_error(what, tensor)
+    if tensor.layout is not torch.strided:
+        raise dense_error(what, tensor)
     if record.strides is not None:
         check_layout(tensor, record.strides, what)
 
