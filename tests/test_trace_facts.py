@@ -98,6 +98,21 @@ def refused(match: str, *things: Any) -> Iterator[None]:
     assert_identical(before, snapshot(*things))
 
 
+@contextmanager
+def refused_while_set(
+    owner: Any, name: str, value: Any, match: str, *things: Any
+) -> Iterator[None]:
+    """``owner.name`` is ``value`` in the block, which ``refused(match, *things)``; then it is
+    set back."""
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        with refused(match, *things):
+            yield
+    finally:
+        setattr(owner, name, old)
+
+
 def agree(
     run: Callable[..., Any],
     fn: Callable[..., Any],
@@ -848,12 +863,8 @@ def test_a_class_attribute_read_through_self_is_checked(backend: str) -> None:
     run = build(forward, model, new_x(), backend=backend)
     x = new_x()
     agree(run, forward, (model, x), (model, x))  # the next call takes the remembered path
-    Scaled.factor = 5.0
-    try:
-        with refused(r"attribute 'factor' of the model is 5\.0, but was 2\.0", model, x):
-            run(model, x)
-    finally:
-        Scaled.factor = 2.0
+    with refused_while_set(Scaled, "factor", 5.0, r"'factor' of the model is 5\.0, but was 2", x):
+        run(model, x)
     model.factor = 3.0  # an instance attribute now shadows the class's
     with refused(r"attribute 'factor' of the model is 3\.0, but was 2\.0", model, x):
         run(model, x)
@@ -890,17 +901,12 @@ def test_attributes_of_a_global_object_or_module_are_checked(
     run = build(read_settings, model, new_x(), backend=backend)
     x = new_x()
     agree(run, read_settings, (model, x), (model, x))
-    SETTINGS.scale = 4.0
-    try:
-        with refused(r"global 'SETTINGS\.scale' of module .* is 4\.0, but was 2\.0", model, x):
-            run(model, x)
-    finally:
-        SETTINGS.scale = 2.0
-    agree(run, read_settings, (model, x), (model, x))
-    user_settings.SCALE = -1.0
-    with refused(r"global 'SETTINGS_MODULE\.SCALE' of module .* is -1\.0, but was 1\.0", model, x):
+    with refused_while_set(SETTINGS, "scale", 4.0, r"'SETTINGS\.scale' .* is 4\.0, but was 2", x):
         run(model, x)
-    user_settings.SCALE = 1.0
+    agree(run, read_settings, (model, x), (model, x))
+    match = r"global 'SETTINGS_MODULE\.SCALE' of module .* is -1\.0, but was 1\.0"
+    with refused_while_set(user_settings, "SCALE", -1.0, match, model, x):
+        run(model, x)
     agree(run, read_settings, (model, x), (model, x))
 
 
@@ -922,13 +928,9 @@ def test_a_forward_set_on_an_instance_or_patched_into_a_class_is_refused(backend
         run(model, x)
     del model[0].forward
     agree(run, forward, (model, x), (model, x))
-    original = Scaled.forward
-    Scaled.forward = patched_forward  # type: ignore[method-assign]
-    try:
-        with refused(r"module '0' runs the forward .*\.patched_forward, but ran its class's", x):
-            run(model, x)
-    finally:
-        Scaled.forward = original  # type: ignore[method-assign]
+    match = r"module '0' runs the forward .*\.patched_forward, but ran its class's"
+    with refused_while_set(Scaled, "forward", patched_forward, match, x):
+        run(model, x)
     agree(run, forward, (model, x), (model, x))
 
 
@@ -976,12 +978,9 @@ def test_options_of_a_module_held_in_a_global_are_checked(backend: str) -> None:
     run = build(criterion_step, model, new_x(), t, backend=backend)
     x = new_x()
     agree(run, criterion_step, (model, x, t), (model, x, t))
-    CRITERION.label_smoothing = 0.3
-    try:
-        with refused(r"global 'CRITERION\.label_smoothing' .* is 0\.3, but was 0\.0", model, x):
-            run(model, x, t)
-    finally:
-        CRITERION.label_smoothing = 0.0
+    match = r"global 'CRITERION\.label_smoothing' .* is 0\.3, but was 0\.0"
+    with refused_while_set(CRITERION, "label_smoothing", 0.3, match, model, x):
+        run(model, x, t)
     agree(run, criterion_step, (model, x, t), (model, x, t))
 
 
