@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 from torch_precompile.spec import ArtifactSpec, InputLeaf, ModelTensor
 
-_SHOWN_LEAVES = 4  # input leaves named in a comment before the rest are counted
+_SHOWN_LEAVES = 4  # inputs or globals named in a comment before the rest are counted
+_LINE_LENGTH = 100
 
 
 def check_function(spec: ArtifactSpec, name: str, parts: Sequence[str]) -> str:
@@ -30,13 +31,22 @@ def check_function(spec: ArtifactSpec, name: str, parts: Sequence[str]) -> str:
         '    the capture; the error\'s ``check_stage`` says how far the checks got."""',
         "    stage = 0",
         "    try:",
-        *(f"        {line}" for line in steps),
+        *(line for step in steps for line in _fitted(f"        {step}")),
         "    except PrecompileError as error:",
         "        error.check_stage = stage",
         "        raise",
         f"    return state, inputs, {stepped}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _fitted(line: str) -> list[str]:
+    """``line``, its comment put above it where the two overrun the line length."""
+    code, _, comment = line.partition("  # ")
+    if len(line) <= _LINE_LENGTH or not comment:
+        return [line]
+    indent = code[: len(code) - len(code.lstrip())]
+    return [f"{indent}# {comment}", code]
 
 
 def _steps(spec: ArtifactSpec, parts: Sequence[str]) -> list[str]:
@@ -70,8 +80,8 @@ def _steps(spec: ArtifactSpec, parts: Sequence[str]) -> list[str]:
     shown = ", ".join(f"args[{i}]" for i in models)
     steps.append(f"state = model_tensors(driver, [{shown}])  # {_shown_models(spec)}")
     if any(r.submodule is None for r in spec.read_values):
-        names = ", ".join(sorted({r.path[0] for r in spec.read_values if r.submodule is None}))
-        steps.append(f"driver.facts.check_globals()  # the globals the trace read: {names}")
+        paths = sorted({".".join(r.path) for r in spec.read_values if r.submodule is None})
+        steps.append(f"driver.facts.check_globals()  # the globals the trace read: {_few(paths)}")
     steps.append("stage = 4")
     if "optimizers" in parts:
         names = ", ".join(a.name for a in spec.args if a.is_optimizer)
@@ -85,9 +95,13 @@ def _shown_inputs(leaves: Sequence[InputLeaf]) -> str:
     tensors = [leaf for leaf in leaves if leaf.kind == "tensor"]
     if not tensors:
         return "no input tensors"
-    shown = [f"{leaf.path}: {tensor_type(leaf)} on {leaf.device}" for leaf in tensors]
-    more = len(shown) - _SHOWN_LEAVES
-    return ", ".join(shown[:_SHOWN_LEAVES]) + (f" and {more} more" if more > 0 else "")
+    return _few([f"{leaf.path}: {tensor_type(leaf)} on {leaf.device}" for leaf in tensors])
+
+
+def _few(items: Sequence[str]) -> str:
+    """The first few of ``items``, and how many more."""
+    more = len(items) - _SHOWN_LEAVES
+    return ", ".join(items[:_SHOWN_LEAVES]) + (f" and {more} more" if more > 0 else "")
 
 
 def tensor_type(leaf: InputLeaf) -> str:
@@ -105,7 +119,10 @@ def _shown_models(spec: ArtifactSpec) -> str:
     modules = len(spec.submodules)
     names = ", ".join(spec.model_names)
     plural = "" if modules == 1 else "s"
-    return f"{names}: {parameters} parameters, {buffers} buffers, {modules} module{plural}"
+    return (
+        f"{names}: {parameters} parameters, {buffers} buffers, {modules} module{plural} "
+        "(classes, modes, forwards, hooks)"
+    )
 
 
 def _count(tensors: Sequence[ModelTensor], kind: str) -> int:

@@ -403,6 +403,7 @@ def _graph_function(named: _NamedGraph) -> str:
             if named.lazy
             else f'    """Returns {named.name}(flat_inputs)."""',
             _indented(source).rstrip("\n"),
+            "",
             "    return call",
             *bound,
             "",
@@ -411,8 +412,9 @@ def _graph_function(named: _NamedGraph) -> str:
 
 
 def _indented(source: str) -> str:
-    """``source`` one level in, but for the lines inside a multi-line string: a kernel's C++
-    text is what its kernel key hashes, so it stays as it is."""
+    """``source`` one level in, runs of blank lines made one, but for the lines inside a
+    multi-line string: a kernel's C++ text is what its kernel key hashes, so it stays as it
+    is."""
     inside: set[int] = set()
     opened: list[int] = []
     fstring_start = getattr(tokenize, "FSTRING_START", None)
@@ -424,13 +426,15 @@ def _indented(source: str) -> str:
         first = opened.pop() if token.type == fstring_end else token.start[0]
         if token.type in (tokenize.STRING, fstring_end) and token.end[0] > first:
             inside.update(range(first + 1, token.end[0] + 1))
-    return (
-        "\n".join(
-            line if number in inside or not line.strip() else "    " + line
-            for number, line in enumerate(source.splitlines(), 1)
-        )
-        + "\n"
-    )
+    lines: list[str] = []
+    for number, line in enumerate(source.splitlines(), 1):
+        if number in inside:
+            lines.append(line)
+        elif line.strip():
+            lines.append("    " + line)
+        elif lines and lines[-1]:  # inside a function, one blank line between definitions
+            lines.append("")
+    return "\n".join(lines) + "\n"
 
 
 def _records(variants: Sequence[ArtifactSpec]) -> ShippedSource:

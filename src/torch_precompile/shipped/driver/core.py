@@ -2,8 +2,8 @@
 
 A call is checked in this order: the state it is made in (autocast, default dtype,
 deterministic algorithms, modes, grad mode), the arguments, the structure of the inputs, each
-input, each model (its classes, modes, hooks and the values the trace read off it), the
-globals the trace read, each optimizer. Then the graph runs, the value guards are compared
+input, each model (its classes, modes, forwards, hooks and the values the trace read off it),
+the globals the trace read, each optimizer. Then the graph runs, the value guards are compared
 (what the graph wrote is put back if one differs), gradients land on ``.grad`` and the result
 is rebuilt. Every broken rule raises ``PrecompileError`` naming what was captured and what
 was given. Beyond tensors, torch is touched for ``torch.utils._pytree`` (input and result
