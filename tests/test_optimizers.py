@@ -374,6 +374,7 @@ def test_a_returned_lr_is_refused_at_capture_naming_the_fix() -> None:
     ):
         precompile(step_returning_lr, model, opt, *batch(0))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert all(p.grad is None for p in model.parameters()) and len(opt.state) == 0
 
 
 @pytest.mark.parametrize("kind", ["scheduler", "scaler"])

@@ -898,7 +898,9 @@ def test_attributes_of_a_global_object_or_module_are_checked(
 
     SETTINGS_MODULE = user_settings
     model = mlp(0)
-    run = build(read_settings, model, new_x(), backend=backend)
+    code, cache = precompile(read_settings, model, new_x(), backend=backend)
+    assert "# the globals the trace read: SETTINGS.scale, SETTINGS_MODULE.SCALE" in code
+    run = precompile.load(code, cache)
     x = new_x()
     agree(run, read_settings, (model, x), (model, x))
     with refused_while_set(SETTINGS, "scale", 4.0, r"'SETTINGS\.scale' .* is 4\.0, but was 2", x):
@@ -1074,3 +1076,27 @@ def test_torch_random_ops_draw_anew_at_every_call(backend: str) -> None:
     if backend == "eager":
         torch.manual_seed(5)
         assert_same(first, noisy(model, x))
+
+
+LENGTHS = [1, 3]  # a global list: fn splits by it
+
+
+def split_by_global(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    first, rest = torch.split(m(x), LENGTHS, dim=-1)
+    return first.sum(-1) + rest.sum(-1) * 2
+
+
+def test_a_global_list_changed_in_place_is_refused(backend: str) -> None:
+    """A global list is compared by value at every call, not by identity: one changed in place
+    after a passing call is refused. Before (0.13.0): a list was not recorded at all."""
+    model = nn.Linear(4, 4)
+    run = build(split_by_global, model, new_x(), backend=backend)
+    x = new_x()
+    agree(run, split_by_global, (model, x), (model, x))
+    LENGTHS[:] = [2, 2]
+    try:
+        with refused(r"global 'LENGTHS' of module .* is \[2, 2\], but was \[1, 3\]", model, x):
+            run(model, x)
+    finally:
+        LENGTHS[:] = [1, 3]
+    agree(run, split_by_global, (model, x), (model, x))
