@@ -51,6 +51,31 @@ def test_a_sparse_input_or_parameter_is_refused_by_its_layout(backend: str, arti
         run(model, x)
 
 
+def test_a_nested_input_is_refused_by_its_layout(backend: str, artifacts) -> None:
+    """Before (0.14.0): a nested tensor failed on its shape with torch's own error."""
+    run = artifacts.load("mlp_infer", backend)
+    model, x = WORKLOADS["mlp_infer"].args()
+    nested = torch.nested.nested_tensor(list(x))
+    with pytest.raises(PrecompileError, match=r"input x: .*got a nested one.*to_padded_tensor"):
+        run(model, nested)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda x: torch.quantize_per_tensor(x, 0.1, 0, torch.qint8), r"a quantized tensor"),
+        (lambda x: torch.nested.nested_tensor(list(x)), r"a nested tensor"),
+        (lambda x: x.to_sparse(), r"a torch\.sparse_coo tensor"),
+    ],
+    ids=["quantized", "nested", "sparse"],
+)
+def test_an_unplain_example_input_is_refused_before_the_trace(make, match) -> None:
+    """Before (0.14.0): quantized and nested inputs failed inside the trace with torch's own
+    errors."""
+    with pytest.raises(PrecompileError, match=rf"^input x is {match}.*plain dense tensors"):
+        precompile(lambda m, x: m(x), nn.Linear(4, 4), make(torch.randn(2, 4)), backend="eager")
+
+
 def test_parameter_in_another_layout(backend: str, artifacts) -> None:
     run = artifacts.load("mlp_infer", backend)
     model, x = WORKLOADS["mlp_infer"].args()

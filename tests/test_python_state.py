@@ -88,6 +88,31 @@ def test_a_tensor_fn_creates_and_keeps_is_refused_not_taken_for_a_literal(backen
     assert not hasattr(model, "total")
 
 
+class LazyBuffer(torch.nn.Module):
+    """Registers a buffer on its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "offset" not in self._buffers:
+            self.register_buffer("offset", torch.ones(4))
+        return self.lin(x) + self.offset
+
+
+def test_a_buffer_fn_registers_is_refused_and_taken_back(backend: str) -> None:
+    """Before (0.14.0): the buffer was baked into the graph as a literal, and the model kept
+    it from capture on: updates to it never reached the artifact."""
+    model = LazyBuffer()
+    with pytest.raises(
+        PrecompileError,
+        match=r"fn changed buffer 'offset' of model m \(registered by fn\).*Register it before",
+    ):
+        precompile(lambda m, x: m(x), model, torch.randn(2, 4), backend=backend)
+    assert "offset" not in model._buffers
+
+
 class Settings:
     """A mutable object: what fn reads of it could change after capture unseen."""
 

@@ -10,6 +10,7 @@ and returned or wrote wrong numbers.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import random
 import sys
@@ -776,16 +777,14 @@ def seeded_dropout(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def test_a_seed_set_inside_fn_is_set_again_at_every_call(backend: str) -> None:
     """Before: the seed was not replayed, each call drew a new mask (off by 3.3). Now every
-    call draws as after that seed: eager's own draws on the eager backend, the same draws at
-    every call on Inductor (whose random streams differ from eager's)."""
+    call draws eager's own draws after that seed, on both backends."""
     model, other = mlp(0), mlp(1)
     run = build(seeded_dropout, model, new_x(), backend=backend)
     for m in (model, other, model):
         x = new_x()
         first, second = run(m, x), run(m, x)
         torch.testing.assert_close(first, second)
-        if backend == "eager":
-            torch.testing.assert_close(first, seeded_dropout(m, x).detach())
+        torch.testing.assert_close(first, seeded_dropout(m, x).detach())
 
 
 def test_a_seed_set_after_a_random_draw_is_refused(backend: str) -> None:
@@ -1064,18 +1063,21 @@ def noisy(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_torch_random_ops_draw_anew_at_every_call(backend: str) -> None:
-    """torch.rand and its kin draw at every call, as eager does (the eager backend with the
-    same seed draws the same numbers). Before (0.13.0) the inductor backend refused them."""
+    """torch.rand and its kin draw at every call, as eager does: after the same seed, the
+    same numbers, and the generator left where eager leaves it. Before (0.13.0) the inductor
+    backend refused them; 0.14.0 drew Inductor's own numbers, not eager's."""
     model = mlp(0)
     run = build(noisy, model, new_x(), backend=backend)
     x = new_x()
     torch.manual_seed(5)
     first = run(model, x)
     second = run(model, x)
+    after = torch.rand(2)
     assert not torch.equal(first, second)
-    if backend == "eager":
-        torch.manual_seed(5)
-        assert_same(first, noisy(model, x))
+    torch.manual_seed(5)
+    torch.testing.assert_close(first, noisy(model, x))
+    noisy(model, x)
+    assert torch.equal(after, torch.rand(2))
 
 
 LENGTHS = [1, 3]  # a global list: fn splits by it
@@ -1100,3 +1102,127 @@ def test_a_global_list_changed_in_place_is_refused(backend: str) -> None:
     finally:
         LENGTHS[:] = [1, 3]
     agree(run, split_by_global, (model, x), (model, x))
+
+
+@dataclasses.dataclass
+class BlockConfig:
+    """A config object of the user's, as model code holds them."""
+
+    scale: float = 2.0
+    sizes: list[list[int]] = dataclasses.field(default_factory=lambda: [[1, 3]])
+
+
+def _scaled(y: torch.Tensor, config: Any) -> torch.Tensor:
+    return y * config.scale
+
+
+class Configured(nn.Module):
+    """Reads its options through locals and helpers (``c = self.options``), where the
+    attribute path ends before the value: a dict and a config object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.options = {"shift": 1.0, "sizes": [1, 3]}
+        self.config = BlockConfig()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        options = self.options
+        first, rest = torch.split(self.lin(x) + options["shift"], options["sizes"], dim=-1)
+        return _scaled(first.sum(-1) + rest.sum(-1), self.config)
+
+
+def test_a_dict_or_object_read_whole_off_a_module_is_checked(backend: str) -> None:
+    """Before (0.14.0): a dict attribute, or a config object passed on whole, changed after
+    capture (even in place, in a list it holds) gave the capture's numbers with no error."""
+    model = Configured()
+    run = build(forward, model, new_x(), backend=backend)
+    x = new_x()
+    agree(run, forward, (model, x), (model, x))  # the next call takes the remembered path
+    model.options["shift"] = 2.0
+    with refused(r"attribute 'options' of the model is \{'shift': 2\.0, 's", model, x):
+        run(model, x)
+    model.options["shift"] = 1.0
+    model.options["sizes"][0] = 2
+    with refused(r"'sizes': \[2, 3\]\}, but was \{'shift': 1\.0, 'sizes': \[1, 3\]\}", model, x):
+        run(model, x)
+    model.options["sizes"][0] = 1
+    with refused_while_set(model.config, "scale", 3.0, r"'config\.scale' .* is 3\.0", model, x):
+        run(model, x)
+    model.config.sizes[0][0] = 5  # held by the config, not read by the trace: checked too
+    with refused(r"'config\.sizes' of the model is \[\[5, 3\]\]", model, x):
+        run(model, x)
+    model.config.sizes[0][0] = 1
+    agree(run, forward, (model, x), (model, x))
+
+
+OPTIONS = {"scale": 2.0}  # a global dict: fn reads OPTIONS["scale"]
+GLOBAL_CONFIG = BlockConfig()  # a global object fn hands on whole
+
+
+def global_options(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _scaled(m(x) * OPTIONS["scale"], GLOBAL_CONFIG)
+
+
+def test_a_global_dict_or_object_read_whole_is_checked(backend: str) -> None:
+    """Before (0.14.0): a global dict was not recorded, and an object handed on whole was
+    not followed; either changed after capture gave the capture's numbers."""
+    model = nn.Linear(4, 4)
+    run = build(global_options, model, new_x(), backend=backend)
+    x = new_x()
+    agree(run, global_options, (model, x), (model, x))
+    OPTIONS["scale"] = 3.0
+    try:
+        with refused(r"global 'OPTIONS' .* is \{'scale': 3\.0\}, but was \{'scale': 2\.0\}", x):
+            run(model, x)
+    finally:
+        OPTIONS["scale"] = 2.0
+    with refused_while_set(GLOBAL_CONFIG, "scale", 4.0, r"'GLOBAL_CONFIG\.scale' .* is 4", x):
+        run(model, x)
+    agree(run, global_options, (model, x), (model, x))
+
+
+class ScaleHook:
+    """A callable hook object holding its setting."""
+
+    def __init__(self) -> None:
+        self.k = 1.0
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output * self.k
+
+
+def scale_output(module: nn.Module, args: Any, output: torch.Tensor, k: float) -> torch.Tensor:
+    return output * k
+
+
+def hooked(kind: str) -> tuple[nn.Module, Callable[[float], None], str]:
+    """A model with a forward hook holding ``k`` as ``kind`` says, a setter of ``k``, and how
+    the hook reads in a message."""
+    model = mlp(0)
+    if kind == "closure":
+        box = {"k": 1.0}
+        model[0].register_forward_hook(lambda m, args, out: out * box["k"])
+        return model, functools.partial(box.__setitem__, "k"), r"<lambda> box=\{'k': 3\.0\}"
+    if kind == "object":
+        hook = ScaleHook()
+        model[0].register_forward_hook(hook)
+        return model, functools.partial(setattr, hook, "k"), r"ScaleHook k=3\.0"
+    partial = functools.partial(scale_output, k=1.0)
+    model[0].register_forward_hook(partial)
+    return model, functools.partial(partial.keywords.__setitem__, "k"), r"scale_output k=3\.0"
+
+
+@pytest.mark.parametrize("kind", ["closure", "object", "partial"])
+def test_a_value_a_hook_holds_is_checked(backend: str, kind: str) -> None:
+    """Before (0.14.0): a hook's closure value, a callable hook's attribute or a partial's
+    keyword changed after capture gave the capture's numbers with no error."""
+    model, set_k, shown = hooked(kind)
+    run = build(forward, model, new_x(), backend=backend)
+    x = new_x()
+    agree(run, forward, (model, x), (model, x))  # the next call takes the remembered path
+    set_k(3.0)
+    with refused(rf"module '0' has hooks forward: .*{shown}, but had .*1\.0", model, x):
+        run(model, x)
+    set_k(1.0)
+    agree(run, forward, (model, x), (model, x))

@@ -23,12 +23,15 @@ from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.tracing import FakeTensor, FakeTensorMode, make_fx
 
 # Inductor settings the artifact depends on: stride asserts on (the layout contract), no
-# benchmark harness in the source. Which wrapper Inductor writes is compile_to_wrapper's
-# argument.
+# benchmark harness in the source, and random ops run by ATen's own kernels on torch's
+# generator (fallback_random), so that a call seeded as an eager one draws the same numbers
+# (Inductor's own random kernels draw others). Which wrapper Inductor writes is
+# compile_to_wrapper's argument.
 INDUCTOR_OPTIONS: dict[str, Any] = {
     "size_asserts": True,
     "benchmark_harness": False,
     "freezing": False,
+    "fallback_random": True,
 }
 # A build compiles each C++ header once. Precompiling the headers first (once per machine and
 # set of flags, which Inductor does by default) cost 13 s more on a fresh machine and saved
@@ -72,9 +75,11 @@ def decomposition_table() -> dict[Any, Any]:
 
 def _decomposition_table() -> dict[Any, Any]:
     """Inductor's decompositions, with ``cat`` giving the layout eager ``cat`` gives."""
+    import torch._inductor.config as inductor_config
     from torch._inductor.decomposition import select_decomp_table
 
-    table = dict(select_decomp_table())
+    with inductor_config.patch(INDUCTOR_OPTIONS):
+        table = dict(select_decomp_table())
     inductor_cat = table.get(torch.ops.aten.cat.default)
     if inductor_cat is not None:
         table[torch.ops.aten.cat.default] = functools.partial(_eager_layout_cat, inductor_cat)
@@ -105,17 +110,6 @@ def _eager_layout_cat(inductor_cat: Any, tensors: list[torch.Tensor], dim: int =
     return result.clone(memory_format=memory_format)
 
 
-def _native_random_ops(graph: torch.fx.GraphModule, fake_mode: FakeTensorMode | None) -> None:
-    """Inductor's own random ops in place of ATen's (``torch.rand`` and its kin), the pass
-    ``compile_fx`` runs before lowering: Inductor lowers only those."""
-    from torch._inductor.fx_passes.replace_random import replace_random_passes
-    from torch._inductor.virtualized import V
-
-    with V.set_fake_mode(fake_mode or FakeTensorMode()):
-        if replace_random_passes(graph):
-            graph.recompile()
-
-
 def compile_to_wrapper(
     graph: torch.fx.GraphModule,
     fake_mode: FakeTensorMode | None,
@@ -138,7 +132,6 @@ def compile_to_wrapper(
         inductor_config.patch({**INDUCTOR_OPTIONS, **options}),
         _cpp_wrapper_left_unbuilt(),
     ):
-        _native_random_ops(graph, fake_mode)
         compiled = compile_fx_inner(graph, fake_inputs, is_inference=True, cpp_wrapper=cpp_wrapper)
     source = getattr(compiled, "source_code", None)
     expected = _CPP_WRAPPER_BUILD if cpp_wrapper else "runner.call"

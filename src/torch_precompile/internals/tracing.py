@@ -256,6 +256,15 @@ def _user_frames_only() -> Iterator[None]:
                 PythonKeyTracer._filter_traceback_frames = _OWN_FRAME_FILTER  # type: ignore[assignment]
 
 
+def member_dicts(module: torch.nn.Module) -> tuple[tuple[dict[str, Any], str], ...]:
+    """The dicts a module registers its members in, each with the kind of member it holds."""
+    return (
+        (module._parameters, "parameter"),
+        (module._buffers, "buffer"),
+        (module._modules, "submodule"),
+    )
+
+
 def rename_node(node: torch.fx.Node, name: str) -> None:
     """Rename ``node`` in its graph; fx picks a free name near ``name`` when it is taken."""
     node._rename(name)

@@ -63,6 +63,7 @@ from torch_precompile.trace.inputs import (
     arg_names_of,
     encode_value,
     flatten_user_inputs,
+    refuse_unplain_tensors,
 )
 from torch_precompile.trace.optimizers import (
     OptimizerArg,
@@ -286,6 +287,7 @@ def _read_layout(
         *(f"model buffer {n!r}" for n in state.buffer_names),
         *(f"input {inputs.names[i]}" for i in tensor_positions),
     ]
+    refuse_unplain_tensors(flat, flat_names)
     wrapping = find_wrapped(flat, flat_names)
     # An optimizer's state follows the flat inputs; that of DTensor parameters is DTensors.
     state_names = [

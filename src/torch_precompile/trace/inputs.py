@@ -46,6 +46,24 @@ def flatten_user_inputs(args: tuple[Any, ...], arg_names: list[str]) -> UserInpu
     return UserInputs(leaves, names, spec, values)
 
 
+def refuse_unplain_tensors(tensors: list[torch.Tensor], names: list[str]) -> None:
+    """Refuse, before tracing, tensors a graph cannot take as inputs: quantized, nested,
+    sparse and other non-strided ones."""
+    for tensor, name in zip(tensors, names, strict=True):
+        if tensor.is_quantized:
+            why, fix = f"a quantized tensor ({tensor.qscheme()})", "x.dequantize()"
+        elif tensor.is_nested:
+            why, fix = "a nested tensor", "padded (x.to_padded_tensor(0.0)) with a mask"
+        elif tensor.layout is not torch.strided:
+            why, fix = f"a {tensor.layout} tensor", "dense (x.to_dense())"
+        else:
+            continue
+        raise PrecompileError(
+            f"{name} is {why}; a precompiled graph takes plain dense tensors. Pass it as {fix}, "
+            "and do the conversion back inside fn if fn needs it."
+        )
+
+
 def encode_value(name: str, value: Any) -> EncodedValue:
     """Encode an immutable Python leaf so the driver can insist on an equal value at every call.
 

@@ -20,12 +20,17 @@ from typing import Any
 import torch
 
 from torch_precompile.errors import PrecompileError
+from torch_precompile.internals.tracing import member_dicts
 
 # Members of nn.Module that capture lifts or walks itself; the rest are plain Python state.
 _MODULE_MEMBERS = frozenset({"_parameters", "_buffers", "_modules"})
 _MODULE_FIX = (
     "Keep such state in a tensor the model registers (register_buffer) and update it "
     "in place, or change it outside fn."
+)
+_MEMBER_FIX = (
+    "Register it before capture (in __init__, or with one eager call of fn first): an "
+    "artifact takes the members the model had at capture."
 )
 _OPTIMIZER_FIX = (
     "Change optimizer options between calls, outside fn (lr, which an LR "
@@ -54,9 +59,10 @@ class Snapshot:
     values: tuple[Any, ...]
     contents: tuple[Any, ...]
     looks: tuple[Any, ...]
-    # Each module's attribute dict, the names it had, and how to show the module: an attribute
-    # fn adds (a tensor it creates on the first call and keeps) is state too.
-    namespaces: tuple[tuple[dict[str, Any], frozenset[str], str], ...] = ()
+    # Each module's attribute dict and its parameter, buffer and submodule dicts, the names
+    # each had, and how to name an entry fn adds: an attribute (a tensor it creates on the
+    # first call and keeps) or a registered member is state too.
+    namespaces: tuple[tuple[dict[str, Any], frozenset[str], str, str], ...] = ()
 
 
 def take_snapshot(
@@ -70,7 +76,12 @@ def take_snapshot(
     values = tuple(slot.owner.get(slot.name, _ABSENT) for slot in slots)
     contents = tuple(copy.copy(v) if isinstance(v, list | dict | set) else None for v in values)
     namespaces = tuple(
-        (vars(module), frozenset(vars(module)), shown) for module, shown in _walked_modules(modules)
+        (names, frozenset(names), f"{kind} {{name!r}} of {shown} ({verb} by fn)", fix)
+        for module, shown in _walked_modules(modules)
+        for names, kind, verb, fix in (
+            (vars(module), "attribute", "added", _MODULE_FIX),
+            *((d, k, "registered", _MEMBER_FIX) for d, k in member_dicts(module)),
+        )
     )
     return Snapshot(slots, values, contents, tuple(_look(v) for v in values), namespaces)
 
@@ -78,8 +89,8 @@ def take_snapshot(
 def _with_added(snapshot: Snapshot) -> Snapshot:
     """The snapshot with a slot, absent before, for every attribute fn added to a module."""
     added = tuple(
-        Slot(owner, name, f"attribute {name!r} of {shown} (added by fn)")
-        for owner, names, shown in snapshot.namespaces
+        Slot(owner, name, where.format(name=name), fix)
+        for owner, names, where, fix in snapshot.namespaces
         for name in list(owner)
         if name not in names and not name.startswith("_")
     )

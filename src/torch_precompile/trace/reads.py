@@ -7,8 +7,10 @@ its first argument when that is one of the model's submodules (``self.p``,
 ``self.config.eps``, a class attribute of the user's ``self.factor``) and the globals it names,
 followed into attributes of the user's own modules and plain objects (``config.SCALE``), and of
 modules held in globals (a global ``criterion``'s ``self.label_smoothing``). Those holding
-plain values (numbers, strings, bools, None, enum members, dtypes, functions, tuples and lists
-of such) are recorded with the value they had; the driver compares them at every call. Reads
+plain values (numbers, strings, bools, None, enum members, dtypes, functions, tuples, lists
+and dicts of such) are recorded with the value they had; the driver compares them at every
+call. A path that ends on an object (``c = self.config``, ``helper(x, self.config)``) records
+every plain value the object holds, since what is read off it later is out of sight. Reads
 are found by reading each function's bytecode, so a name used only in a branch the trace did
 not take is checked too (a stricter check, never a missed one). Values held elsewhere (a
 closure cell, an object passed in) are the caller's to keep; see docs/CONTRACT.md.
@@ -138,6 +140,11 @@ class ReadRecorder:
             if not _is_plain_object(value):
                 return
             namespace = vars(value)
+        # The path ends on an object (``cfg = self.cfg``, ``helper(x, self.cfg)``): what is
+        # read off it later is not in this code, so every plain value it holds is recorded.
+        for inner, encoded in _object_values(value):
+            key = ("module", index, (*path, *inner))
+            self.reads.setdefault(key, ReadValue(index, None, key[2], encoded, where))
 
     def _global_read(self, namespace: dict[str, Any], path: tuple[str, ...], where: str) -> None:
         """Record the global ``path[0]``, or the first plain value on ``path`` off it where
@@ -165,6 +172,13 @@ class ReadRecorder:
                     None, module, path[: depth + 1], encoded, where, _script_name(module, namespace)
                 )
                 return
+        if not _is_plain_object(value):
+            return
+        self.namespaces[module] = namespace
+        script = _script_name(module, namespace)
+        for inner, encoded in _object_values(value):  # a global object read whole
+            key = ("global", module, (*path, *inner))
+            self.reads.setdefault(key, ReadValue(None, module, key[2], encoded, where, script))
 
     def records(self) -> tuple[ReadValue, ...]:
         """Every read, modules' attributes first (in walk order), then globals."""
@@ -283,7 +297,28 @@ def _is_plain_object(value: Any) -> bool:
     )
 
 
-_MOST_ITEMS = 256  # a longer tuple or list read is a table, not a setting: not recorded
+_MOST_ITEMS = 256  # a longer tuple, list or dict read is a table, not a setting: not recorded
+_OBJECT_DEPTH = 2  # how far a whole object's plain values are followed into objects it holds
+
+
+def _object_values(
+    obj: Any, depth: int = _OBJECT_DEPTH
+) -> Iterator[tuple[tuple[str, ...], EncodedValue]]:
+    """The plain values ``obj`` holds (and the objects it holds, ``depth`` deep), each with
+    its attribute path off ``obj``. Objects of the standard library and of torch are not
+    followed: their state is theirs (a logger's level), not a setting of the user's."""
+    module = getattr(type(obj), "__module__", "") or ""
+    if module.split(".")[0] in ("torch", "builtins", *sys.stdlib_module_names) and not isinstance(
+        obj, types.SimpleNamespace
+    ):
+        return
+    for name, value in list(vars(obj).items()):
+        encoded = encode_read(value)
+        if encoded is not None:
+            yield (name,), encoded
+        elif depth > 0 and _is_plain_object(value):
+            for inner, deeper in _object_values(value, depth - 1):
+                yield (name, *inner), deeper
 
 
 def encode_read(value: Any) -> EncodedValue | None:
@@ -294,6 +329,10 @@ def encode_read(value: Any) -> EncodedValue | None:
         items = [encode_read(v) for v in value]  # a list: compared by value at every call
         kind = type(value).__name__
         return None if any(i is None for i in items) else (kind, tuple(items))
+    if type(value) is dict and len(value) <= _MOST_ITEMS:
+        pairs = [(encode_read(k), encode_read(v)) for k, v in value.items()]
+        plain = all(k is not None and v is not None for k, v in pairs)
+        return ("dict", tuple(pairs)) if plain else None  # compared item by item, in order
     if isinstance(value, types.FunctionType) and "<" not in value.__qualname__:
         return ("callable", qualified_name(value))  # a lambda's name would say nothing
     if isinstance(value, enum.Enum | torch.dtype | torch.device) or type(value) in (

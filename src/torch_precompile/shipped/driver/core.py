@@ -12,6 +12,7 @@ structure), ``torch._C._set_grad_enabled`` (cheaper than the context manager) an
 """
 
 import functools
+import sys
 from collections import namedtuple
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -293,6 +294,8 @@ def check_tensor_leaf(driver: Driver, plan: LeafPlan, leaf: Any) -> torch.Tensor
         raise PrecompileError(
             f"input {name}: expected a tensor of shape {plan.shown}, got {type(leaf).__name__}."
         )
+    if leaf.is_nested:  # it has no shape to compare
+        raise dense_error(f"input {name}", leaf)
     if not plan.static:
         driver.sizes.check_shape(plan, leaf)
     elif leaf.shape != plan.shape:
@@ -347,10 +350,12 @@ def subclass_error(what: str, tensor: torch.Tensor) -> PrecompileError:
 
 
 def dense_error(what: str, tensor: torch.Tensor) -> PrecompileError:
-    """A sparse (or other non-strided) tensor where the capture had a dense one."""
+    """A sparse, nested (or other non-strided) tensor where the capture had a dense one."""
+    nested = tensor.is_nested
+    kind = "nested" if nested else tensor.layout
+    fix = ".to_padded_tensor(0.0)" if nested else ".to_dense()"
     return PrecompileError(
-        f"{what}: the graph reads a dense tensor, got a {tensor.layout} one. Pass it dense "
-        "(.to_dense())."
+        f"{what}: the graph reads a dense tensor, got a {kind} one. Pass it dense ({fix})."
     )
 
 
@@ -638,17 +643,76 @@ def hook_name(hook: Any) -> str:
 
 def hook_sets(owner: Any, places: Sequence[tuple[str, str]]) -> tuple[Any, ...]:
     """The hooks found on ``owner`` (a module, a tensor, or torch's module of global hooks)
-    as (kind, hook names) pairs, kinds without hooks left out. torch.distributed's own hooks
+    as (kind, hook labels) pairs, kinds without hooks left out. torch.distributed's own hooks
     (FSDP2, distribute_module) are left to the parts that check sharding."""
     found = []
     for kind, attribute in places:
         hooks = getattr(owner, attribute, None)
-        names = tuple(
-            n for n in map(hook_name, (hooks or {}).values()) if not n.startswith(DISTRIBUTED_HOOKS)
+        labels = tuple(
+            hook_name(h) + "".join(f" {n}={v}" for n, v, _ in hook_values(h))
+            for h in (hooks or {}).values()
+            if not hook_name(h).startswith(DISTRIBUTED_HOOKS)
         )
-        if names:
-            found.append((kind, names))
+        if labels:
+            found.append((kind, labels))
     return tuple(found)
+
+
+def hook_values(hook: Any) -> list[tuple[str, str, Callable[[], Any]]]:
+    """The plain values a hook holds, which its code computed with at capture: a partial's
+    keywords, the cells it closes over, the attributes of a callable object (or of the
+    object a method is bound to, unless a module's, whose reads are checked as the model's).
+    Each as (name, value shown, a function that reads it again)."""
+    found: list[tuple[str, str, Callable[[], Any]]] = []
+    while isinstance(hook, functools.partial):
+        found += [
+            (k, _plain(v), functools.partial(hook.keywords.get, k))
+            for k, v in hook.keywords.items()
+        ]
+        hook = hook.func
+    owner = getattr(hook, "__self__", None if hasattr(hook, "__code__") else hook)
+    if _holds_settings(owner):
+        held = vars(owner)
+        found += [(k, _plain(v), functools.partial(held.get, k)) for k, v in held.items()]
+    function = getattr(hook, "__func__", hook)
+    names = getattr(getattr(function, "__code__", None), "co_freevars", ())
+    for name, cell in zip(names, getattr(function, "__closure__", None) or (), strict=True):
+        try:
+            shown = _plain(cell.cell_contents)
+            found.append((name, shown, functools.partial(getattr, cell, "cell_contents")))
+        except ValueError:  # a cell not filled yet
+            continue
+    return [entry for entry in found if entry[1]]
+
+
+def _holds_settings(owner: Any) -> bool:
+    """Whether the attributes of a hook's object are settings of the user's: not a module's
+    (checked as the model's), nor those of a builtin or of the standard library."""
+    home = (getattr(type(owner), "__module__", None) or "builtins").split(".")[0]
+    return (
+        hasattr(owner, "__dict__")
+        and not isinstance(owner, torch.nn.Module | type)
+        and home not in ("builtins", *sys.stdlib_module_names)
+    )
+
+
+def _plain(value: Any, depth: int = 0) -> str:
+    """``value`` shown, where it is a plain value (numbers, strings, dtypes, containers of
+    those); "" for anything else, which a hook's label leaves out."""
+    if value is None or type(value) in (bool, int, float, complex, str, torch.dtype):
+        return repr(value)
+    if type(value) not in (tuple, list, dict) or len(value) > 256 or depth > 3:
+        return ""
+    if type(value) is dict:
+        pairs = [(_plain(k, depth + 1), _plain(v, depth + 1)) for k, v in value.items()]
+        plain = all(k and v for k, v in pairs)
+        return "{" + ", ".join(f"{k}: {v}" for k, v in pairs) + "}" if plain else ""
+    items = [_plain(v, depth + 1) for v in value]
+    if not all(items):
+        return ""
+    if type(value) is list:
+        return "[" + ", ".join(items) + "]"
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 DISTRIBUTED_HOOKS = "torch.distributed."
@@ -680,10 +744,12 @@ def hooks_error(what: str, captured: Any, now: Any) -> PrecompileError:
         return "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sets) or "none"
 
     return PrecompileError(
-        f"{what} has hooks {shown(now)}, but had {shown(captured)} at capture. The artifact "
-        "holds what the hooks present at capture computed, so a hook added since would never "
-        "run and one removed would still act. Register the same hooks as at capture, or "
-        "precompile again with the hooks you want."
+        f"{what} has hooks {shown(now)}, but had {shown(captured)} at capture (each hook "
+        "with the plain values it holds). The artifact holds what the hooks present at "
+        "capture computed with those values, so a hook added since would never run, one "
+        "removed would still act and a changed value would not be seen. Register the same "
+        "hooks, holding the same values, as at capture, or precompile again with the hooks "
+        "you want."
     )
 
 

@@ -34,6 +34,15 @@ def value_matches(encoded: Any, value: Any) -> bool:
             and len(value) == len(expected)
             and all(value_matches(item, v) for item, v in zip(expected, value, strict=True))
         )
+    if kind == "dict":
+        return (
+            type(value) is dict
+            and len(value) == len(expected)
+            and all(
+                value_matches(k, key) and value_matches(v, item)
+                for (k, v), (key, item) in zip(expected, value.items(), strict=True)
+            )
+        )
     if kind == "frozen":
         return _qualified(value) == expected[0] and all(
             hasattr(value, field) and value_matches(item, getattr(value, field))
@@ -63,6 +72,8 @@ def shown_value(encoded: Any) -> str:
         return "(" + ", ".join(map(shown_value, expected)) + (",)" if len(expected) == 1 else ")")
     if kind == "list":
         return "[" + ", ".join(map(shown_value, expected)) + "]"
+    if kind == "dict":
+        return "{" + ", ".join(f"{shown_value(k)}: {shown_value(v)}" for k, v in expected) + "}"
     if kind == "frozen":
         fields = ", ".join(f"{field}={shown_value(item)}" for field, item in expected[1])
         return f"{expected[0]}({fields})"

@@ -75,7 +75,7 @@ class PythonFacts:
                 if not isinstance(holder, dict):
                     holder = {}
             _compare(read.record, read.shown, value)
-            settled = settled and type(value) is not list  # it can change in place
+            settled = settled and type(value) not in (list, dict)  # it can change in place
         self.global_dicts, self.global_names, self.global_seen = dicts, names, seen
         self.globals_settled = settled
 

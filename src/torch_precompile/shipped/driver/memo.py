@@ -8,14 +8,15 @@ has been registered anywhere since (the public module-registration hooks of
 ``torch.nn.modules.module`` count each one) and no hook has been registered anywhere (each takes
 a new ``RemovableHandle`` id), a call runs one function generated for that set of models: it
 compares each submodule's class, training flag and forward (none set on the instance, none
-patched into its class), the number of members and hooks of each dict the walk found non-empty
-(a removed one shrinks it), and the Python values the trace read off the modules, each by
-identity with what the walk saw. Then each tensor's shape, dtype, device, strides and
-requires_grad are compared in C++ with ``torch._C._dynamo.guards.TensorGuards``
-(torch.compile's own tensor check). Where this torch has no such check, every call takes the
-full walk.
+patched into its class), the number of members of each dict the walk found non-empty (a
+removed one shrinks it), the very hooks the walk found and the values each holds, and the
+Python values the trace read off the modules, each by identity with what the walk saw.
+Then each tensor's shape, dtype, device, strides and requires_grad are compared in C++ with
+``torch._C._dynamo.guards.TensorGuards`` (torch.compile's own tensor check). Where this torch
+has no such check, every call takes the full walk.
 """
 
+import copy
 import keyword
 import operator
 import sys
@@ -33,6 +34,7 @@ from torch_precompile.shipped.driver.core import (
     TENSOR_HOOKS,
     ModelPlan,
     WalkedModels,
+    hook_values,
 )
 
 
@@ -74,18 +76,21 @@ def module_check(
     for index, path in paths:
         module = walked.submodules[index]
         check.same(check.read(module, path), _value_at(module, path))
-    members = [
-        d
-        for m in walked.submodules
-        for d in (m._parameters, m._buffers, m._modules, *(getattr(m, a) for _, a in MODULE_HOOKS))
-        if d
-    ]
-    members += [d for _, a in GLOBAL_HOOKS if (d := getattr(torch.nn.modules.module, a))]
-    members += [
-        d for t in walked.tensors[:hooked_tensors] for _, a in TENSOR_HOOKS if (d := getattr(t, a))
-    ]
+    members = [d for m in walked.submodules for d in (m._parameters, m._buffers, m._modules) if d]
     for d in members:
         check.terms.append(f"len({check.hold('members', d)}) == {len(d)}")
+    hooks = [d for m in walked.submodules for _, a in MODULE_HOOKS if (d := getattr(m, a))]
+    hooks += [d for _, a in GLOBAL_HOOKS if (d := getattr(torch.nn.modules.module, a))]
+    hooks += [
+        d for t in walked.tensors[:hooked_tensors] for _, a in TENSOR_HOOKS if (d := getattr(t, a))
+    ]
+    same_objects = check.hold("op", operator.is_)
+    for d in hooks:  # the very hooks of capture, each holding the values it held
+        held, now = check.hold("value", list(d.values())), check.hold("hooks", d)
+        check.terms.append(f"len({now}) == {len(d)}")
+        check.terms.append(f"all(map({same_objects}, {now}.values(), {held}))")
+        for _, _, read in (v for hook in d.values() for v in hook_values(hook)):
+            check.same(f"{check.hold('read', read)}()", read())
     return check.compiled()
 
 
@@ -130,10 +135,14 @@ class _CheckSource:
             self.terms.append(f"'forward' not in {attributes}")
 
     def same(self, code: str, value: Any) -> None:
-        """A term: ``code`` gives the very object ``value`` (a list: an equal one, since a
-        list can change in place)."""
+        """A term: ``code`` gives the very object ``value`` (a list or dict: an equal one,
+        item by item in order, since it can change in place)."""
         if type(value) is list:
-            self.terms.append(f"{code} == {self.hold('value', list(value))}")
+            self.terms.append(f"{code} == {self.hold('value', copy.deepcopy(value))}")
+            return
+        if type(value) is dict:
+            items = self.hold("value", copy.deepcopy(list(value.items())))
+            self.terms.append(f"list({code}.items()) == {items}")
             return
         known = (
             repr(value)
