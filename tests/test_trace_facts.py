@@ -12,8 +12,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import logging
 import random
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -1058,6 +1060,43 @@ def test_draws_a_trace_would_bake_are_refused_at_capture(backend: str) -> None:
         )
 
 
+def forked_noise(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        fixed = torch.rand(x.shape[0], 2)
+    return m(x) + fixed + torch.rand(x.shape[0], 2)
+
+
+def restored_noise(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    state = torch.get_rng_state()
+    y = m(x) + torch.rand(x.shape[0], 2)
+    torch.set_rng_state(state)
+    return y + torch.rand(x.shape[0], 2)
+
+
+def seed_scaled(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x) * (torch.initial_seed() % 7)
+
+
+@pytest.mark.parametrize(
+    ("fn", "use"),
+    [
+        (forked_noise, r"torch\.get_rng_state at test_trace_facts\.py:\d+ \(forked_noise\)"),
+        (restored_noise, r"torch\.get_rng_state at test_trace_facts\.py:\d+ \(restored_noise\)"),
+        (seed_scaled, r"torch\.initial_seed at test_trace_facts\.py:\d+ \(seed_scaled\)"),
+    ],
+    ids=["fork_rng", "get_set_rng_state", "initial_seed"],
+)
+def test_a_generator_state_fn_uses_is_refused_at_capture(
+    backend: str, fn: Callable[..., Any], use: str
+) -> None:
+    """Before (0.14.0): the artifact drew on from the caller's state where eager restored its
+    own (fork_rng, set_rng_state), or held the capture's initial_seed: other numbers, with no
+    error."""
+    with pytest.raises(PrecompileError, match=rf"fn uses the random generator's state \({use}\)"):
+        precompile(fn, mlp(0), new_x(), backend=backend)
+
+
 def noisy(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return m(x) + torch.rand(x.shape[0], 2) + torch.randn_like(x)[:, :2]
 
@@ -1226,3 +1265,41 @@ def test_a_value_a_hook_holds_is_checked(backend: str, kind: str) -> None:
         run(model, x)
     set_k(1.0)
     agree(run, forward, (model, x), (model, x))
+
+
+def scaled_step(scale: float, act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., Any]:
+    def step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return act(m(x)) * scale
+
+    return step
+
+
+def test_values_fn_closes_over_are_named_at_capture(
+    backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No call can reach fn's closure to check it, so capture says which plain values the
+    graph holds from it (a helper function it closes over is code, not a value)."""
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        precompile(scaled_step(2.0, torch.relu), mlp(0), new_x(), backend=backend)
+        precompile(forward, mlp(0), new_x(), backend=backend)
+    said = [r.getMessage() for r in caplog.records if "closes over" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith("fn reads values it closes over: scale=2.0 (test_trace_facts.py:")
+    assert "act=" not in said[0] and "pass a value that may change as an argument" in said[0]
+
+
+def timed_step(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    start = time.perf_counter()
+    y = m(x)
+    return y, time.perf_counter() - start
+
+
+def test_a_clock_read_is_named_at_capture(backend: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The graph holds the capture's reading: a duration fn returns is the same at every
+    call. Capture says so, naming the clock and the line."""
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        precompile(timed_step, mlp(0), new_x(), backend=backend)
+    said = [r.getMessage() for r in caplog.records if "reads the clock" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith("fn reads the clock: time.perf_counter (test_trace_facts.py:")
+    assert "time the call outside fn" in said[0]

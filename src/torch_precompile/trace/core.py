@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import keyword
+import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -84,6 +85,8 @@ from torch_precompile.trace.state import (
 )
 from torch_precompile.trace.subclasses import Wrapping, find_wrapped, refuse_mixed
 
+log = logging.getLogger("torch_precompile")
+
 
 @dataclass(frozen=True)
 class Capture:
@@ -139,6 +142,9 @@ def capture(
     refuse_changes(before)
     watch.draws.refuse()
     drop_changed_reads(watch.reads)
+    for unchecked in (watch.reads.closure_report(), watch.reads.clock_report()):
+        if unchecked is not None:  # in the graph, beyond any call's reach: said at capture
+            log.warning(unchecked)
     _refuse_aliased_writes(layout, traced.mutated)
     traced = _drop_unstepped_state(traced, layout)
     _drop_constant_guards(traced.graph, recorder, outputs)

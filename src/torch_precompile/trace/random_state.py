@@ -9,8 +9,12 @@ draw cannot be placed inside a compiled graph: capture refuses it.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import random
 import sys
+from pathlib import Path
+from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -30,17 +34,38 @@ class SeedWatch(TorchDispatchMode):
         self.seed: int | None = None
         self.draws = 0
         self.late: str | None = None  # where fn set a seed after a draw
+        self.state_use: str | None = None  # where fn read or set the generator's state
         self.saved: tuple[Any, Any] = (torch.manual_seed, torch.random.manual_seed)
+        self.saved_state: dict[str, Any] = {}
 
     def __enter__(self) -> SeedWatch:
         self.saved = (torch.manual_seed, torch.random.manual_seed)
         torch.manual_seed = torch.random.manual_seed = self._manual_seed
+        for name in _STATE_FUNCTIONS:
+            self.saved_state[name] = original = getattr(torch.random, name)
+            watched = self._watched(name, original)
+            setattr(torch, name, watched)
+            setattr(torch.random, name, watched)
         # torch leaves it unannotated; it returns the mode itself.
         return cast(SeedWatch, super().__enter__())  # type: ignore[no-untyped-call]
 
     def __exit__(self, *exc: Any) -> None:
         torch.manual_seed, torch.random.manual_seed = self.saved
+        for name, original in self.saved_state.items():
+            setattr(torch, name, original)
+            setattr(torch.random, name, original)
         super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+
+    def _watched(self, name: str, original: Any) -> Any:
+        """``original``, noting where the user's code (or ``fork_rng`` on its behalf) calls
+        it; torch's own calls (activation checkpointing saves the state) are its business."""
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            if self.state_use is None and (where := _user_caller()) is not None:
+                self.state_use = f"torch.{name} at {where}"
+            return original(*args, **kwargs)
+
+        return watched
 
     def _manual_seed(self, seed: int) -> Any:
         if self.draws:
@@ -55,7 +80,15 @@ class SeedWatch(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def replayed_seed(self) -> int | None:
-        """The seed the driver sets before each call; refuses one it cannot replay."""
+        """The seed the driver sets before each call; refuses one it cannot replay, and
+        a generator state fn reads or sets."""
+        if self.state_use is not None:
+            raise PrecompileError(
+                f"fn uses the random generator's state ({self.state_use}). An artifact draws "
+                "from the generator as it stands at each call, in the order the trace drew; "
+                "a state fn saves, restores (fork_rng, set_rng_state) or reads (initial_seed) "
+                "cannot be replayed. Do that outside fn, around the call."
+            )
         if self.late is not None:
             raise PrecompileError(
                 f"fn sets the random seed at {self.late}, after it drew random numbers. An "
@@ -64,6 +97,24 @@ class SeedWatch(TorchDispatchMode):
                 "random operation, or outside fn."
             )
         return self.seed
+
+
+# The default generator's state as torch.random (and torch) offer it.
+_STATE_FUNCTIONS = ("get_rng_state", "set_rng_state", "initial_seed", "seed")
+_TORCH_RANDOM = torch.random.__file__
+_SKIPPED = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
+
+
+def _user_caller() -> str | None:
+    """Where the user's code called a watched function, directly or through ``fork_rng`` (a
+    context manager, so through ``contextlib`` too); None for torch's own calls."""
+    here = inspect.currentframe()  # _user_caller, then watched, then its caller
+    frame: FrameType | None = here.f_back.f_back if here and here.f_back else None
+    while frame is not None and frame.f_code.co_filename in (_TORCH_RANDOM, contextlib.__file__):
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_filename.startswith(_SKIPPED):
+        return None
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 class PythonDraws:

@@ -18,12 +18,14 @@ closure cell, an object passed in) are the caller's to keep; see docs/CONTRACT.m
 
 from __future__ import annotations
 
+import datetime
 import dis
 import enum
 import gc
 import os
 import sys
 import sysconfig
+import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -64,6 +66,7 @@ class _CodeReads:
     self_name: str | None
     paths: tuple[tuple[tuple[str, ...], int], ...]
     globals: tuple[tuple[tuple[str, ...], int], ...]
+    closed_over: tuple[tuple[str, int], ...] = ()  # free variables it loads
 
 
 class ReadRecorder:
@@ -82,6 +85,10 @@ class ReadRecorder:
         # Modules held in globals, not the model's (a loss: ``criterion``): where each is.
         self.global_modules: dict[int, tuple[dict[str, Any], str]] = {}
         self.previous: Any = None
+        # Plain values read from closures (fn's own, a helper's): no call can reach them, so
+        # capture names them (``closure_report``). Keyed by code and name; shown with where.
+        self.closed_over: dict[tuple[types.CodeType, str], str] = {}
+        self.clocks: dict[str, str] = {}  # clock functions the user's code names, and where
 
     def __enter__(self) -> ReadRecorder:
         # Garbage-collection callbacks run inside any allocation; what they read is theirs.
@@ -119,6 +126,12 @@ class ReadRecorder:
                     self._global_read(held[0], (held[1], *path), where.format(line))
         for path, line in reads.globals:
             self._global_read(frame.f_globals, path, where.format(line))
+            if _reads_clock(frame.f_globals, path):
+                self.clocks.setdefault(".".join(path), where.format(line))
+        for name, line in reads.closed_over:
+            value = frame.f_locals.get(name)
+            if (code, name) not in self.closed_over and _closure_value(value):
+                self.closed_over[code, name] = f"{name}={value!r} ({where.format(line)})"
 
     def _module_read(self, index: int, path: tuple[str, ...], where: str) -> None:
         key = ("module", index, path)
@@ -180,6 +193,30 @@ class ReadRecorder:
             key = ("global", module, (*path, *inner))
             self.reads.setdefault(key, ReadValue(None, module, key[2], encoded, where, script))
 
+    def closure_report(self) -> str | None:
+        """What the traced code read from closures, said once; None where it read nothing."""
+        if not self.closed_over:
+            return None
+        values = list(self.closed_over.values())
+        more = f" and {len(values) - 4} more" if len(values) > 4 else ""
+        return (
+            f"fn reads values it closes over: {', '.join(values[:4])}{more}. The artifact "
+            "holds them as they are now and no call can reach them to check; pass a value "
+            "that may change as an argument of fn (it is then checked at every call), or as a "
+            "module attribute or a global."
+        )
+
+    def clock_report(self) -> str | None:
+        """The clock reads of the traced code, said once; None where it read no clock."""
+        if not self.clocks:
+            return None
+        reads = ", ".join(f"{name} ({where})" for name, where in self.clocks.items())
+        return (
+            f"fn reads the clock: {reads}. A number it gave becomes a constant of the graph "
+            "(a duration fn returns would be the capture's at every call); time the call "
+            "outside fn."
+        )
+
     def records(self) -> tuple[ReadValue, ...]:
         """Every read, modules' attributes first (in walk order), then globals."""
         return tuple(
@@ -213,6 +250,32 @@ def _script_name(module: str, namespace: dict[str, Any]) -> str | None:
     return os.path.basename(file) if module == "__main__" and isinstance(file, str) else None
 
 
+_CLOCKS = (
+    *(time.time, time.time_ns, time.perf_counter, time.perf_counter_ns, time.monotonic),
+    *(time.monotonic_ns, time.process_time, time.process_time_ns, time.thread_time),
+)
+_DATETIME_NOW = frozenset({"now", "utcnow", "today"})
+
+
+def _reads_clock(namespace: dict[str, Any], path: Sequence[str]) -> bool:
+    """Whether the global ``path`` names a clock: ``time.time``, ``perf_counter`` imported
+    from time, ``datetime.now``."""
+    value, rest = namespace.get(path[0]), list(path[1:])
+    if value is datetime and rest:  # datetime.datetime.now
+        value = getattr(datetime, rest.pop(0), None)
+    if value is datetime.datetime or value is datetime.date:
+        return bool(rest) and rest[0] in _DATETIME_NOW
+    if value is time and rest:
+        value = getattr(time, rest[0], None)
+    return any(value is clock for clock in _CLOCKS)  # by identity: globals may be arrays
+
+
+def _closure_value(value: Any) -> bool:
+    """Whether a value read from a closure is one the graph may hold as a constant: a plain
+    value, not code (a helper function) or an object."""
+    return not callable(value) and encode_read(value) is not None and value is not None
+
+
 def _in_standard_library(filename: str) -> bool:
     """Whether ``filename`` is a module of Python's standard library (not an installed
     package, though a virtual environment keeps those under its own lib/)."""
@@ -232,8 +295,12 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
     if in_torch and not filename.startswith(_TORCH_MODULES):
         return None
     self_name = code.co_varnames[0] if code.co_argcount else None
+    # Closures read in the user's own code (a library's are its own: transformers' masks).
+    users = not in_torch and not any(p in filename for p in _INSTALLED)
+    frees = frozenset(code.co_freevars)
     paths: dict[tuple[str, ...], int] = {}
     names: dict[tuple[str, ...], int] = {}
+    closed_over: dict[str, int] = {}
     line = code.co_firstlineno
     instructions = list(dis.get_instructions(code))
     for i, instruction in enumerate(instructions):
@@ -246,9 +313,13 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
             path = tuple(_attribute_chain(instructions, i + 1))
             if path and path[0] not in _NOT_READS:
                 paths.setdefault(path, line)
-    if not paths and not names:
+        elif users and instruction.opname == "LOAD_DEREF" and instruction.argval in frees:
+            closed_over.setdefault(instruction.argval, line)
+    if not paths and not names and not closed_over:
         return None
-    return _CodeReads(self_name, tuple(paths.items()), tuple(names.items()))
+    return _CodeReads(
+        self_name, tuple(paths.items()), tuple(names.items()), tuple(closed_over.items())
+    )
 
 
 def _loads_last(instruction: dis.Instruction) -> str | None:
