@@ -1288,6 +1288,25 @@ def test_values_fn_closes_over_are_named_at_capture(
     assert "act=" not in said[0] and "pass a value that may change as an argument" in said[0]
 
 
+def smoothed_step(label_smoothing: float) -> Callable[..., Any]:
+    criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+
+    def step(m: nn.Module, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return criterion(m(x), t)
+
+    return step
+
+
+def test_options_of_a_loss_fn_closes_over_are_named_at_capture(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A loss module in a closure keeps the options it had at capture: capture names them."""
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        precompile(smoothed_step(0.1), mlp(0), new_x(), torch.tensor([0, 1, 1]), backend="eager")
+    said = [r.getMessage() for r in caplog.records if "closes over" in r.getMessage()]
+    assert len(said) == 1 and "criterion.label_smoothing=0.1 (loss.py:" in said[0], said
+
+
 def timed_step(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
     start = time.perf_counter()
     y = m(x)

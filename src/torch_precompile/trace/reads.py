@@ -87,7 +87,8 @@ class ReadRecorder:
         self.previous: Any = None
         # Plain values read from closures (fn's own, a helper's): no call can reach them, so
         # capture names them (``closure_report``). Keyed by code and name; shown with where.
-        self.closed_over: dict[tuple[types.CodeType, str], str] = {}
+        self.closed_over: dict[tuple[Any, Any], str] = {}
+        self.closure_modules: dict[int, str] = {}  # modules fn closes over (a criterion)
         self.clocks: dict[str, str] = {}  # clock functions the user's code names, and where
 
     def __enter__(self) -> ReadRecorder:
@@ -119,18 +120,26 @@ class ReadRecorder:
             owner = frame.f_locals.get(reads.self_name) if reads.self_name else None
             index = self.index.get(id(owner))
             held = self.global_modules.get(id(owner))
+            enclosed = self.closure_modules.get(id(owner))
             for path, line in reads.paths:
                 if index is not None:
                     self._module_read(index, path, where.format(line))
                 elif held is not None:  # a global criterion's ``self.label_smoothing``
                     self._global_read(held[0], (held[1], *path), where.format(line))
+                elif enclosed is not None:  # a criterion fn closes over: only named
+                    value = _value_at(owner, path)
+                    if (id(owner), path) not in self.closed_over and _closure_value(value):
+                        shown = f"{'.'.join((enclosed, *path))}={value!r}"
+                        self.closed_over[id(owner), path] = f"{shown} ({where.format(line)})"
         for path, line in reads.globals:
             self._global_read(frame.f_globals, path, where.format(line))
             if _reads_clock(frame.f_globals, path):
                 self.clocks.setdefault(".".join(path), where.format(line))
         for name, line in reads.closed_over:
             value = frame.f_locals.get(name)
-            if (code, name) not in self.closed_over and _closure_value(value):
+            if isinstance(value, torch.nn.Module) and id(value) not in self.index:
+                self.closure_modules.setdefault(id(value), name)  # its reads are named too
+            elif (code, name) not in self.closed_over and _closure_value(value):
                 self.closed_over[code, name] = f"{name}={value!r} ({where.format(line)})"
 
     def _module_read(self, index: int, path: tuple[str, ...], where: str) -> None:
@@ -202,8 +211,8 @@ class ReadRecorder:
         return (
             f"fn reads values it closes over: {', '.join(values[:4])}{more}. The artifact "
             "holds them as they are now and no call can reach them to check; pass a value "
-            "that may change as an argument of fn (it is then checked at every call), or as a "
-            "module attribute or a global."
+            "that may change as an argument of fn, or hold it (or the module that holds it, "
+            "a loss) in a global or a model argument: then every call checks it."
         )
 
     def clock_report(self) -> str | None:
@@ -268,6 +277,15 @@ def _reads_clock(namespace: dict[str, Any], path: Sequence[str]) -> bool:
     if value is time and rest:
         value = getattr(time, rest[0], None)
     return any(value is clock for clock in _CLOCKS)  # by identity: globals may be arrays
+
+
+def _value_at(owner: Any, path: Sequence[str]) -> Any:
+    """The value at the attribute ``path`` off ``owner``, through instance dicts only (no
+    property runs); ``_UNSEEN`` where there is none."""
+    value = owner
+    for name in path:
+        value = getattr(value, "__dict__", {}).get(name, _UNSEEN)
+    return value
 
 
 def _closure_value(value: Any) -> bool:
