@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import os
 import random
 import sys
 import time
@@ -1322,3 +1323,33 @@ def test_a_clock_read_is_named_at_capture(backend: str, caplog: pytest.LogCaptur
     assert len(said) == 1, said
     assert said[0].startswith("fn reads the clock: time.perf_counter (test_trace_facts.py:")
     assert "time the call outside fn" in said[0]
+
+
+def env_scaled(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    scale = float(os.environ.get("TP_TEST_SCALE", "1"))
+    return m(x) * scale + (1.0 if "TP_TEST_FLAG" in os.environ else 0.0)
+
+
+def test_environment_variables_fn_reads_are_checked(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before (0.14.0): a variable set, changed or unset after capture gave the capture's
+    numbers with no error."""
+    monkeypatch.setenv("TP_TEST_SCALE", "2")
+    monkeypatch.delenv("TP_TEST_FLAG", raising=False)
+    model = mlp(0)
+    code, cache = precompile(env_scaled, model, new_x(), backend=backend)
+    assert "os.environ['TP_TEST_FLAG'], os.environ['TP_TEST_SCALE']" in code
+    run = precompile.load(code, cache)
+    x = new_x()
+    agree(run, env_scaled, (model, x), (model, x))
+    agree(run, env_scaled, (model, x), (model, x))  # the globals' settled path is not taken
+    monkeypatch.setenv("TP_TEST_SCALE", "3")
+    with refused(r"environment variable 'TP_TEST_SCALE' is '3', but was '2'", model, x):
+        run(model, x)
+    monkeypatch.setenv("TP_TEST_SCALE", "2")
+    monkeypatch.setenv("TP_TEST_FLAG", "1")
+    with refused(r"environment variable 'TP_TEST_FLAG' is '1', but was None", model, x):
+        run(model, x)
+    monkeypatch.delenv("TP_TEST_FLAG")
+    agree(run, env_scaled, (model, x), (model, x))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from torch_precompile.spec import ArtifactSpec, InputLeaf, ModelTensor
+from torch_precompile.spec import ArtifactSpec, InputLeaf, ModelTensor, ReadValue
 
 _SHOWN_LEAVES = 4  # inputs or globals named in a comment before the rest are counted
 _LINE_LENGTH = 100
@@ -80,7 +80,7 @@ def _steps(spec: ArtifactSpec, parts: Sequence[str]) -> list[str]:
     shown = ", ".join(f"args[{i}]" for i in models)
     steps.append(f"state = model_tensors(driver, [{shown}])  # {_shown_models(spec)}")
     if any(r.submodule is None for r in spec.read_values):
-        paths = sorted({".".join(r.path) for r in spec.read_values if r.submodule is None})
+        paths = sorted({_global_name(r) for r in spec.read_values if r.submodule is None})
         steps.append(f"driver.facts.check_globals()  # the globals the trace read: {_few(paths)}")
     steps.append("stage = 4")
     if "optimizers" in parts:
@@ -127,3 +127,10 @@ def _shown_models(spec: ArtifactSpec) -> str:
 
 def _count(tensors: Sequence[ModelTensor], kind: str) -> int:
     return sum(1 for t in tensors if t.kind == kind)
+
+
+def _global_name(read: ReadValue) -> str:
+    """A global read as code names it: ``config.SCALE``, ``os.environ['SCALE']``."""
+    if read.module == "os" and read.path[0] == "environ":
+        return f"os.environ[{read.path[1]!r}]"
+    return ".".join(read.path)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.tracing import FakeTensor, TorchDispatchMode
 from torch_precompile.trace.checks import MAX_LITERAL_ELEMENTS
+from torch_precompile.trace.listening import Listeners
 
 aten = torch.ops.aten
 _SKIPPED_ROOTS = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
@@ -255,70 +255,49 @@ def _is_fake(tensor: Any) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
-class _ValueReads:
-    """Patches ``Tensor.tolist`` and ``Tensor.numpy`` while any recorder is entered.
-
-    The patch is process-wide but the recorders are per thread: a read reports to the
-    innermost recorder its own thread entered, so other threads only pay a lookup.
-    """
-
-    METHODS = ("tolist", "numpy")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._local = threading.local()
-        self._saved: dict[str, tuple[bool, Any]] = {}
-
-    def enter(self, recorder: GuardRecorder) -> None:
-        with self._lock:
-            if self._users == 0:
-                for name in self.METHODS:
-                    self._saved[name] = (name in vars(torch.Tensor), getattr(torch.Tensor, name))
-                    setattr(torch.Tensor, name, self._reporting(name, self._saved[name][1]))
-            self._users += 1
-        self._stack().append(recorder)
-
-    def exit(self, recorder: GuardRecorder) -> None:
-        stack = self._stack()
-        if recorder in stack:
-            del stack[len(stack) - 1 - stack[::-1].index(recorder)]
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                for name, (own, original) in self._saved.items():
-                    if own:
-                        setattr(torch.Tensor, name, original)
-                    else:
-                        delattr(torch.Tensor, name)
-                self._saved.clear()
-
-    def _stack(self) -> list[GuardRecorder]:
-        if not hasattr(self._local, "stack"):
-            self._local.stack = []
-        return cast("list[GuardRecorder]", self._local.stack)
-
-    def _reporting(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            stack = self._stack()
-            if not stack or getattr(self._local, "reading", False):
-                # A torch function mode hands the call back here, and so does the guard's
-                # own read: only the outermost read is fn's.
-                return original(tensor, *args, **kwargs)
-            self._local.reading = True
-            try:
-                value = original(tensor, *args, **kwargs)
-                if isinstance(tensor, torch.Tensor):
-                    stack[-1].record_read(tensor, name)
-            finally:
-                self._local.reading = False
-            return value
-
-        return read
+_VALUE_METHODS = ("tolist", "numpy")
 
 
-_READS = _ValueReads()
+def _patch_value_reads() -> Callable[[], None]:
+    """Wrap ``Tensor.tolist`` and ``Tensor.numpy`` so that a read reports to this thread's
+    innermost recorder; return what undoes it."""
+    saved = {
+        name: (name in vars(torch.Tensor), getattr(torch.Tensor, name)) for name in _VALUE_METHODS
+    }
+    for name, (_, original) in saved.items():
+        setattr(torch.Tensor, name, _reporting(name, original))
+
+    def undo() -> None:
+        for name, (own, original) in saved.items():
+            if own:
+                setattr(torch.Tensor, name, original)
+            else:
+                delattr(torch.Tensor, name)
+
+    return undo
+
+
+def _reporting(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        recorder, local = _READS.innermost(), _READS.local
+        if recorder is None or getattr(local, "reading", False):
+            # A torch function mode hands the call back here, and so does the guard's own
+            # read: only the outermost read is fn's.
+            return original(tensor, *args, **kwargs)
+        local.reading = True
+        try:
+            value = original(tensor, *args, **kwargs)
+            if isinstance(tensor, torch.Tensor):
+                recorder.record_read(tensor, name)
+        finally:
+            local.reading = False
+        return value
+
+    return read
+
+
+_READS: Listeners[GuardRecorder] = Listeners(_patch_value_reads)
 _TOLIST = torch.Tensor.tolist  # reads the data without dispatch (and without the patch)
 
 

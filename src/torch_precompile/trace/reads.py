@@ -37,6 +37,7 @@ import torch
 from torch_precompile.errors import PrecompileError
 from torch_precompile.shipped.driver.core import qualified_name
 from torch_precompile.spec import EncodedValue, ReadValue
+from torch_precompile.trace.environment import ENVIRONMENT_READS
 from torch_precompile.trace.inputs import encode_value
 
 _TORCH_ROOT = str(Path(torch.__file__).parent)
@@ -97,10 +98,25 @@ class ReadRecorder:
             self.code_reads[getattr(callback, "__code__", None)] = None  # type: ignore[index]
         self.previous = sys.gettrace()
         sys.settrace(self._on_event)
+        ENVIRONMENT_READS.enter(self._environment_read)
         return self
 
     def __exit__(self, *exc: object) -> None:
         sys.settrace(self.previous)
+        ENVIRONMENT_READS.exit(self._environment_read)
+
+    def _environment_read(self, name: str, value: str | None, frame: types.FrameType) -> None:
+        """A variable the user's code read from ``os.environ``: a global read of it."""
+        file = frame.f_code.co_filename
+        key = ("global", "os", ("environ", name))
+        if key in self.reads or file.startswith((_TORCH_ROOT, _PACKAGE_ROOT)):
+            return
+        if _in_standard_library(file) or (file.startswith("<") and "<ipython" not in file):
+            return
+        where = f"{Path(file).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+        self.namespaces["os"] = vars(os)
+        expected = ("none", None) if value is None else ("const", value)
+        self.reads[key] = ReadValue(None, "os", key[2], expected, where)
 
     def _on_event(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         if event == "call":
@@ -448,7 +464,7 @@ def drop_changed_reads(recorder: ReadRecorder) -> None:
         if read.submodule is None:
             value = recorder.namespaces[read.module or ""].get(read.path[0])
             for name in read.path[1:]:
-                value = getattr(value, name, None)
+                value = value.get(name) if value is os.environ else getattr(value, name, None)
         else:
             value = recorder.submodules[read.submodule]
             for name in read.path:

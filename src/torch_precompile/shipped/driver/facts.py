@@ -9,6 +9,7 @@ was read and both values.
 """
 
 import operator
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -60,19 +61,22 @@ class PythonFacts:
         dicts, names, seen = [], [], []
         settled = True
         for read in self.global_reads:
-            holder = read.namespace()
+            holder: Any = read.namespace()
             if holder is None:
                 settled = settled and read.never_here
                 continue
             # Each step of the path (config, then config.SCALE) is remembered, so that the
             # next call sees a rebound config as surely as a changed SCALE.
             for name in read.record.path:
-                value = holder.get(name, _MISSING)
-                dicts.append(holder)
-                names.append(name)
-                seen.append(value)
-                holder = getattr(value, "__dict__", None)
-                if not isinstance(holder, dict):
+                if not isinstance(holder, dict):  # os.environ: None where a name is unset
+                    value, settled = holder.get(name), False
+                else:
+                    value = holder.get(name, _MISSING)
+                    dicts.append(holder)
+                    names.append(name)
+                    seen.append(value)
+                holder = value if value is os.environ else getattr(value, "__dict__", None)
+                if not isinstance(holder, dict) and holder is not os.environ:
                     holder = {}
             _compare(read.record, read.shown, value)
             settled = settled and type(value) not in (list, dict)  # it can change in place
@@ -85,7 +89,12 @@ class GlobalRead:
 
     def __init__(self, record: Any) -> None:
         self.record = record
-        self.shown = f"global {'.'.join(record.path)!r} of module {record.module}"
+        environment = record.module == "os" and record.path[0] == "environ"
+        self.shown = (
+            f"environment variable {record.path[1]!r}"
+            if environment
+            else f"global {'.'.join(record.path)!r} of module {record.module}"
+        )
         self.never_here = False
 
     def namespace(self) -> dict[str, Any] | None:
