@@ -16,7 +16,7 @@ import torch
 import torch_precompile
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.lower.inductor import GENERATED_END, GENERATED_START
-from torch_precompile.shipped.driver import core, distributed, dynamic, memo, values
+from torch_precompile.shipped.driver import core, distributed, dynamic, hook_values, memo, values
 from torch_precompile.shipped.source import shipped_source
 from torch_precompile.spec import SCHEMA_VERSION, SPEC_NAME
 
@@ -191,7 +191,7 @@ def test_driver_parts_are_the_package_modules_verbatim(backend: str, artifacts) 
         body = shipped_source(module).body
         assert body in code, module.__name__
         assert "from __future__ import" not in inspect.getsource(module)
-    for module in (values, dynamic, distributed):
+    for module in (values, dynamic, distributed, hook_values):
         assert shipped_source(module).body.splitlines()[0] not in code, module.__name__
     assert "from torch_precompile" not in code and '"""The driver' not in code
 
@@ -199,6 +199,18 @@ def test_driver_parts_are_the_package_modules_verbatim(backend: str, artifacts) 
 def test_parts_come_with_the_spec_that_needs_them(artifacts) -> None:
     code, _ = artifacts.pair("pytree", "eager")  # nested inputs with Python values
     assert "class InputValues:" in code and "values=InputValues" in code
+
+
+def test_the_hook_values_part_comes_with_hooks() -> None:
+    """Only a capture with hooks compares the values they hold; without, any hook at a call
+    is one too many, whatever it holds."""
+    model = torch.nn.Linear(4, 4)
+    plain, _ = precompile(lambda m, x: m(x), model, torch.randn(2, 4), backend="eager")
+    model.register_forward_hook(lambda m, args, out: out * 2)
+    hooked, _ = precompile(lambda m, x: m(x), model, torch.randn(2, 4), backend="eager")
+    first_line = shipped_source(hook_values).body.splitlines()[0]
+    assert first_line not in plain and "hooks=hook_values" not in plain
+    assert first_line in hooked and "hooks=hook_values" in hooked
 
 
 def test_artifact_has_no_unused_imports(backend: str, artifacts, tmp_path) -> None:

@@ -30,6 +30,7 @@ from torch_precompile.shipped.driver import (
     dynamic,
     encoded,
     facts,
+    hook_values,
     memo,
     no_history,
     optimizers,
@@ -143,6 +144,7 @@ class DriverPart:
 
 _VALUES = DriverPart(values, "values", "InputValues")
 _FACTS = DriverPart(facts, "facts", "PythonFacts")
+_HOOK_VALUES = DriverPart(hook_values, "hooks", "hook_values")
 _MEMO = DriverPart(memo, "memo", "ModelMemo")
 _SIZES = DriverPart(dynamic, "sizes", "DynamicSizes")
 _DISTRIBUTED = DriverPart(distributed, "distributed", "DistributedCall")
@@ -158,6 +160,7 @@ _PART_ORDER = (
     _ENCODED,
     _VALUES,
     _FACTS,
+    _HOOK_VALUES,
     _MEMO,
     _PLANNED,
     _SIZES,
@@ -180,6 +183,7 @@ def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
         for part, needed in (
             (_VALUES, _has_values(spec)),
             (_FACTS, bool(spec.read_values)),
+            (_HOOK_VALUES, _has_hooks(spec)),
             (_MEMO, bool(spec.model_names or spec.wrapped)),
             (_PLANNED, bool(spec.optimizers or spec.wrapped)),
             (_SIZES, bool(spec.dynamic_dims)),
@@ -200,6 +204,15 @@ def _all_parts(variants: Sequence[ArtifactSpec]) -> list[DriverPart]:
     needed |= {id(_USED_BY[part]) for part in needed if part in _USED_BY}
     parts = [part for part in _PART_ORDER if id(part) in needed]
     return [*parts, _VARIANTS] if len(variants) > 1 else parts
+
+
+def _has_hooks(spec: ArtifactSpec) -> bool:
+    """Whether the capture had hooks, whose values a call compares."""
+    return (
+        bool(spec.global_hooks)
+        or any(s.hooks for s in spec.submodules)
+        or any(t.hooks for t in spec.model)
+    )
 
 
 def _has_values(spec: ArtifactSpec) -> bool:

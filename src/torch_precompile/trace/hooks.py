@@ -25,6 +25,7 @@ from torch_precompile.shipped.driver.core import (
     hook_name,
     hook_sets,
 )
+from torch_precompile.shipped.driver.hook_values import hook_values
 from torch_precompile.spec import HookSet
 from torch_precompile.trace.python_state import Slot
 
@@ -36,15 +37,15 @@ _SIDE_EFFECT_FIX = (
 
 
 def module_hooks(module: torch.nn.Module) -> tuple[HookSet, ...]:
-    return hook_sets(module, MODULE_HOOKS)
+    return hook_sets(module, MODULE_HOOKS, hook_values)
 
 
 def global_hooks() -> tuple[HookSet, ...]:
-    return hook_sets(torch.nn.modules.module, GLOBAL_HOOKS)
+    return hook_sets(torch.nn.modules.module, GLOBAL_HOOKS, hook_values)
 
 
 def tensor_hooks(tensor: torch.Tensor) -> tuple[HookSet, ...]:
-    return hook_sets(tensor, TENSOR_HOOKS)
+    return hook_sets(tensor, TENSOR_HOOKS, hook_values)
 
 
 def hook_functions(

@@ -12,7 +12,6 @@ structure), ``torch._C._set_grad_enabled`` (cheaper than the context manager) an
 """
 
 import functools
-import sys
 from collections import namedtuple
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,8 +40,9 @@ class Driver:
     parts its spec needs: ``values`` (nested inputs, Python values, value guards), ``memo``
     (remembers checked models), ``sizes`` (dynamic dims), ``distributed`` (DTensors),
     ``subclasses`` (other tensor subclasses), ``optimizers`` (optimizer arguments) and
-    ``data_parallel`` (DistributedDataParallel models) and ``autograd`` (where fn runs no
-    backward: ``NoHistory``, or ``differentiable`` for results with history).
+    ``data_parallel`` (DistributedDataParallel models), ``hooks`` (where the capture had
+    hooks: ``hook_values``, what each holds) and ``autograd`` (where fn runs no backward:
+    ``NoHistory``, or ``differentiable`` for results with history).
     """
 
     def __init__(
@@ -59,6 +59,7 @@ class Driver:
         optimizers: Any = None,
         data_parallel: Any = None,
         facts: Any = None,
+        hooks: Any = None,
         autograd: Any = None,
     ) -> None:
         spec = self.spec = read_spec(literal)
@@ -111,6 +112,8 @@ class Driver:
         self.ambient = AmbientPlan(spec.ambient)
         self.facts: Any = facts(self) if facts is not None else None
         self.model.facts = self.facts
+        if hooks is not None:
+            self.model.hook_values = hooks
         self.memo: Any = memo(self.model) if memo is not None else None
         # Positional tensors of static shapes: a layout check the memo can remember.
         self.plain_inputs = (
@@ -409,6 +412,7 @@ class ModelPlan:
         # Tensor hooks on parameters run in a backward: they matter where fn has one.
         self.parameter_hooks = [(t.name, t.hooks) for t in self.interned] if training else []
         self.facts: Any = None  # the driver's PythonFacts, where the spec has read values
+        self.hook_values: Callable[[Any], Any] = no_values  # HookValues' where hooks were
 
 
 def model_tensors(driver: Driver, models: Sequence[Any]) -> Sequence[torch.Tensor]:
@@ -641,78 +645,29 @@ def hook_name(hook: Any) -> str:
     return qualified_name(hook if hasattr(hook, "__qualname__") else type(hook))
 
 
-def hook_sets(owner: Any, places: Sequence[tuple[str, str]]) -> tuple[Any, ...]:
+def no_values(hook: Any) -> list[tuple[str, str, Callable[[], Any]]]:
+    """The values of hooks where the capture had none: any hook now is one too many."""
+    return []
+
+
+def hook_sets(
+    owner: Any, places: Sequence[tuple[str, str]], values: Callable[[Any], Any] = no_values
+) -> tuple[Any, ...]:
     """The hooks found on ``owner`` (a module, a tensor, or torch's module of global hooks)
-    as (kind, hook labels) pairs, kinds without hooks left out. torch.distributed's own hooks
-    (FSDP2, distribute_module) are left to the parts that check sharding."""
+    as (kind, hook labels) pairs, kinds without hooks left out: a hook by its name and the
+    plain ``values`` it holds. torch.distributed's own hooks (FSDP2, distribute_module) are
+    left to the parts that check sharding."""
     found = []
     for kind, attribute in places:
         hooks = getattr(owner, attribute, None)
         labels = tuple(
-            hook_name(h) + "".join(f" {n}={v}" for n, v, _ in hook_values(h))
+            hook_name(h) + "".join(f" {n}={v}" for n, v, _ in values(h))
             for h in (hooks or {}).values()
             if not hook_name(h).startswith(DISTRIBUTED_HOOKS)
         )
         if labels:
             found.append((kind, labels))
     return tuple(found)
-
-
-def hook_values(hook: Any) -> list[tuple[str, str, Callable[[], Any]]]:
-    """The plain values a hook holds, which its code computed with at capture: a partial's
-    keywords, the cells it closes over, the attributes of a callable object (or of the
-    object a method is bound to, unless a module's, whose reads are checked as the model's).
-    Each as (name, value shown, a function that reads it again)."""
-    found: list[tuple[str, str, Callable[[], Any]]] = []
-    while isinstance(hook, functools.partial):
-        found += [
-            (k, _plain(v), functools.partial(hook.keywords.get, k))
-            for k, v in hook.keywords.items()
-        ]
-        hook = hook.func
-    owner = getattr(hook, "__self__", None if hasattr(hook, "__code__") else hook)
-    if _holds_settings(owner):
-        held = vars(owner)
-        found += [(k, _plain(v), functools.partial(held.get, k)) for k, v in held.items()]
-    function = getattr(hook, "__func__", hook)
-    names = getattr(getattr(function, "__code__", None), "co_freevars", ())
-    for name, cell in zip(names, getattr(function, "__closure__", None) or (), strict=True):
-        try:
-            shown = _plain(cell.cell_contents)
-            found.append((name, shown, functools.partial(getattr, cell, "cell_contents")))
-        except ValueError:  # a cell not filled yet
-            continue
-    return [entry for entry in found if entry[1]]
-
-
-def _holds_settings(owner: Any) -> bool:
-    """Whether the attributes of a hook's object are settings of the user's: not a module's
-    (checked as the model's), nor those of a builtin or of the standard library."""
-    home = (getattr(type(owner), "__module__", None) or "builtins").split(".")[0]
-    return (
-        hasattr(owner, "__dict__")
-        and not isinstance(owner, torch.nn.Module | type)
-        and home not in ("builtins", *sys.stdlib_module_names)
-    )
-
-
-def _plain(value: Any, depth: int = 0) -> str:
-    """``value`` shown, where it is a plain value (numbers, strings, dtypes, containers of
-    those); "" for anything else, which a hook's label leaves out."""
-    if value is None or type(value) in (bool, int, float, complex, str, torch.dtype):
-        return repr(value)
-    if type(value) not in (tuple, list, dict) or len(value) > 256 or depth > 3:
-        return ""
-    if type(value) is dict:
-        pairs = [(_plain(k, depth + 1), _plain(v, depth + 1)) for k, v in value.items()]
-        plain = all(k and v for k, v in pairs)
-        return "{" + ", ".join(f"{k}: {v}" for k, v in pairs) + "}" if plain else ""
-    items = [_plain(v, depth + 1) for v in value]
-    if not all(items):
-        return ""
-    if type(value) is list:
-        return "[" + ", ".join(items) + "]"
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 DISTRIBUTED_HOOKS = "torch.distributed."
@@ -723,10 +678,10 @@ def check_hooks(model: ModelPlan, walked: WalkedModels) -> None:
     for (name, _), captured, module in zip(
         model.submodules, model.hooks, walked.submodules, strict=True
     ):
-        now = hook_sets(module, MODULE_HOOKS)
+        now = hook_sets(module, MODULE_HOOKS, model.hook_values)
         if now != captured:
             raise hooks_error(_shown_module(name), captured, now)
-    now = hook_sets(torch.nn.modules.module, GLOBAL_HOOKS)
+    now = hook_sets(torch.nn.modules.module, GLOBAL_HOOKS, model.hook_values)
     if now != model.global_hooks:
         raise hooks_error(
             "the process (global module hooks, as register_module_forward_hook adds)",
@@ -734,7 +689,7 @@ def check_hooks(model: ModelPlan, walked: WalkedModels) -> None:
             now,
         )
     for (name, captured), tensor in zip(model.parameter_hooks, walked.tensors, strict=False):
-        now = hook_sets(tensor, TENSOR_HOOKS)
+        now = hook_sets(tensor, TENSOR_HOOKS, model.hook_values)
         if now != captured:
             raise hooks_error(f"model parameter {name!r}", captured, now)
 

@@ -34,7 +34,6 @@ from torch_precompile.shipped.driver.core import (
     TENSOR_HOOKS,
     ModelPlan,
     WalkedModels,
-    hook_values,
 )
 
 
@@ -51,7 +50,7 @@ class RememberedModels:
         self.hook_handles = _HANDLES.next_id
         self.tensors = tuple(walked.tensors)  # handed out as is: no call mutates it
         paths = [] if model.facts is None else model.facts.module_paths()
-        self.unchanged = module_check(models, walked, paths, len(model.parameter_hooks))
+        self.unchanged = module_check(models, walked, paths, model)
         self.tensor_guard = tensor_guard(walked.tensors)
 
 
@@ -59,7 +58,7 @@ def module_check(
     models: Sequence[Any],
     walked: WalkedModels,
     paths: Sequence[tuple[int, tuple[str, ...]]],
-    hooked_tensors: int,
+    model: ModelPlan,
 ) -> Callable[..., bool]:
     """A function of the models that tells whether every fact the walk checked in Python
     still holds as the walk saw it. It is generated as one expression, so each fact costs a
@@ -82,14 +81,17 @@ def module_check(
     hooks = [d for m in walked.submodules for _, a in MODULE_HOOKS if (d := getattr(m, a))]
     hooks += [d for _, a in GLOBAL_HOOKS if (d := getattr(torch.nn.modules.module, a))]
     hooks += [
-        d for t in walked.tensors[:hooked_tensors] for _, a in TENSOR_HOOKS if (d := getattr(t, a))
+        d
+        for t in walked.tensors[: len(model.parameter_hooks)]
+        for _, a in TENSOR_HOOKS
+        if (d := getattr(t, a))
     ]
     same_objects = check.hold("op", operator.is_)
     for d in hooks:  # the very hooks of capture, each holding the values it held
         held, now = check.hold("value", list(d.values())), check.hold("hooks", d)
         check.terms.append(f"len({now}) == {len(d)}")
         check.terms.append(f"all(map({same_objects}, {now}.values(), {held}))")
-        for _, _, read in (v for hook in d.values() for v in hook_values(hook)):
+        for _, _, read in (v for hook in d.values() for v in model.hook_values(hook)):
             check.same(f"{check.hold('read', read)}()", read())
     return check.compiled()
 
