@@ -387,7 +387,9 @@ def _snapshot(args: tuple[Any, ...]) -> list[tuple[str, Any, Any]]:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor | None:
-    return None if t.is_meta else t.detach().reshape(-1).view(torch.uint8)
+    # contiguous first: a flattened view of a strided tensor may keep a stride that bytes
+    # cannot be viewed through
+    return None if t.is_meta else t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _assert_untouched(args: tuple[Any, ...], before: list[tuple[str, Any, Any]]) -> None:
