@@ -80,11 +80,11 @@ _VALUES_NOTE = " (and Python values, which are baked)"
 _MODELS_NOTE = (
     ", and each model's parameter and buffer names, order, tying, shapes, dtypes and devices, "
     "and every submodule's class, training mode, forward and hooks (those present at capture "
-    "are in the graph)"
+    "are in the graph, with the plain values they hold)"
 )
 _READS_NOTE = (
-    " The Python values the trace read (module attributes, module globals; listed in "
-    "read_values) must be as they were."
+    " The Python values the trace read (module attributes, module globals, environment "
+    "variables; listed in read_values) must be as they were."
 )
 _GRADS_NOTE = (
     "; gradients of the backward inside fn are added to the parameters' .grad, as eager "

@@ -87,7 +87,7 @@ def module_check(
         if (d := getattr(t, a))
     ]
     same_objects = check.hold("op", operator.is_)
-    for d in hooks:  # the very hooks of capture, each holding the values it held
+    for d in hooks:  # the very hooks the walk found, each holding the values it held
         held, now = check.hold("value", list(d.values())), check.hold("hooks", d)
         check.terms.append(f"len({now}) == {len(d)}")
         check.terms.append(f"all(map({same_objects}, {now}.values(), {held}))")
