@@ -1061,6 +1061,49 @@ def test_draws_a_trace_would_bake_are_refused_at_capture(backend: str) -> None:
         )
 
 
+class OwnPythonGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.rng = random.Random(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.rng.uniform(0.5, 1.5)
+
+
+def scaled_by(draw: Callable[[float, float], float]) -> Callable[..., torch.Tensor]:
+    def scaled(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x) * float(draw(0.5, 1.5))
+
+    return scaled
+
+
+def test_generator_objects_outside_torch_are_refused_at_capture(backend: str) -> None:
+    """A random.Random, NumPy Generator or RandomState object that exists before the capture
+    draws anew at every eager call; the graph would repeat the capture's number. One that fn
+    makes afresh at every call draws the same numbers every time, as the graph does. Before
+    (0.15.0): all were baked with no error."""
+    numpy = pytest.importorskip("numpy")
+    held = {
+        "random.Random": random.Random(1),
+        "NumPy Generator": numpy.random.default_rng(1),
+        "NumPy RandomState": numpy.random.RandomState(1),
+    }
+    for kind, generator in held.items():
+        with refused(rf"fn drew from a {kind} object.*pass the numbers in"):
+            precompile(scaled_by(generator.uniform), mlp(0), new_x(), backend=backend)
+    with refused(r"fn drew from a random\.Random object \(test_trace_facts\.py"):
+        precompile(forward, OwnPythonGenerator(), new_x(), backend=backend)
+
+    def fresh(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x) * random.Random(7).uniform(0.5, 1.5)
+
+    model = mlp(0)
+    run = build(fresh, model, new_x(), backend=backend)
+    x = new_x()
+    agree(run, fresh, (model, x), (model, x))
+
+
 def forked_noise(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.random.fork_rng():
         torch.manual_seed(1)

@@ -10,9 +10,12 @@ draw cannot be placed inside a compiled graph: capture refuses it.
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import inspect
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any, cast
@@ -22,6 +25,8 @@ import torch
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.tracing import TorchDispatchMode
 from torch_precompile.trace.guards import _user_location as user_location
+from torch_precompile.trace.listening import Listeners
+from torch_precompile.trace.reads import users_file
 
 
 class SeedWatch(TorchDispatchMode):
@@ -118,26 +123,47 @@ def _user_caller() -> str | None:
 
 
 class PythonDraws:
-    """While active (``with``), notes whether fn draws from Python's global ``random``
-    generator or NumPy's global one: eager fn draws anew at every call, the graph would repeat
-    the capture's number. (Their states are compared before and after: watching every call
-    would slow the trace by half.)"""
+    """While active (``with``), notes whether fn draws from a generator outside torch: Python's
+    global ``random`` generator, NumPy's global one, a ``random.Random`` object the user's
+    code draws from, or a NumPy ``Generator`` or ``RandomState`` object that existed before the
+    trace (held in a global, a closure or a module). Eager fn draws anew at every call; the
+    graph would repeat the capture's numbers. (Global states are compared before and after:
+    watching every call would slow the trace by half.)"""
 
     def __init__(self) -> None:
         self.found: list[str] = []
         self.before: tuple[Any, Any] = (None, None)
+        self.objects: list[tuple[Any, Any]] = []
+        self.own: dict[str, str] = {}  # where the user's code drew from a random.Random
+        self.made: set[int] = set()  # random.Random objects made while traced
 
     def __enter__(self) -> PythonDraws:
         self.before = (random.getstate(), _numpy_state())
+        self.objects = [(g, _state_of(g)) for g in _numpy_generators()]
+        RANDOM_OBJECT_DRAWS.enter(self)
         return self
 
+    def made_generator(self, generator: random.Random) -> None:
+        """A generator made inside fn draws the same numbers at every call, as the graph."""
+        self.made.add(id(generator))
+
+    def drew(self, generator: random.Random, where: str) -> None:
+        if id(generator) not in self.made:
+            self.own.setdefault("random.Random", where)
+
     def __exit__(self, *exc: object) -> None:
+        RANDOM_OBJECT_DRAWS.exit(self)
+        self.made.clear()
         python_before, numpy_before = self.before
         if random.getstate() != python_before:
             self.found.append("Python's random module (random.random, random.randint, ...)")
         numpy_after = _numpy_state()
         if numpy_before is not None and not _same_numpy_state(numpy_before, numpy_after):
             self.found.append("NumPy's global random generator (numpy.random.rand, ...)")
+        self.found.extend(f"a {kind} object ({where})" for kind, where in self.own.items())
+        kinds = {_kind(g) for g, state in self.objects if not _same_state(state, _state_of(g))}
+        self.found.extend(f"a {kind} object of its own" for kind in sorted(kinds))
+        self.objects = []
 
     def refuse(self) -> None:
         """Refuse a capture during which fn drew such a number."""
@@ -159,3 +185,86 @@ def _numpy_state() -> Any:
 def _same_numpy_state(before: Any, after: Any) -> bool:
     numpy = sys.modules["numpy"]
     return bool(before[2:] == after[2:] and numpy.array_equal(before[1], after[1]))
+
+
+def _patch_random_objects() -> Callable[[], None]:
+    """Every ``random.Random`` draw goes through ``random`` or ``getrandbits`` (``randint``,
+    ``choice``, ``uniform``, ``shuffle`` call them): wrap both on the class while a trace runs,
+    and ``__init__``, to know the generators made meanwhile; return what undoes it. (Python's
+    global generator is compared by state instead.)"""
+    original_init = random.Random.__init__
+
+    def init(generator: random.Random, *args: Any, **kwargs: Any) -> None:
+        listener = RANDOM_OBJECT_DRAWS.innermost()
+        if listener is not None:
+            listener.made_generator(generator)
+        original_init(generator, *args, **kwargs)
+
+    for name in _DRAWS:
+        setattr(random.Random, name, _reporting(getattr(random.Random, name)))
+    random.Random.__init__ = init  # type: ignore[method-assign,assignment]
+
+    def undo() -> None:
+        for name in _DRAWS:
+            delattr(random.Random, name)
+        random.Random.__init__ = original_init  # type: ignore[method-assign]
+
+    return undo
+
+
+_DRAWS = ("random", "getrandbits")
+# The generator behind the random module's functions.
+_GLOBAL_RANDOM = random.random.__self__  # type: ignore[attr-defined]
+_RANDOM_MODULE = random.__file__
+
+
+def _reporting(draw: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(draw)
+    def reported(generator: random.Random, *args: Any) -> Any:
+        listener = RANDOM_OBJECT_DRAWS.innermost()
+        if listener is not None and generator is not _GLOBAL_RANDOM:
+            frame = inspect.currentframe()
+            frame = frame.f_back if frame else None
+            while frame is not None and frame.f_code.co_filename == _RANDOM_MODULE:
+                frame = frame.f_back  # randint, choice, ...: to the code that called them
+            # The user's own code: the standard library (tempfile's names), torch and the
+            # libraries it uses (sympy) draw for their own purposes, not for the graph.
+            if frame is not None and users_file(frame.f_code.co_filename):
+                code = frame.f_code
+                where = f"{Path(code.co_filename).name}:{frame.f_lineno} ({code.co_name})"
+                listener.drew(generator, where)
+        return draw(generator, *args)
+
+    return reported
+
+
+RANDOM_OBJECT_DRAWS: Listeners[PythonDraws] = Listeners(_patch_random_objects)
+
+
+def _numpy_generators() -> list[Any]:
+    """Every NumPy ``Generator`` and ``RandomState`` object the process holds, but the global
+    one (compared on its own, with a message of its own). Their methods cannot be wrapped, so
+    the collector's objects are scanned: a few tens of milliseconds per capture."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return []
+    classes = (numpy.random.Generator, numpy.random.RandomState)
+    shared = numpy.random.rand.__self__  # the generator behind numpy.random's functions
+    # type(), not isinstance(): some objects answer __class__ with a property that warns.
+    return [g for g in gc.get_objects() if issubclass(type(g), classes) and g is not shared]
+
+
+def _state_of(generator: Any) -> Any:
+    if hasattr(generator, "bit_generator"):  # numpy.random.Generator
+        return generator.bit_generator.state
+    return generator.get_state()  # numpy.random.RandomState
+
+
+def _same_state(before: Any, after: Any) -> bool:
+    if isinstance(before, tuple):  # RandomState: holds an array
+        return _same_numpy_state(before, after)
+    return bool(before == after)
+
+
+def _kind(generator: Any) -> str:
+    return f"NumPy {type(generator).__name__}"
