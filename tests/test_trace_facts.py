@@ -844,6 +844,69 @@ def test_the_remembered_check_reads_any_attribute_name() -> None:
     assert not unchanged(model)
 
 
+ACTIVATION = torch.relu
+
+
+class Activated(nn.Module):
+    """Computes with callables it holds: a builtin, a partial, a method, a global."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.act = torch.sigmoid
+        self.post = functools.partial(torch.clamp, min=0.25)
+
+    def scale(self, y: torch.Tensor) -> torch.Tensor:
+        return y * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.scale(ACTIVATION(self.act(self.lin(x)))))
+
+
+def halve(self: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    return y / 2
+
+
+def test_callables_the_model_and_globals_hold_are_checked(backend: str) -> None:
+    """A builtin (``torch.sigmoid``), a partial with plain values, a method of the user's class
+    and a global function are part of what the graph computed. Before (0.15.0): each swapped
+    after capture (``self.act = torch.tanh``, a new partial, a method patched into the class
+    or set on the instance, the global rebound), the artifact computed with the old one."""
+    model = Activated()
+    run = build(forward, model, new_x(), backend=backend)
+    x = new_x()
+    agree(run, forward, (model, x), (model, x))  # the next call takes the remembered path
+    agree(run, forward, (model, x), (model, x))
+    changes: list[tuple[Any, str, Any, str]] = [
+        (model, "act", torch.tanh, r"'act' of the model is torch\..*tanh, but was .*sigmoid"),
+        (model, "post", functools.partial(torch.clamp, min=0.5), r"min=0\.5\), but was"),
+        (Activated, "scale", halve, r"'scale' of the model is .*\.halve, but was .*scale"),
+        (model, "scale", halve.__get__(model), r"'scale' of the model is .*\.halve, but"),
+        (sys.modules[__name__], "ACTIVATION", torch.tanh, r"global 'ACTIVATION' of module"),
+    ]
+    for owner, name, value, match in changes:
+        had = name in vars(owner)
+        with refused_while_set(owner, name, value, match, model, x):
+            run(model, x)
+        if not had:
+            delattr(owner, name)
+        agree(run, forward, (model, x), (model, x))
+
+
+def test_the_remembered_check_follows_a_method_to_its_function() -> None:
+    """A method is a new bound object at every read: the remembered check compares the
+    function behind it, so an unchanged model passes and a patched method fails."""
+    from torch_precompile.shipped.driver.memo import _CheckSource
+
+    model = Activated()
+    check = _CheckSource([model])
+    check.same(check.read(model, ("scale",)), model.scale)
+    unchanged = check.compiled()
+    assert unchanged(model) and unchanged(model)
+    model.scale = halve.__get__(model)  # type: ignore[method-assign]
+    assert not unchanged(model)
+
+
 class Scaled(nn.Module):
     """Reads a class attribute (``factor``) through ``self``."""
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import dis
 import enum
+import functools
 import gc
 import os
 import sys
@@ -36,6 +37,7 @@ import torch
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.shipped.driver.core import qualified_name
+from torch_precompile.shipped.driver.encoded import callable_name
 from torch_precompile.spec import EncodedValue, ReadValue
 from torch_precompile.trace.environment import ENVIRONMENT_READS
 from torch_precompile.trace.inputs import encode_value
@@ -169,8 +171,14 @@ class ReadRecorder:
                 value = namespace[name]
             elif depth == 0 and (found := _class_value(type(module), name)) is not _UNSEEN:
                 value = found  # ``factor = 2.0`` in the class body, read as ``self.factor``
+            elif depth == 0 and (method := _users_method(type(module), name)) is not None:
+                # ``self.helper(x)``: the graph holds what the method computed, so one set
+                # on the instance or patched into the class later would go unseen.
+                named: EncodedValue = ("callable", qualified_name(method))
+                self.reads[key] = ReadValue(index, None, path[:1], named, where)
+                return
             else:
-                return  # a parameter, buffer, submodule, method or property: not a value
+                return  # a parameter, buffer, submodule, torch's method, a property
             encoded = encode_read(value)
             if encoded is not None:
                 self.reads[key] = ReadValue(index, None, path[: depth + 1], encoded, where)
@@ -266,6 +274,29 @@ def _class_value(cls: type, name: str) -> Any:
             descriptor = hasattr(type(value), "__get__")
             return value if user_class and not descriptor else _UNSEEN
     return _UNSEEN
+
+
+def _users_method(cls: type, name: str) -> types.FunctionType | None:
+    """The method ``name`` of ``cls`` where a class of the user's own code defines it (not
+    torch, an installed package or the standard library, whose methods are theirs)."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            value = vars(klass)[name]
+            module = sys.modules.get(klass.__module__)
+            file = getattr(module, "__file__", None)
+            own = isinstance(file, str) and users_file(file)
+            return value if own and isinstance(value, types.FunctionType) else None
+    return None
+
+
+def users_file(filename: str) -> bool:
+    """Whether ``filename`` is the user's own code: not torch, this package, the standard
+    library or an installed package."""
+    return not (
+        filename.startswith((_TORCH_ROOT, _PACKAGE_ROOT))
+        or _in_standard_library(filename)
+        or any(p in filename for p in _INSTALLED)
+    )
 
 
 def _script_name(module: str, namespace: dict[str, Any]) -> str | None:
@@ -438,8 +469,8 @@ def encode_read(value: Any) -> EncodedValue | None:
         pairs = [(encode_read(k), encode_read(v)) for k, v in value.items()]
         plain = all(k is not None and v is not None for k, v in pairs)
         return ("dict", tuple(pairs)) if plain else None  # compared item by item, in order
-    if isinstance(value, types.FunctionType) and "<" not in value.__qualname__:
-        return ("callable", qualified_name(value))  # a lambda's name would say nothing
+    if _named_callable(value):
+        return ("callable", callable_name(value))
     if isinstance(value, enum.Enum | torch.dtype | torch.device) or type(value) in (
         bool,
         int,
@@ -453,6 +484,23 @@ def encode_read(value: Any) -> EncodedValue | None:
         except PrecompileError:
             return None
     return None
+
+
+def _named_callable(value: Any) -> bool:
+    """A callable that its name tells apart from others (``torch.relu``, a function of the
+    user's, a method set on a module, a partial binding plain values), not a lambda, whose
+    name would say nothing, nor a method bound to some object."""
+    if isinstance(value, functools.partial):
+        bound = (*value.args, *value.keywords.values())
+        return _named_callable(value.func) and all(encode_read(v) is not None for v in bound)
+    if isinstance(value, types.MethodType):
+        owner, value = value.__self__, value.__func__
+        if not isinstance(owner, torch.nn.Module):
+            return False
+    if isinstance(value, types.BuiltinFunctionType):
+        owner = value.__self__
+        return owner is None or isinstance(owner, types.ModuleType)
+    return isinstance(value, types.FunctionType) and "<" not in value.__qualname__
 
 
 def drop_changed_reads(recorder: ReadRecorder) -> None:

@@ -3,6 +3,7 @@ whether a value at a call is the one captured, and how to show it in a message. 
 a call's Python values are checked (inputs, value guards, values the trace read).
 """
 
+import functools
 import math
 from typing import Any
 
@@ -27,7 +28,7 @@ def value_matches(encoded: Any, value: Any) -> bool:
     if kind == "enum":
         return _qualified(value) == expected[0] and getattr(value, "name", None) == expected[1]
     if kind == "callable":
-        return callable(value) and qualified_name(value) == expected
+        return callable(value) and callable_name(value) == expected
     if kind in ("tuple", "list"):
         return (
             type(value).__name__ == kind
@@ -49,6 +50,15 @@ def value_matches(encoded: Any, value: Any) -> bool:
             for field, item in expected[1]
         )
     return type(value) is type(expected) and value == expected
+
+
+def callable_name(value: Any) -> str:
+    """A function by its qualified name, the same in every process; a partial with the plain
+    values it binds (``functools.partial(torch.clamp, min=0.0)``)."""
+    if isinstance(value, functools.partial):
+        bound = [*map(repr, value.args), *(f"{k}={v!r}" for k, v in value.keywords.items())]
+        return f"functools.partial({', '.join([callable_name(value.func), *bound])})"
+    return qualified_name(value)
 
 
 def _qualified(value: Any) -> str:

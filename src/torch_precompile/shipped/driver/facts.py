@@ -18,7 +18,7 @@ from torch_precompile.shipped.driver.core import (
     Driver,
     PrecompileError,
 )
-from torch_precompile.shipped.driver.encoded import shown_value, value_matches
+from torch_precompile.shipped.driver.encoded import callable_name, shown_value, value_matches
 
 _MISSING = object()
 
@@ -119,7 +119,13 @@ def _base_name(file: Any) -> str | None:
 def _compare(read: Any, shown: str, value: Any) -> None:
     if value_matches(read.expected, value):
         return
-    now = "missing" if value is _MISSING else repr(value)
+    now = (
+        "missing"
+        if value is _MISSING
+        else callable_name(value)
+        if read.expected[0] == "callable" and callable(value)
+        else repr(value)
+    )
     raise PrecompileError(
         f"{shown} is {now}, but was {shown_value(read.expected)} when the trace read it "
         f"({read.where}); the graph holds that value. Set it back, or precompile again with "

@@ -146,6 +146,9 @@ class _CheckSource:
             items = self.hold("value", copy.deepcopy(list(value.items())))
             self.terms.append(f"list({code}.items()) == {items}")
             return
+        if type(value) is types.MethodType:  # a new bound method at every read
+            self.terms.append(f"{code}.__func__ is {self.hold('value', value.__func__)}")
+            return
         known = (
             repr(value)
             if value is None or value is True or value is False
