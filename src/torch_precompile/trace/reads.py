@@ -39,6 +39,7 @@ from torch_precompile.errors import PrecompileError
 from torch_precompile.shipped.driver.core import qualified_name
 from torch_precompile.shipped.driver.encoded import callable_name
 from torch_precompile.spec import EncodedValue, ReadValue
+from torch_precompile.trace.call_watch import CallWatch
 from torch_precompile.trace.environment import ENVIRONMENT_READS
 from torch_precompile.trace.inputs import encode_value
 
@@ -87,7 +88,7 @@ class ReadRecorder:
         self.namespaces: dict[str, dict[str, Any]] = {}  # where each global was read
         # Modules held in globals, not the model's (a loss: ``criterion``): where each is.
         self.global_modules: dict[int, tuple[dict[str, Any], str]] = {}
-        self.previous: Any = None
+        self.watch: CallWatch | None = None
         # Plain values read from closures (fn's own, a helper's): no call can reach them, so
         # capture names them (``closure_report``). Keyed by code and name; shown with where.
         self.closed_over: dict[tuple[Any, Any], str] = {}
@@ -98,13 +99,13 @@ class ReadRecorder:
         # Garbage-collection callbacks run inside any allocation; what they read is theirs.
         for callback in gc.callbacks:
             self.code_reads[getattr(callback, "__code__", None)] = None  # type: ignore[index]
-        self.previous = sys.gettrace()
-        sys.settrace(self._on_event)
+        self.watch = CallWatch(self.code_reads, _code_reads, self._look).__enter__()
         ENVIRONMENT_READS.enter(self._environment_read)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        sys.settrace(self.previous)
+        if self.watch is not None:
+            self.watch.__exit__()
         ENVIRONMENT_READS.exit(self._environment_read)
 
     def _environment_read(self, name: str, value: str | None, frame: types.FrameType) -> None:
@@ -119,12 +120,6 @@ class ReadRecorder:
         self.namespaces["os"] = vars(os)
         expected = ("none", None) if value is None else ("const", value)
         self.reads[key] = ReadValue(None, "os", key[2], expected, where)
-
-    def _on_event(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event == "call":
-            self._look(frame)
-        previous = self.previous
-        return previous(frame, event, arg) if previous is not None else None
 
     def _look(self, frame: types.FrameType) -> None:
         code = frame.f_code
