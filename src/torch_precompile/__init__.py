@@ -11,7 +11,7 @@ or, inside your own loop, writing the pair to files:
     run = precompile.load("step.py")
 """
 
-__version__ = "0.15.0"
+__version__ = "0.16.0"
 
 from torch_precompile.api import precompile
 from torch_precompile.capture_session import capture
