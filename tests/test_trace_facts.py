@@ -1167,6 +1167,30 @@ def test_generator_objects_outside_torch_are_refused_at_capture(backend: str) ->
     agree(run, fresh, (model, x), (model, x))
 
 
+def input_saliency(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x.requires_grad_()
+    (grad,) = torch.autograd.grad(m(x).sum(), x)
+    return grad
+
+
+def test_an_input_flag_fn_sets_is_refused_at_capture(backend: str) -> None:
+    """``x.requires_grad_()`` inside fn leaves eager's x requiring grad; an artifact leaves the
+    tensor passed in as it was. Before (0.15.0): the result was right but x came back without
+    the flag, with no word. Set before the capture, the flag is an input fact like any."""
+    model, x = mlp(0), new_x()
+    with refused(r"fn sets requires_grad=True on input x .*x\.requires_grad_\(True\)", x):
+        precompile(input_saliency, model, x, backend=backend)
+    assert not x.requires_grad
+
+    def saliency(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        (grad,) = torch.autograd.grad(m(x).sum(), x)
+        return grad
+
+    run = build(saliency, model, new_x().requires_grad_(), backend=backend)
+    x = new_x().requires_grad_()
+    assert_same(run(model, x), saliency(model, x))
+
+
 def forked_noise(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.random.fork_rng():
         torch.manual_seed(1)

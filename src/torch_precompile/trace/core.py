@@ -462,6 +462,7 @@ def _trace(
         versions = [version_of(e) for e in examples]
         trace = _Trace(flat_fn, decompositions, examples, on_fakes)
         gm = trace.run()
+        _refuse_grad_flags_set(layout, examples)
         # Which examples the trace wrote shows which inputs the graph writes: as laid out
         # here, an example is a flat input (subclasses and DTensors are laid out otherwise).
         plain = layout.sharding is None and not layout.wrapping.inputs
@@ -488,6 +489,25 @@ def _trace(
         for t in buffers:
             if t.grad_fn is not None:  # an in-place write of a value with history
                 t.detach_()
+
+
+def _refuse_grad_flags_set(layout: _Layout, examples: Sequence[torch.Tensor]) -> None:
+    """Refuse fn's ``x.requires_grad_()`` on an input tensor: the copy the trace ran on took
+    the flag, but an artifact leaves the caller's tensor as it was, where eager leaves it
+    requiring grad."""
+    if layout.sharding is not None or layout.wrapping.inputs:
+        return  # examples laid out otherwise
+    for k, i in enumerate(layout.tensor_positions):
+        given = layout.inputs.leaves[i].requires_grad
+        if examples[layout.num_state + k].requires_grad != given:
+            name = layout.inputs.names[i]
+            raise PrecompileError(
+                f"fn sets requires_grad={not given} on input {name} (requires_grad_()) while "
+                f"it is traced. An artifact leaves the tensor passed in as it was, so {name} "
+                f"would not come back with the flag eager gives it. Set it before the call, "
+                f"outside fn ({name}.requires_grad_({not given}) before precompile and before "
+                "each call): fn computes the same gradients with it."
+            )
 
 
 def _buffers_as_themselves(layout: _Layout) -> list[torch.Tensor]:
