@@ -1438,6 +1438,32 @@ def test_options_of_a_loss_fn_closes_over_are_named_at_capture(
     assert len(said) == 1 and "criterion.label_smoothing=0.1 (loss.py:" in said[0], said
 
 
+def item_step(m: nn.Module, x: torch.Tensor) -> float:
+    loss = m(x).pow(2).mean()
+    loss.backward()
+    return loss.item()
+
+
+def test_a_returned_item_is_named_at_capture_and_in_the_refusal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``return loss.item()`` makes the number a read the artifact checks: a call with other
+    data is refused. Capture says so, and the refusal names the fix (return the tensor)."""
+    model = mlp(0)
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        run = build(item_step, model, new_x(), backend="eager")
+    said = [r.getMessage() for r in caplog.records if "returns a number" in r.getMessage()]
+    assert len(said) == 1 and "(.item(), at test_trace_facts.py:" in said[0], said
+    assert "Return the tensor instead (loss.detach())" in said[0]
+    x = new_x()
+    with refused(r"a number fn returns, such as loss\.item\(\), is one: return the tensor", model):
+        run(model, x)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        precompile(train_step, mlp(0), new_x(), backend="eager")
+    assert not [r for r in caplog.records if "returns a number" in r.getMessage()]
+
+
 def timed_step(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
     start = time.perf_counter()
     y = m(x)

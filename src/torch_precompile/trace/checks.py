@@ -148,6 +148,12 @@ def check_result_leaves(leaves: Sequence[Any]) -> None:
                 "can return tensors and plain Python values (int, float, bool, str, None) in "
                 "lists, tuples and dicts."
             )
+        if isinstance(leaf, torch.Tensor) and leaf.layout is not torch.strided:
+            raise PrecompileError(
+                f"fn's result holds a tensor of layout {leaf.layout} at leaf {i}; a precompiled "
+                "artifact returns dense (strided) tensors. Return it dense (.to_dense()) and "
+                "convert it after the call."
+            )
 
 
 def origin_finder(

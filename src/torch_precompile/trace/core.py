@@ -142,7 +142,12 @@ def capture(
     refuse_changes(before)
     watch.draws.refuse()
     drop_changed_reads(watch.reads)
-    for unchecked in (watch.reads.closure_report(), watch.reads.clock_report()):
+    reports = (
+        watch.reads.closure_report(),
+        watch.reads.clock_report(),
+        outputs.returned_reads_report(),
+    )
+    for unchecked in reports:
         if unchecked is not None:  # in the graph, beyond any call's reach: said at capture
             log.warning(unchecked)
     _refuse_aliased_writes(layout, traced.mutated)
@@ -220,6 +225,20 @@ class _Outputs:
     spec: pytree.TreeSpec | None = None
     grad_indices: list[int] = dataclasses.field(default_factory=list)
     aliases: tuple[OutputAlias, ...] = ()
+    # Where fn returns a number it read off a tensor (``loss.item()``): every call checks it.
+    returned_reads: list[str] = dataclasses.field(default_factory=list)
+
+    def returned_reads_report(self) -> str | None:
+        """Said at capture: a returned ``.item()`` makes every call with another value fail."""
+        if not self.returned_reads:
+            return None
+        where = "; ".join(read.rsplit(" at ", 1)[-1] for read in self.returned_reads)
+        return (
+            f"fn returns a number it read off a tensor (.item(), at {where}). "
+            "The artifact checks such a read at every call, so a call where it comes out "
+            "another number is refused. Return the tensor instead (loss.detach()) and call "
+            ".item() on the result."
+        )
 
 
 @dataclass(frozen=True)
@@ -397,6 +416,7 @@ def _flat_function(
         _reject_stray_gradients(state, flat, layout.num_params)
         result_leaves, outputs.spec = pytree.tree_flatten(result)
         checks.check_result_leaves(result_leaves)
+        outputs.returned_reads = _returned_reads(recorder, result_leaves)
         check_returned_lrs(layout.optimizers, result_leaves)
         grads = [(i, p.grad) for i, p in enumerate(flat[: layout.num_params]) if p.grad is not None]
         if sharding is not None:
@@ -857,6 +877,18 @@ def _trace_symbolic(
             "dim static or write fn without the size-dependent decision. The trace stopped at: "
             f"{str(e).splitlines()[0]}"
         ) from e
+
+
+def _returned_reads(recorder: GuardRecorder, leaves: Sequence[Any]) -> list[str]:
+    """Where a float fn returns is one a read gave (``loss.item()``). Compared by value (torch
+    makes a new float for the caller): floats only, where equal values seldom meet by chance,
+    and only for a warning."""
+    returned = {leaf for leaf in leaves if type(leaf) is float}
+    return [
+        g.description
+        for g in recorder.guards
+        if type(g.expected) is float and g.expected in returned
+    ]
 
 
 def _output_aliases(results: list[Any], flat: tuple[torch.Tensor, ...]) -> tuple[OutputAlias, ...]:

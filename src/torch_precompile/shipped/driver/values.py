@@ -69,7 +69,9 @@ class InputValues:
                     f"this call left the path the artifact was captured on: {description} was "
                     f"{shown_value(expected)} at capture and is {value!r} now, so the result "
                     f"would be wrong: it is withheld{undone}. Capture with an example that "
-                    "takes this path, or keep fn from deciding on tensor values."
+                    "takes this path, or keep fn from deciding on tensor values (a number fn "
+                    "returns, such as loss.item(), is one: return the tensor, loss.detach(), "
+                    "and call .item() on the result)."
                 )
 
 
