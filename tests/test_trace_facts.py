@@ -1191,6 +1191,25 @@ def test_an_input_flag_fn_sets_is_refused_at_capture(backend: str) -> None:
     assert_same(run(model, x), saliency(model, x))
 
 
+def test_an_input_reshaped_in_place_is_refused_for_inductor() -> None:
+    """Inductor compiles for the layout the trace ends with: ``x.t_()`` inside fn made every
+    call fail on the layout check, with a message about the caller's strides. Before
+    (0.15.0): capture passed and each call was refused. The eager backend replays it."""
+    model, x = mlp(0), new_x()
+
+    def transposed(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x.t_().t())
+
+    with refused(r"fn changes the shape or layout of input x in place", x):
+        precompile(transposed, model, x, backend="inductor")
+    assert x.shape == (3, 4)
+    run = build(transposed, model, new_x(), backend="eager")
+    x = new_x()
+    twin = x.clone()
+    assert_same(run(model, x), transposed(model, twin))
+    assert x.shape == twin.shape == (4, 3)
+
+
 def forked_noise(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.random.fork_rng():
         torch.manual_seed(1)

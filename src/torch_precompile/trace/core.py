@@ -140,6 +140,8 @@ def capture(
         put_back(before)  # fn's own error is the one to report
         raise
     refuse_changes(before)
+    if backend == "inductor" and traced.dynamic_inputs is None:  # dynamic: sizes symbolic
+        _refuse_input_layout_changes(layout, traced.examples)
     watch.draws.refuse()
     drop_changed_reads(watch.reads)
     reports = (
@@ -528,6 +530,28 @@ def _refuse_grad_flags_set(layout: _Layout, examples: Sequence[torch.Tensor]) ->
                 f"outside fn ({name}.requires_grad_({not given}) before precompile and before "
                 "each call): fn computes the same gradients with it."
             )
+
+
+def _refuse_input_layout_changes(layout: _Layout, examples: Sequence[torch.Tensor]) -> None:
+    """Refuse fn's in-place change of an input tensor's shape, strides or storage (``resize_``,
+    ``set_``, ``t_``) for Inductor, which compiles its kernels for the layout the trace ends
+    with, not the one a call passes."""
+    if layout.sharding is not None or layout.wrapping.inputs:
+        return  # examples laid out otherwise
+    for k, i in enumerate(layout.tensor_positions):
+        given, traced = layout.inputs.leaves[i], examples[layout.num_state + k]
+        if _layout_of(traced) != _layout_of(given):
+            name = layout.inputs.names[i]
+            raise PrecompileError(
+                f"fn changes the shape or layout of input {name} in place (resize_, set_, t_, "
+                "unsqueeze_, as_strided_, ...), which the inductor backend cannot compile for "
+                f"the layout a call passes. Compute a new tensor instead ({name}.t() for "
+                f"{name}.t_()), or use backend='eager'."
+            )
+
+
+def _layout_of(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
 
 def _buffers_as_themselves(layout: _Layout) -> list[torch.Tensor]:
