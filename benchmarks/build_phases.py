@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from build_time import run_cold
 
 HERE = Path(__file__).resolve().parent
 RESULT = "BUILD_PHASES_RESULT "
@@ -94,28 +92,8 @@ print({marker!r} + json.dumps({{
 
 def build_once(depth: int, mode: str) -> dict[str, float | str]:
     """One cold build in a fresh process, split into its phases."""
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {
-            **os.environ,
-            "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"),
-            "TMPDIR": tmp,
-            "PYTHONPATH": os.pathsep.join(
-                [str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
-            ),
-        }
-        script = _CHILD.format(benchmarks=str(HERE), depth=depth, mode=mode, marker=RESULT)
-        done = subprocess.run(
-            [sys.executable, "-c", script],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=3600,
-            cwd=tmp,
-        )
-    line = next((x for x in done.stdout.splitlines() if x.startswith(RESULT)), None)
-    if done.returncode != 0 or line is None:
-        raise RuntimeError(f"depth {depth} ({mode}) failed:\n{done.stderr[-3000:]}")
-    return json.loads(line.removeprefix(RESULT))
+    script = _CHILD.format(benchmarks=str(HERE), depth=depth, mode=mode, marker=RESULT)
+    return run_cold(lambda tmp: script, RESULT, f"depth {depth} ({mode})")
 
 
 def measure(depth: int, mode: str, runs: int) -> dict[str, float | str]:

@@ -29,7 +29,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULT = "BUILD_TIME_RESULT "
@@ -93,8 +95,9 @@ print({marker!r} + json.dumps({{"seconds": seconds, "peak_mib": peak, "wrapper":
 """
 
 
-def build_once(tool: str, depth: int, mode: str) -> dict[str, float | str]:
-    """One cold build in a fresh process: its seconds, peak memory, and (ours) the wrapper."""
+def run_cold(script_in: Callable[[str], str], marker: str, what: str) -> dict[str, Any]:
+    """Run the script ``script_in(tmp)`` gives in a fresh process whose Inductor cache and temp
+    dir are the new empty folder ``tmp``; return the JSON it prints after ``marker``."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {
             **os.environ,
@@ -104,26 +107,35 @@ def build_once(tool: str, depth: int, mode: str) -> dict[str, float | str]:
                 [str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
             ),
         }
-        script = _CHILD.format(
-            benchmarks=str(HERE),
-            tool=tool,
-            depth=depth,
-            mode=mode,
-            out=str(Path(tmp) / "model"),
-            marker=RESULT,
-        )
         done = subprocess.run(
-            [sys.executable, "-c", script],
+            [sys.executable, "-c", script_in(tmp)],
             env=env,
             capture_output=True,
             text=True,
             timeout=3600,
             cwd=tmp,
         )
-    line = next((x for x in done.stdout.splitlines() if x.startswith(RESULT)), None)
+    line = next((x for x in done.stdout.splitlines() if x.startswith(marker)), None)
     if done.returncode != 0 or line is None:
-        raise RuntimeError(f"{tool} at depth {depth} ({mode}) failed:\n{done.stderr[-3000:]}")
-    return json.loads(line.removeprefix(RESULT))
+        raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(line.removeprefix(marker))
+    return result
+
+
+def build_once(tool: str, depth: int, mode: str) -> dict[str, float | str]:
+    """One cold build in a fresh process: its seconds, peak memory, and (ours) the wrapper."""
+    return run_cold(
+        lambda tmp: _CHILD.format(
+            benchmarks=str(HERE),
+            tool=tool,
+            depth=depth,
+            mode=mode,
+            out=str(Path(tmp) / "model"),
+            marker=RESULT,
+        ),
+        RESULT,
+        f"{tool} at depth {depth} ({mode})",
+    )
 
 
 def measure(tool: str, depth: int, mode: str, runs: int) -> dict[str, float | str]:
