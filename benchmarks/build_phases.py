@@ -16,13 +16,10 @@ its wrapper makes (one per kernel per block).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 from pathlib import Path
 
-from build_time import run_cold
+from build_time import run_cold, write_report
 
 HERE = Path(__file__).resolve().parent
 RESULT = "BUILD_PHASES_RESULT "
@@ -132,21 +129,13 @@ def main() -> None:
         for depth in (int(d) for d in args.depths.split(",")):
             rows[(depth, mode)] = measure(depth, mode, args.runs)
             print(depth, mode, rows[(depth, mode)], flush=True)
-    import torch
-
-    lines = [
-        "# Where a build's time goes at depth",
-        "",
-        f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} cores; "
-        f"{args.runs} fresh process(es) per row, median; every build cold. Rerun with "
-        f"`.venv/bin/python benchmarks/build_phases.py --runs {args.runs}`.",
-        "",
-        *table(rows),
-        "",
-        f"Written by `build_phases.py` on {datetime.date.today().isoformat()}.",
-    ]
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(
+        args.out,
+        "Where a build's time goes at depth",
+        f"{args.runs} fresh process(es) per row, median; every build cold",
+        f"build_phases.py --runs {args.runs}",
+        table(rows),
+    )
 
 
 if __name__ == "__main__":

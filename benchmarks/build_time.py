@@ -210,21 +210,32 @@ def main() -> None:
                     continue  # AOTInductor compiles inference graphs only
                 rows[(tool, depth, mode)] = measure(tool, depth, mode, args.runs)
                 print(tool, depth, mode, rows[(tool, depth, mode)], flush=True)
+
+    write_report(
+        args.out,
+        "Build time at depth",
+        f"{args.runs} fresh process(es) per cell, median; every build cold (empty Inductor cache)",
+        f"build_time.py --runs {args.runs}",
+        table(rows, depths, modes, tools),
+    )
+
+
+def write_report(out: Path, title: str, method: str, rerun: str, rows: list[str]) -> None:
+    """Write (and print) a benchmark's markdown: the title, the machine and ``method``, how
+    to rerun it, the table, the date."""
     import torch
 
     lines = [
-        "# Build time at depth",
+        f"# {title}",
         "",
         f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} cores; "
-        f"{args.runs} fresh process(es) per cell, median; every build cold (empty Inductor "
-        "cache). Rerun with `.venv/bin/python benchmarks/build_time.py --runs "
-        f"{args.runs}`.",
+        f"{method}. Rerun with `.venv/bin/python benchmarks/{rerun}`.",
         "",
-        *table(rows, depths, modes, tools),
+        *rows,
         "",
-        f"Written by `build_time.py` on {datetime.date.today().isoformat()}.",
+        f"Written by `{rerun.split()[0]}` on {datetime.date.today().isoformat()}.",
     ]
-    args.out.write_text("\n".join(lines) + "\n")
+    out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
