@@ -19,6 +19,7 @@ from types import ModuleType
 
 import torch_precompile
 from torch_precompile.artifact.checks import check_function, tensor_type
+from torch_precompile.artifact.plain_checks import is_plain, plain_binding, plain_checks
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
 from torch_precompile.lower import LoweredGraph, VariantGraphs
@@ -30,12 +31,15 @@ from torch_precompile.shipped.driver import (
     dynamic,
     encoded,
     facts,
+    guards,
     hook_values,
     memo,
     no_history,
     optimizers,
+    plain,
     planned,
     records,
+    refusals,
     subclasses,
     values,
     variants,
@@ -145,6 +149,7 @@ class DriverPart:
 _VALUES = DriverPart(values, "values", "InputValues")
 _FACTS = DriverPart(facts, "facts", "PythonFacts")
 _HOOK_VALUES = DriverPart(hook_values, "hooks", "hook_values")
+_GUARDS = DriverPart(guards, None, None)
 _MEMO = DriverPart(memo, "memo", "ModelMemo")
 _SIZES = DriverPart(dynamic, "sizes", "DynamicSizes")
 _DISTRIBUTED = DriverPart(distributed, "distributed", "DistributedCall")
@@ -161,6 +166,7 @@ _PART_ORDER = (
     _VALUES,
     _FACTS,
     _HOOK_VALUES,
+    _GUARDS,
     _MEMO,
     _PLANNED,
     _SIZES,
@@ -172,7 +178,13 @@ _PART_ORDER = (
     _AUTOGRAD,
 )
 # Parts other parts call into: shipped with them.
-_USED_BY = {id(_VALUES): _ENCODED, id(_FACTS): _ENCODED, id(_AUTOGRAD): _NO_HISTORY}
+_USED_BY = {
+    id(_VALUES): _ENCODED,
+    id(_FACTS): _ENCODED,
+    id(_AUTOGRAD): _NO_HISTORY,
+    id(_MEMO): _GUARDS,
+    id(_SUBCLASSES): _GUARDS,
+}
 
 
 def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
@@ -240,12 +252,24 @@ def render(
     call_example = ", ".join(a.name for a in spec.args)
     named = _named_graphs(variants, graphs)
     graph_section = _graph_section(named)
-    shipped = [shipped_source(m) for m in (core, *(p.module for p in _all_parts(variants)))]
-    checks = [
-        check_function(v, _check_name(n, len(variants)), _keywords(v))
-        for n, v in enumerate(variants, 1)
-    ]
-    driver_source = _driver_source([_records(variants), *shipped], graph_section, checks)
+    plain_spec = len(variants) == 1 and is_plain(spec, not _has_values(spec))
+    if plain_spec:
+        parts = [refusals, guards, encoded, plain]
+        parts += [no_history] if spec.autograd is not None else []
+        driver_source = _driver_source(
+            [shipped_source(m) for m in parts], graph_section, [plain_checks(spec)]
+        )
+        binding = plain_binding(spec)
+    else:
+        shipped = [
+            shipped_source(m) for m in (refusals, core, *(p.module for p in _all_parts(variants)))
+        ]
+        checks = [
+            check_function(v, _check_name(n, len(variants)), _keywords(v))
+            for n, v in enumerate(variants, 1)
+        ]
+        driver_source = _driver_source([_records(variants), *shipped], graph_section, checks)
+        binding = _binding(variants, named)
     _check_no_clash(graph_section, driver_source)
     all_named = [g for per_variant in named for g in per_variant]
     sections = [
@@ -270,7 +294,7 @@ def render(
         driver_source,
         "",
         _RULE,
-        *_binding(variants, named),
+        *binding,
         _MAIN.format(call_example=call_example),
     ]
     return "\n".join(sections)
@@ -568,7 +592,7 @@ def _structure_notes(spec: ArtifactSpec) -> dict[str, str]:
     leaves = [
         leaf.path
         if leaf.kind == "tensor" or leaf.value is None
-        else core.Shown(repr(leaf.value[1]))
+        else refusals.Shown(repr(leaf.value[1]))
         for leaf in spec.inputs
     ]
     notes = {"out_spec": "fn's result: " + _structure(spec.out_spec, None)}
@@ -582,9 +606,9 @@ def _structure_notes(spec: ArtifactSpec) -> dict[str, str]:
 
 def _structure(dumped: str, names: Sequence[object] | None) -> str:
     spec = pytree.treespec_loads(dumped)
-    shown = names if names is not None else [core.Shown("Tensor")] * spec.num_leaves
+    shown = names if names is not None else [refusals.Shown("Tensor")] * spec.num_leaves
     text = repr(
-        pytree.tree_unflatten([core.Shown(n) if isinstance(n, str) else n for n in shown], spec)
+        pytree.tree_unflatten([refusals.Shown(n) if isinstance(n, str) else n for n in shown], spec)
     )
     return text if len(text) <= 80 else text[:77] + "..."
 

@@ -18,14 +18,14 @@ import torch
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.tracing import BatchNormBase, forward_pre_hooks
-from torch_precompile.shipped.driver.core import (
+from torch_precompile.shipped.driver.hook_values import hook_values
+from torch_precompile.shipped.driver.refusals import (
     GLOBAL_HOOKS,
     MODULE_HOOKS,
     TENSOR_HOOKS,
     hook_name,
     hook_sets,
 )
-from torch_precompile.shipped.driver.hook_values import hook_values
 from torch_precompile.spec import HookSet
 from torch_precompile.trace.python_state import Slot
 

@@ -36,8 +36,8 @@ from typing import Any, cast
 import torch
 
 from torch_precompile.errors import PrecompileError
-from torch_precompile.shipped.driver.core import qualified_name
 from torch_precompile.shipped.driver.encoded import callable_name
+from torch_precompile.shipped.driver.refusals import qualified_name
 from torch_precompile.spec import EncodedValue, ReadValue
 from torch_precompile.trace.call_watch import CallWatch
 from torch_precompile.trace.environment import ENVIRONMENT_READS

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from torch_precompile.shipped.driver.core import Driver, PrecompileError
+from torch_precompile.shipped.driver.core import Driver
 from torch_precompile.shipped.driver.no_history import NoHistory
+from torch_precompile.shipped.driver.refusals import PrecompileError
 
 Graph = Callable[[list[Any]], list[Any]]
 

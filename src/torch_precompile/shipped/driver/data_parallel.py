@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from torch_precompile.shipped.driver.core import Driver, PrecompileError
+from torch_precompile.shipped.driver.core import Driver
+from torch_precompile.shipped.driver.refusals import PrecompileError
 
 
 class DataParallelSteps:

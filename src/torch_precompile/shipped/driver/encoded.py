@@ -5,11 +5,12 @@ a call's Python values are checked (inputs, value guards, values the trace read)
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from torch_precompile.shipped.driver.core import qualified_name
+from torch_precompile.shipped.driver.refusals import PrecompileError, qualified_name
 
 
 def value_matches(encoded: Any, value: Any) -> bool:
@@ -88,3 +89,31 @@ def shown_value(encoded: Any) -> str:
         fields = ", ".join(f"{field}={shown_value(item)}" for field, item in expected[1])
         return f"{expected[0]}({fields})"
     return repr(expected)
+
+
+MISSING = object()  # an attribute a call's module lacks
+
+
+def compare_read(expected: Any, where: str, shown: str, value: Any) -> None:
+    """A value the trace read (``shown``, at ``where``) against the one it read then."""
+    if value_matches(expected, value):
+        return
+    now = (
+        "missing"
+        if value is MISSING
+        else callable_name(value)
+        if expected[0] == "callable" and callable(value)
+        else repr(value)
+    )
+    raise PrecompileError(
+        f"{shown} is {now}, but was {shown_value(expected)} when the trace read it "
+        f"({where}); the graph holds that value. Set it back, or precompile again with "
+        "the new value (a value that changes between calls belongs in a tensor: a buffer or "
+        "an input)."
+    )
+
+
+def module_read_name(module: str, path: Sequence[str]) -> str:
+    """How a value read off submodule ``module`` at ``path`` is named in messages."""
+    owner = f"module {module!r}" if module else "the model"
+    return f"attribute {'.'.join(path)!r} of {owner}"

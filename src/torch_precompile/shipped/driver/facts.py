@@ -14,13 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from torch_precompile.shipped.driver.core import (
-    Driver,
-    PrecompileError,
-)
-from torch_precompile.shipped.driver.encoded import callable_name, shown_value, value_matches
-
-_MISSING = object()
+from torch_precompile.shipped.driver.core import Driver
+from torch_precompile.shipped.driver.encoded import MISSING, compare_read, module_read_name
 
 
 class PythonFacts:
@@ -30,7 +25,7 @@ class PythonFacts:
         spec = driver.spec
         names = [s.name for s in spec.submodules]
         self.module_reads = [
-            (r, _module_read_name(names[r.submodule], r.path))
+            (r, module_read_name(names[r.submodule], r.path))
             for r in spec.read_values
             if r.submodule is not None
         ]
@@ -45,8 +40,8 @@ class PythonFacts:
         for read, shown in self.module_reads:
             value = submodules[read.submodule]
             for name in read.path:
-                value = getattr(value, name, _MISSING)
-            _compare(read, shown, value)
+                value = getattr(value, name, MISSING)
+            compare_read(read.expected, read.where, shown, value)
 
     def module_paths(self) -> list[tuple[int, tuple[str, ...]]]:
         """Where each module attribute was read: (submodule index, attribute path)."""
@@ -71,14 +66,14 @@ class PythonFacts:
                 if not isinstance(holder, dict):  # os.environ: None where a name is unset
                     value, settled = holder.get(name), False
                 else:
-                    value = holder.get(name, _MISSING)
+                    value = holder.get(name, MISSING)
                     dicts.append(holder)
                     names.append(name)
                     seen.append(value)
                 holder = value if value is os.environ else getattr(value, "__dict__", None)
                 if not isinstance(holder, dict) and holder is not os.environ:
                     holder = {}
-            _compare(read.record, read.shown, value)
+            compare_read(read.record.expected, read.record.where, read.shown, value)
             settled = settled and type(value) not in (list, dict)  # it can change in place
         self.global_dicts, self.global_names, self.global_seen = dicts, names, seen
         self.globals_settled = settled
@@ -114,26 +109,3 @@ class GlobalRead:
 
 def _base_name(file: Any) -> str | None:
     return file.rsplit("/", 1)[-1].rsplit("\\", 1)[-1] if isinstance(file, str) else None
-
-
-def _compare(read: Any, shown: str, value: Any) -> None:
-    if value_matches(read.expected, value):
-        return
-    now = (
-        "missing"
-        if value is _MISSING
-        else callable_name(value)
-        if read.expected[0] == "callable" and callable(value)
-        else repr(value)
-    )
-    raise PrecompileError(
-        f"{shown} is {now}, but was {shown_value(read.expected)} when the trace read it "
-        f"({read.where}); the graph holds that value. Set it back, or precompile again with "
-        "the new value (a value that changes between calls belongs in a tensor: a buffer or "
-        "an input)."
-    )
-
-
-def _module_read_name(module: str, path: Sequence[str]) -> str:
-    owner = f"module {module!r}" if module else "the model"
-    return f"attribute {'.'.join(path)!r} of {owner}"

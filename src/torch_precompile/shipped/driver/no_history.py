@@ -13,14 +13,15 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_precompile.shipped.driver.core import Driver, PrecompileError
+from torch_precompile.shipped.driver.core import Driver
+from torch_precompile.shipped.driver.refusals import PrecompileError
 
 
 class NoHistory:
     """``autograd`` of a driver whose results never carry history."""
 
-    def __init__(self, driver: Driver) -> None:
-        record = driver.spec.autograd
+    def __init__(self, driver: "Driver") -> None:
+        record = driver.autograd_record
         self.driver = driver
         self.inputs = frozenset(record.inputs)
         self.unavailable = record.unavailable

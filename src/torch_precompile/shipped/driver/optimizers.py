@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from torch_precompile.shipped.driver.core import Driver, PrecompileError
+from torch_precompile.shipped.driver.core import Driver
 from torch_precompile.shipped.driver.planned import TensorPlan, check_planned
+from torch_precompile.shipped.driver.refusals import PrecompileError
 
 
 class OptimizerSteps:

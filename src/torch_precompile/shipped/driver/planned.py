@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from torch_precompile.shipped.driver.core import PrecompileError, check_layout
+from torch_precompile.shipped.driver.refusals import PrecompileError, check_layout
 
 
 class TensorPlan:

@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-from torch_precompile.shipped.driver.core import Driver, PrecompileError
-from torch_precompile.shipped.driver.memo import tensor_guard
+from torch_precompile.shipped.driver.core import Driver
+from torch_precompile.shipped.driver.guards import tensor_guard
 from torch_precompile.shipped.driver.planned import TensorPlan, check_planned
+from torch_precompile.shipped.driver.refusals import PrecompileError
 
 
 class WrappedCall:

@@ -8,15 +8,15 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from torch_precompile.shipped.driver.core import (
-    Driver,
+from torch_precompile.shipped.driver.core import Driver
+from torch_precompile.shipped.driver.encoded import shown_value, value_matches
+from torch_precompile.shipped.driver.refusals import (
     LeafPlan,
     PrecompileError,
     Shown,
     sketch,
     structure_error,
 )
-from torch_precompile.shipped.driver.encoded import shown_value, value_matches
 
 
 class InputValues:

@@ -13,8 +13,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch_precompile.shipped.driver.core import PrecompileError
 from torch_precompile.shipped.driver.records import SPEC_SHARED
+from torch_precompile.shipped.driver.refusals import PrecompileError
 
 
 def variant_spec(literal: Mapping[str, Any], number: int) -> dict[str, Any]:

@@ -1,0 +1,219 @@
+"""The checks of a plain artifact as generated code, over the small runtime in ``driver.plain``.
+
+A plain spec (``is_plain``) takes at most one model and positional tensors and uses no feature
+of the generic ``Driver``. Its artifact holds ``check_call``, which checks a call one line per
+check in the order they run, and ``check_models``, the full check of the model one line per
+tensor and module: what a reader sees is what a call checks, with nothing for features the
+artifact does not use.
+"""
+
+from __future__ import annotations
+
+from torch_precompile.artifact.checks import tensor_type
+from torch_precompile.spec import ArtifactSpec, InputLeaf, ModelTensor
+
+# Fields a plain spec leaves at their defaults: each is a feature of the generic driver.
+_GENERIC_FIELDS = (
+    "value_guards",
+    "dynamic_dims",
+    "size_relations",
+    "output_aliases",
+    "meshes",
+    "distributed",
+    "optimizers",
+    "param_groups",
+    "optimizer_state",
+    "wrapped",
+    "wrapped_inner",
+    "data_parallel",
+    "fully_sharded",
+    "global_hooks",
+    "mutated",
+    "variants",
+)
+
+
+def is_plain(spec: ArtifactSpec, positional: bool) -> bool:
+    """Whether ``spec`` needs no more than the plain runtime; ``positional``: its inputs are
+    positional tensors."""
+    return (
+        positional
+        and len(spec.model_names) <= 1
+        and spec.seed is None
+        and all(r.submodule is not None for r in spec.read_values)  # globals: generic
+        and not any(getattr(spec, name) for name in _GENERIC_FIELDS)
+        and all(t.tied_to is None and not t.hooks for t in spec.model)
+        and all(not s.hooks for s in spec.submodules)
+        and (spec.autograd is None or not spec.autograd.outputs)
+    )
+
+
+def plain_checks(spec: ArtifactSpec) -> str:
+    """The generated functions that open a plain artifact's driver section."""
+    training = any(t.gets_grad for t in spec.model)
+    lines = _check_call(spec, training)
+    if spec.model_names:
+        lines += ["", "", *_check_models(spec, training)]
+    return "\n".join(lines) + "\n"
+
+
+def plain_binding(spec: ArtifactSpec) -> list[str]:
+    """The lines that close a plain artifact: what the checks compare with, and ``forward``
+    (after the runtime they are made of)."""
+    training = any(t.gets_grad for t in spec.model)
+    grads = tuple(i for i, t in enumerate(spec.model) if t.gets_grad)
+    arguments = ['ARTIFACT_SPEC["out_spec"]', "FLAT_NAMES"]
+    if grads:
+        arguments.append(f"grads={grads}")
+    if spec.autograd is not None:
+        arguments += ["autograd=NoHistory", 'autograd_record=ARTIFACT_SPEC["autograd"]']
+    checked = "check_models, READS" if spec.model_names else "None"
+    return [
+        "# What the checks compare with, and forward: the checks, then the graph.",
+        *_constants(spec, training),
+        f"REMEMBERED = RememberedCall({checked})",
+        "forward = PlainForward(",
+        "    call,",
+        "    check_call,",
+        *(f"    {a}," for a in arguments),
+        ")",
+    ]
+
+
+def _constants(spec: ArtifactSpec, training: bool) -> list[str]:
+    inputs = [f"input {leaf.path}" for leaf in spec.inputs]
+    lines = [
+        "FLAT_NAMES = [  # in messages: the model's tensors, then the inputs",
+        "    *(f\"model {t['kind']} {t['name']!r}\" for t in ARTIFACT_SPEC[\"model\"]),",
+        *(f"    {name!r}," for name in inputs),
+        "]",
+        "INPUTS = (",
+        *(f"    {_leaf_plan(leaf, spec.backend, training)}," for leaf in spec.inputs),
+        ")",
+        f"AMBIENT = {_ambient(spec)}",
+    ]
+    if spec.model_names:
+        lines += [
+            'MEMBERS = [(t["kind"], t["name"]) for t in ARTIFACT_SPEC["model"]]',
+            'SUBMODULES = [s["name"] for s in ARTIFACT_SPEC["submodules"]]',
+            "# Where the trace read each value off a submodule: (its index, attribute path).",
+            'READS = [(r["submodule"], r["path"]) for r in ARTIFACT_SPEC.get("read_values", ())]',
+        ]
+    return lines
+
+
+def _leaf_plan(leaf: InputLeaf, backend: str, training: bool) -> str:
+    arguments = [
+        repr(leaf.path),
+        f"shape={tuple(leaf.shape or ())!r}",
+        f"dtype={leaf.dtype!r}",
+        f"device={leaf.device!r}",
+    ]
+    if leaf.strides is not None:
+        arguments.append(f"strides={tuple(leaf.strides)!r}")
+    if training:
+        arguments.append(f"requires_grad={leaf.requires_grad!r}")
+    if backend == "eager" and leaf.strides is not None:
+        arguments.append("relayout=True")  # the graph neither writes it nor views it
+    return f"LeafPlan({', '.join(arguments)})"
+
+
+def _ambient(spec: ArtifactSpec) -> str:
+    record = spec.ambient
+    if record is None:
+        return "AmbientPlan(recorded=False)"
+    return (
+        f"AmbientPlan(autocast={tuple(record.autocast)!r}, default_dtype="
+        f"{record.default_dtype!r}, deterministic={record.deterministic!r}, "
+        f"modes={tuple(record.modes)!r})"
+    )
+
+
+def _check_call(spec: ArtifactSpec, training: bool) -> list[str]:
+    names = [a.name for a in spec.args]
+    shown = ", ".join(f"{a.name} ({'model' if a.is_model else 'input'})" for a in spec.args)
+    inputs = [i for i, a in enumerate(spec.args) if not a.is_model]
+    lines = [
+        'def check_call(args: "Sequence[Any]", kwargs: "dict[str, Any]") -> "list[Any]":',
+        f'    """The checks a call forward({", ".join(names)}) must pass before the graph runs,',
+        "    one a line, in the order they run (generated from the spec). Each raises",
+        "    PrecompileError naming what differs from the capture. Returns the graph's flat",
+        '    inputs."""',
+        "    AMBIENT.check()  # autocast, default dtype, deterministic, modes: as captured",
+    ]
+    if training:
+        lines += [
+            "    if not torch.is_grad_enabled():  # fn runs a backward",
+            "        raise grad_mode_error()",
+        ]
+    lines += [
+        f"    if kwargs or len(args) != {len(names)}:",
+        f"        raise arguments_error(kwargs, len(args), {len(names)}, {shown or 'none'!r})",
+        f"    inputs = [{', '.join(f'args[{i}]' for i in inputs)}]",
+        "    positional_inputs(inputs, INPUTS)  # tensors where the capture had tensors",
+        "    if not REMEMBERED.inputs_unchanged(inputs):  # else laid out as a call that passed",
+    ]
+    for index, leaf in enumerate(spec.inputs):
+        lines.append(
+            f"        inputs[{index}] = check_input(INPUTS[{index}], inputs[{index}], "
+            f"{spec.backend!r})  # {leaf.path}: {tensor_type(leaf)}"
+        )
+    lines.append("        REMEMBERED.remember_inputs(inputs)")
+    models = [f"args[{i}]" for i, a in enumerate(spec.args) if a.is_model]
+    if models:
+        lines.append(f"    return [*REMEMBERED.model_tensors([{models[0]}]), *inputs]")
+    else:
+        lines.append("    return inputs")
+    return lines
+
+
+def _check_models(spec: ArtifactSpec, training: bool) -> list[str]:
+    name = spec.model_names[0]
+    lines = [
+        f'def check_models({name}: "torch.nn.Module") -> "tuple[list[Any], list[Any]]":',
+        f'    """The full check of the model {name}, one line per tensor and module, in the',
+        "    order capture walked them. A call whose model passed it and is unchanged since",
+        '    skips it (RememberedCall)."""',
+        f"    check_is_model({name}, {name!r})",
+        f"    tensors = members({name}, {name!r}, MEMBERS)",
+        *(_tensor_check(index, t, training) for index, t in enumerate(spec.model)),
+        f"    modules = submodules({name}, SUBMODULES)",
+    ]
+    for index, module in enumerate(spec.submodules):
+        lines.append(
+            f"    check_module(modules[{index}], {module.name!r}, {module.cls!r}, "
+            f"{module.forward!r}, {module.training!r})"
+        )
+    # With a backward inside fn, hooks on its tensors would run in it (as the generic walk).
+    parameters = [f"({t.name!r}, tensors[{i}])" for i, t in enumerate(spec.model)]
+    hooks = f"check_no_hooks(modules, SUBMODULES{', [' if training else ''}"
+    if training:
+        lines.append(f"    {hooks}")
+        lines += [f"        {p}," for p in parameters]
+        lines.append("    ])")
+    else:
+        lines.append(f"    {hooks})")
+    for read in spec.read_values:
+        assert read.submodule is not None
+        lines.append(
+            f"    check_read(modules[{read.submodule}], "
+            f"{spec.submodules[read.submodule].name!r}, {tuple(read.path)!r}, "
+            f"{read.expected!r}, {read.where!r})"
+        )
+    lines.append("    return tensors, modules")
+    return lines
+
+
+def _tensor_check(index: int, tensor: ModelTensor, training: bool) -> str:
+    arguments = [
+        f"tensors[{index}]",
+        repr(f"model {tensor.kind} {tensor.name!r}"),
+        repr(tuple(tensor.shape)),
+        repr(tensor.dtype),
+        repr(tensor.device),
+    ]
+    if tensor.strides is not None or training:
+        arguments.append(repr(tuple(tensor.strides) if tensor.strides is not None else None))
+    if training:
+        arguments.append(repr(tensor.requires_grad))
+    return f"    check_model_tensor({', '.join(arguments)})"

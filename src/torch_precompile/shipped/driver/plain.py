@@ -1,0 +1,257 @@
+"""The runtime of a plain artifact: what its generated checks call, and its ``forward``.
+
+A plain artifact takes at most one model and positional tensors, and uses none of the features
+the generic ``Driver`` is for (nested inputs and Python values, dynamic dims, optimizers,
+sharding, tensor subclasses, tied weights, hooks or values read at capture, writes to its
+inputs, variants). Its section 3 opens with ``check_call`` and ``check_models``, generated from
+its spec one check a line; ``PlainForward`` runs the graph on the tensors they return.
+"""
+
+import copy
+import operator
+import threading
+import types
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from torch_precompile.shipped.driver.encoded import MISSING, compare_read, module_read_name
+from torch_precompile.shipped.driver.guards import (
+    _DEREF,
+    _HANDLES,
+    registration_counter,
+    tensor_guard,
+)
+from torch_precompile.shipped.driver.refusals import (
+    GLOBAL_HOOKS,
+    GLOBAL_HOOKS_OWNER,
+    MODULE_HOOKS,
+    TENSOR_HOOKS,
+    _shown_module,
+    accumulate_grads,
+    hook_sets,
+    hooks_error,
+    members_differ,
+    members_missing,
+    submodules_differ,
+)
+
+
+class PlainForward:
+    """``forward``: ``checks(args, kwargs)`` gives the graph's flat inputs, ``call`` runs it.
+
+    ``names`` names each flat input in messages; ``grads`` are the indices of the model
+    tensors whose gradients follow the results; ``autograd`` (``NoHistory``, over the spec's
+    ``autograd_record``) decides what a call under grad mode with tensors requiring grad does.
+    """
+
+    def __init__(
+        self,
+        call: Callable[[list[Any]], list[Any]],
+        checks: Callable[[Sequence[Any], Any], list[torch.Tensor]],
+        out_spec: str,
+        names: Sequence[str],
+        grads: Sequence[int] = (),
+        autograd: Any = None,
+        autograd_record: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.call = call
+        self.checks = checks
+        self.out_spec = pytree.treespec_loads(out_spec)
+        self.single_result = self.out_spec == pytree.tree_flatten(0)[1]
+        self.num_results = self.out_spec.num_leaves
+        self.names = list(names)
+        self.grads = list(grads)
+        record = autograd_record or {}  # the spec's literal: fields at defaults left out
+        self.autograd_record = types.SimpleNamespace(
+            inputs=record.get("inputs", ()), unavailable=record.get("unavailable")
+        )
+        self.autograd: Any = autograd(self) if autograd is not None else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the precompiled computation on ``args`` (fn's positional arguments)."""
+        return self.run(args, self.checked(args, kwargs))
+
+    def checked(self, args: Sequence[Any], kwargs: Any) -> list[torch.Tensor]:
+        """The graph's flat inputs, once the call passed every check; nothing runs."""
+        return self.checks(args, kwargs)
+
+    def flat_name(self, index: int) -> str:
+        return self.names[index]
+
+    def run(self, args: Sequence[Any], flat: list[torch.Tensor]) -> Any:
+        """Run the graph on a checked call; its gradients go to ``.grad``."""
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and self.autograd is not None:
+            self.autograd.wanted(flat)  # results never carry history: it warns or refuses
+        torch._C._set_grad_enabled(False)
+        try:
+            outputs = self.call(list(flat))
+            if self.grads:
+                accumulate_grads(flat, self.grads, outputs[self.num_results :])
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
+        if self.single_result:
+            return outputs[0]
+        return pytree.tree_unflatten(outputs[: self.num_results], self.out_spec)
+
+
+def members(model: Any, argument: str, captured: Sequence[tuple[str, str]]) -> list[Any]:
+    """The model's parameters then buffers, where their kinds and names are ``captured``."""
+    found = [
+        *(("parameter", n, t) for n, t in model.named_parameters(remove_duplicate=False)),
+        *(("buffer", n, t) for n, t in model.named_buffers(remove_duplicate=False)),
+    ]
+    for index, (kind, name, _) in enumerate(found):
+        if index >= len(captured) or captured[index] != (kind, name):
+            expected = (argument, *captured[index]) if index < len(captured) else ("", "", "")
+            raise members_differ(expected, (argument, kind, name))
+    if len(found) < len(captured):
+        raise members_missing([f"{kind} {name!r}" for kind, name in captured[len(found) :]])
+    return [tensor for _, _, tensor in found]
+
+
+def submodules(model: Any, captured: Sequence[str]) -> list[Any]:
+    """The model's submodules in walk order, where their names are ``captured``."""
+    found = list(model.named_modules(remove_duplicate=False))
+    names = [name for name, _ in found]
+    if names != list(captured):
+        raise submodules_differ(names, captured)
+    return [module for _, module in found]
+
+
+def check_no_hooks(
+    modules: Sequence[Any], names: Sequence[str], parameters: Sequence[tuple[str, Any]] = ()
+) -> None:
+    """The capture ran through no hooks: none may be registered now (on the modules, in the
+    process, and on the ``parameters`` a backward inside fn reaches)."""
+    for name, module in zip(names, modules, strict=True):
+        now = hook_sets(module, MODULE_HOOKS)
+        if now:
+            raise hooks_error(_shown_module(name), (), now)
+    now = hook_sets(torch.nn.modules.module, GLOBAL_HOOKS)
+    if now:
+        raise hooks_error(GLOBAL_HOOKS_OWNER, (), now)
+    for name, tensor in parameters:
+        now = hook_sets(tensor, TENSOR_HOOKS)
+        if now:
+            raise hooks_error(f"model parameter {name!r}", (), now)
+
+
+def read_value(module: Any, path: Sequence[str]) -> Any:
+    """The value at ``path`` off ``module`` (``MISSING`` where an attribute is gone)."""
+    for name in path:
+        module = getattr(module, name, MISSING)
+    return module
+
+
+def check_read(module: Any, name: str, path: Sequence[str], expected: Any, where: str) -> None:
+    """A value the trace read off submodule ``name`` (at ``where``), as it read it
+    (``expected``, encoded)."""
+    compare_read(expected, where, module_read_name(name, path), read_value(module, path))
+
+
+def _kept(value: Any) -> Any:
+    """What a later read is compared with: a list or dict can change in place (an equal
+    copy), a bound method is new at every read (its function)."""
+    if type(value) in (list, dict):
+        return copy.deepcopy(value)
+    return value.__func__ if type(value) is types.MethodType else value
+
+
+def _same(now: Any, kept: Any) -> bool:
+    if type(now) in (list, dict):
+        return type(now) is type(kept) and now == kept
+    return (now.__func__ if type(now) is types.MethodType else now) is kept
+
+
+class RememberedCall:
+    """The inputs' layouts and the last few models that passed the full checks.
+
+    ``check_models`` is the artifact's full check of its model. A model it passed, while no
+    member or hook was registered anywhere since (``guards``), is unchanged if its submodules
+    keep their classes, modes and forwards and the sizes of their member dicts, and its tensors
+    pass a tensor guard in C++.
+    """
+
+    SIZE = 8
+
+    def __init__(
+        self,
+        check_models: Callable[..., tuple[list[Any], list[Any]]] | None,
+        reads: Sequence[tuple[int, Sequence[str]]] = (),
+    ) -> None:
+        self.check_models: Any = check_models
+        self.reads = reads  # (submodule index, attribute path) of each value the trace read
+        self.entries: dict[tuple[int, ...], _CheckedModels] = {}
+        self.lock = threading.Lock()
+        self.registrations = registration_counter()
+        self.input_guard: Any = None
+
+    def inputs_unchanged(self, inputs: Sequence[Any]) -> bool:
+        guard = self.input_guard
+        return guard is not None and guard.check(*inputs)
+
+    def remember_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
+        self.input_guard = tensor_guard(inputs)
+
+    def model_tensors(self, models: Sequence[Any]) -> list[torch.Tensor]:
+        """The models' tensors in the graph's order, checked in full unless remembered."""
+        entry = self.entries.get(tuple(map(id, models)))
+        if entry is not None and entry.unchanged(models, self.registrations[0]):
+            return entry.tensors
+        tensors, modules = self.check_models(*models)
+        entry = _CheckedModels(models, tensors, modules, self.registrations[0], self.reads)
+        if entry.guard is not None:
+            with self.lock:
+                if len(self.entries) >= self.SIZE:
+                    self.entries.pop(next(iter(self.entries)), None)
+                self.entries[tuple(map(id, models))] = entry
+        return tensors
+
+
+class _CheckedModels:
+    """Models as the full check found them: what a cheap re-check compares."""
+
+    def __init__(
+        self,
+        models: Sequence[Any],
+        tensors: list[Any],
+        modules: list[Any],
+        registrations: int,
+        reads: Sequence[tuple[int, Sequence[str]]],
+    ) -> None:
+        self.models = [weakref.ref(m) for m in models]
+        self.registrations = registrations
+        self.hook_handles = _HANDLES.next_id
+        self.tensors = tensors  # handed out as is: no call mutates it
+        self.modules = modules
+        self.classes = list(map(type, modules))
+        self.modes = [m.training for m in modules]
+        self.attributes = [vars(m) for m in modules]
+        self.own_forwards = [a.get("forward") for a in self.attributes]
+        self.class_forwards: list[tuple[Any, Any]] = [
+            (c, getattr(c, "forward", None)) for c in set(self.classes)
+        ]
+        self.member_dicts = [d for m in modules for d in (m._parameters, m._buffers, m._modules)]
+        self.sizes = list(map(len, self.member_dicts))
+        self.reads = [(modules[index], path) for index, path in reads]
+        self.seen = [_kept(read_value(module, path)) for module, path in self.reads]
+        self.guard = tensor_guard(tensors)
+
+    def unchanged(self, models: Sequence[Any], registrations: int) -> bool:
+        return (
+            registrations == self.registrations
+            and self.hook_handles == _HANDLES.next_id
+            and all(map(operator.is_, map(_DEREF, self.models), models))
+            and list(map(type, self.modules)) == self.classes
+            and [m.training for m in self.modules] == self.modes
+            and [a.get("forward") for a in self.attributes] == self.own_forwards
+            and all([c.forward is f for c, f in self.class_forwards])
+            and list(map(len, self.member_dicts)) == self.sizes
+            and all(map(_same, [read_value(m, p) for m, p in self.reads], self.seen))
+            and self.guard.check(*self.tensors)
+        )

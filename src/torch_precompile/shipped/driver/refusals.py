@@ -1,0 +1,539 @@
+"""The rules every driver checks a call by, and what each refusal says.
+
+Shared by the generic ``Driver`` (``core``) and the checks generated for a plain artifact
+(``plain``): a tensor against its captured shape, dtype, device and layout, a module against
+its captured class, forward, mode and hooks, the state a call is made in. Each broken rule
+raises ``PrecompileError`` naming what was captured, what was given and the fix.
+"""
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+
+class PrecompileError(RuntimeError):
+    """A precompile contract was broken: at capture, at load, or by a call to an artifact."""
+
+    check_stage: int  # set by a call's checks: how far they got (see Driver.checked)
+
+
+def structure_error(expected: Any, given: Any) -> PrecompileError:
+    return PrecompileError(
+        "the runtime inputs have a different structure than at capture: expected "
+        f"{sketch(expected)}, got {sketch(given)}. Pass the same nesting of lists, tuples "
+        "and dicts."
+    )
+
+
+class Shown:
+    """A leaf of a structure sketch, shown as ``text``."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def sketch(tree: Any) -> str:
+    """A structure with tensors shown as ``Tensor``, for error messages."""
+    text = repr(
+        pytree.tree_map(lambda v: Shown("Tensor") if isinstance(v, torch.Tensor) else v, tree)
+    )
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def subclass_error(what: str, tensor: torch.Tensor) -> PrecompileError:
+    """A tensor subclass where the artifact was captured with a plain tensor: the kernels
+    would read its wrapper as if it held the data."""
+    kind = f"{type(tensor).__module__}.{type(tensor).__qualname__}"
+    if kind == "torch.distributed.tensor.DTensor":
+        fix = (
+            "A module the artifact runs was sharded after capture (fully_shard, say): its "
+            "hooks never run inside the artifact. Shard the precompiled module as a whole "
+            "(fully_shard(wrapped)), or precompile the sharded model."
+        )
+    else:
+        fix = (
+            "Pass a plain tensor (the checkpoint unquantized, as at capture), or precompile "
+            "again with this one."
+        )
+    return PrecompileError(f"{what} is a {kind}, but was a plain tensor at capture. {fix}")
+
+
+def dense_error(what: str, tensor: torch.Tensor) -> PrecompileError:
+    """A sparse, nested (or other non-strided) tensor where the capture had a dense one."""
+    nested = tensor.is_nested
+    kind = "nested" if nested else tensor.layout
+    fix = ".to_padded_tensor(0.0)" if nested else ".to_dense()"
+    return PrecompileError(
+        f"{what}: the graph reads a dense tensor, got a {kind} one. Pass it dense ({fix})."
+    )
+
+
+def layout_differs(tensor: torch.Tensor, strides: Sequence[int]) -> bool:
+    # Strides of dims of size 0 or 1 never matter, as in Inductor's own assert.
+    return bool(tensor.numel()) and any(
+        size > 1 and got != want
+        for size, got, want in zip(tensor.shape, tensor.stride(), strides, strict=True)
+    )
+
+
+def check_layout(
+    tensor: torch.Tensor, strides: Sequence[int], name: str, backend: str = "inductor"
+) -> None:
+    """The graph assumes a layout; anything else is refused before it runs."""
+    if tensor.layout is not torch.strided:
+        raise dense_error(name, tensor)
+    if not layout_differs(tensor, strides):
+        return
+    if backend == "eager":  # an input the graph writes, or returns a view of
+        raise PrecompileError(
+            f"{name}: the graph writes this input or returns a view of it, and its views were "
+            f"traced on strides {tuple(strides)} (the example's layout); got "
+            f"{tuple(tensor.stride())}. Pass it in the example's layout (.contiguous() for a "
+            "contiguous example)."
+        )
+    raise PrecompileError(
+        f"{name}: the compiled kernels assume strides {tuple(strides)} (the example's "
+        f"layout), got {tuple(tensor.stride())}. Pass it in the example's layout "
+        "(.contiguous() for a contiguous example), or precompile with backend='eager', "
+        "which takes any layout."
+    )
+
+
+def _shown_module(name: str) -> str:
+    return f"module {name!r}" if name else "the model"
+
+
+def qualified_name(obj: Any) -> str:
+    """``module.qualname`` of a class or function (a hook's name in the spec)."""
+    return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', '?')}"
+
+
+def forward_name(module: Any) -> str | None:
+    """None where ``module`` runs its class's own forward (as the class, or the base that
+    defines it, wrote it); otherwise the name of what it runs instead: a forward set on the
+    instance, or one patched into the class."""
+    if "forward" in vars(module):
+        return hook_name(vars(module)["forward"])
+    for klass in type(module).__mro__:
+        function = vars(klass).get("forward")
+        if function is not None:
+            own = klass is torch.nn.Module or (
+                getattr(function, "__qualname__", None) == f"{klass.__qualname__}.forward"
+                and getattr(function, "__module__", None) == klass.__module__
+            )
+            return None if own else hook_name(function)
+    return None
+
+
+def forward_error(what: str, captured: str | None, now: str | None) -> PrecompileError:
+    def shown(name: str | None) -> str:
+        return "its class's own forward" if name is None else f"the forward {name}"
+
+    return PrecompileError(
+        f"{what} runs {shown(now)}, but ran {shown(captured)} at capture: the artifact runs "
+        "the code the captured forward ran. Set the forward back, or precompile again with "
+        "this one."
+    )
+
+
+# Where nn.Module keeps hooks, by the kind the spec names them.
+MODULE_HOOKS = (
+    ("forward_pre", "_forward_pre_hooks"),
+    ("forward", "_forward_hooks"),
+    ("backward_pre", "_backward_pre_hooks"),
+    ("backward", "_backward_hooks"),
+)
+
+
+GLOBAL_HOOKS = (
+    ("forward_pre", "_global_forward_pre_hooks"),
+    ("forward", "_global_forward_hooks"),
+    ("backward_pre", "_global_backward_pre_hooks"),
+    ("backward", "_global_backward_hooks"),
+)
+
+
+TENSOR_HOOKS = (
+    ("grad", "_backward_hooks"),
+    ("post_accumulate_grad", "_post_accumulate_grad_hooks"),
+)
+
+
+def hook_name(hook: Any) -> str:
+    """A hook by the name of the code it runs (a bound method by its function, a partial by
+    the function it wraps), the same in every process."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    hook = getattr(hook, "__func__", hook)
+    return qualified_name(hook if hasattr(hook, "__qualname__") else type(hook))
+
+
+def no_values(hook: Any) -> list[tuple[str, str, Callable[[], Any]]]:
+    """The values of hooks where the capture had none: any hook now is one too many."""
+    return []
+
+
+def hook_sets(
+    owner: Any, places: Sequence[tuple[str, str]], values: Callable[[Any], Any] = no_values
+) -> tuple[Any, ...]:
+    """The hooks found on ``owner`` (a module, a tensor, or torch's module of global hooks)
+    as (kind, hook labels) pairs, kinds without hooks left out: a hook by its name and the
+    plain ``values`` it holds. torch.distributed's own hooks (FSDP2, distribute_module) are
+    left to the parts that check sharding."""
+    found = []
+    for kind, attribute in places:
+        hooks = getattr(owner, attribute, None)
+        labels = tuple(
+            hook_name(h) + "".join(f" {n}={v}" for n, v, _ in values(h))
+            for h in (hooks or {}).values()
+            if not hook_name(h).startswith(DISTRIBUTED_HOOKS)
+        )
+        if labels:
+            found.append((kind, labels))
+    return tuple(found)
+
+
+DISTRIBUTED_HOOKS = "torch.distributed."
+GLOBAL_HOOKS_OWNER = "the process (global module hooks, as register_module_forward_hook adds)"
+
+
+def hooks_error(what: str, captured: Any, now: Any) -> PrecompileError:
+    def shown(sets: Any) -> str:
+        return "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sets) or "none"
+
+    return PrecompileError(
+        f"{what} has hooks {shown(now)}, but had {shown(captured)} at capture (each hook "
+        "with the plain values it holds). The artifact holds what the hooks present at "
+        "capture computed with those values, so a hook added since would never run, one "
+        "removed would still act and a changed value would not be seen. Register the same "
+        "hooks, holding the same values, as at capture, or precompile again with the hooks "
+        "you want."
+    )
+
+
+class AmbientPlan:
+    """Thread and process state the graph was specialized to: autocast, the default dtype
+    (where fn built tensors from it), deterministic algorithms and active modes."""
+
+    def __init__(
+        self,
+        recorded: bool = True,
+        autocast: Sequence[Any] = (),
+        default_dtype: str | None = None,
+        deterministic: bool = False,
+        modes: Sequence[str] = (),
+    ) -> None:
+        self.recorded = recorded  # artifacts before ambient state was recorded check none
+        self.autocast = tuple(autocast)
+        self.default_dtype = _dtype(default_dtype) if default_dtype else None
+        self.deterministic = deterministic
+        self.modes = tuple(modes)
+
+    def check(self) -> None:
+        """A few C calls when nothing differs; the full comparison names what does."""
+        if not self.recorded:
+            return
+        if (
+            (_ANY_AUTOCAST() or self.autocast)
+            or _DETERMINISTIC() is not self.deterministic
+            or _FUNCTION_MODES() + _DISPATCH_MODES() != len(self.modes)
+            or (
+                self.default_dtype is not None
+                and torch.get_default_dtype() is not self.default_dtype
+            )
+        ):
+            self._compare()
+
+    def _compare(self) -> None:
+        now = ambient_now()
+        for what, captured, current in (
+            ("autocast", self.autocast, now[0]),
+            ("the default dtype", self.default_dtype or now[1], now[1]),
+            ("deterministic algorithms", self.deterministic, now[2]),
+            ("active torch function and dispatch modes", self.modes, now[3]),
+        ):
+            if captured != current:
+                raise PrecompileError(
+                    f"{what} at this call: {_shown_state(current)}; at capture: "
+                    f"{_shown_state(captured)}. The graph was traced under the capture's "
+                    "state (autocast's casts, the dtype of tensors fn builds, the modes' "
+                    "behaviour are in it), so this call would not compute what fn computes "
+                    "now. Call it as at capture, or precompile again in this state."
+                )
+
+
+def ambient_now() -> tuple[Any, ...]:
+    """(autocast per device type, default dtype, deterministic algorithms, modes) now."""
+    autocast = tuple(
+        (device, str(torch.get_autocast_dtype(device)).removeprefix("torch."))
+        for device in ("cpu", "cuda")
+        if torch.is_autocast_enabled(device)
+    )
+    modes = tuple(
+        qualified_name(type(m))
+        for m in (
+            *torch.overrides._get_current_function_mode_stack(),
+            *torch.utils._python_dispatch._get_current_dispatch_mode_stack(),
+        )
+    )
+    return autocast, torch.get_default_dtype(), _DETERMINISTIC(), modes
+
+
+def _shown_state(value: Any) -> str:
+    if isinstance(value, tuple):
+        return (
+            ", ".join(" ".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in value)
+            or "none"
+        )
+    return str(value)
+
+
+_ANY_AUTOCAST = torch._C._is_any_autocast_enabled
+
+
+_DETERMINISTIC = torch._C._get_deterministic_algorithms
+
+
+_FUNCTION_MODES = torch._C._len_torch_function_stack
+
+
+_DISPATCH_MODES = torch._C._len_torch_dispatch_stack
+
+
+def grad_mode_error() -> PrecompileError:
+    return PrecompileError(
+        "fn runs a backward, but this call is under torch.no_grad() (or inference_mode), "
+        "where eager fn would fail: no gradient can flow. Call the artifact with gradients "
+        "enabled."
+    )
+
+
+def accumulate_grads(
+    state: Sequence[torch.Tensor], indices: Sequence[int], grads: Sequence[torch.Tensor]
+) -> None:
+    """Put harvested gradients on ``.grad`` the way eager backward does: set or add in place."""
+    taken: set[int] = set()
+    for index, grad in zip(indices, grads, strict=True):
+        param = state[index]
+        if param.grad is None:
+            # A gradient can be taken as is only if nothing else holds it and it already has
+            # the parameter's layout; otherwise a later in-place add would write through.
+            if grad._base is None and id(grad) not in taken and grad.stride() == param.stride():
+                taken.add(id(grad))
+                param.grad = grad
+            else:
+                param.grad = torch.empty_like(param).copy_(grad)
+        else:
+            param.grad.add_(grad)
+
+
+def _requires_grad_message(what: str, captured: bool) -> str:
+    return (
+        f"{what} has requires_grad={not captured}, but was captured with requires_grad="
+        f"{captured}: which tensors get gradients from the backward inside fn is fixed at "
+        "capture. Set it back, or precompile again."
+    )
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def arguments_error(kwargs: Mapping[str, Any], count: int, arity: int, shown: str) -> Any:
+    """Keyword arguments, or another number of positional ones than fn took (``shown``)."""
+    if kwargs:
+        return PrecompileError(
+            f"keyword arguments {sorted(kwargs)} given; a precompiled artifact takes the same "
+            f"positional arguments as the captured fn: {shown}."
+        )
+    return PrecompileError(f"expected {arity} positional arguments ({shown}), got {count}.")
+
+
+class LeafPlan:
+    """What a call must pass for one input leaf: a tensor (its shape with None for a dynamic
+    dim, dtype, device, strides or memory format) or a Python value."""
+
+    def __init__(
+        self,
+        name: str,
+        kind: str = "tensor",
+        shape: Sequence[int | None] = (),
+        dtype: str | None = None,
+        device: str | None = None,
+        strides: Any = None,
+        requires_grad: bool | None = None,
+        value: Any = None,
+        bounds: Any = None,
+        relayout: bool = False,
+    ) -> None:
+        self.name = name
+        self.is_tensor = kind == "tensor"
+        self.value = value
+        self.static = None not in shape
+        self.shape = torch.Size(shape) if self.static else tuple(shape)  # type: ignore[arg-type]
+        self.shown = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        self.dtype = _dtype(dtype) if dtype is not None else None
+        self.device = torch.device(device) if device is not None else None
+        self.strides = strides
+        self.bounds = bounds or {}
+        self.subclass = False  # whether a driver part unwraps it (DTensor, other subclasses)
+        self.relayout = relayout  # whether a call's other layout is copied into ``strides``
+        # With a backward inside fn, requires_grad decides which gradients eager would produce
+        # (None: not checked).
+        self.requires_grad = requires_grad
+
+
+def positional_inputs(leaves: Sequence[Any], plans: Sequence[LeafPlan]) -> Sequence[Any]:
+    """``leaves``, where the captured inputs were positional tensors: no nesting in their
+    place."""
+    if not all([isinstance(a, torch.Tensor) for a in leaves]) and (
+        pytree.tree_flatten(list(leaves))[1] != pytree.tree_flatten(list(plans))[1]
+    ):
+        expected = tuple(Shown(f"Tensor{p.shown}") for p in plans)
+        raise structure_error(expected, tuple(leaves))
+    return leaves
+
+
+def check_input(plan: LeafPlan, leaf: Any, backend: str, sizes: Any = None) -> torch.Tensor:
+    """The tensor the graph gets for one input leaf, after checking it (``sizes``: the
+    driver's part for dynamic dims)."""
+    name = plan.name
+    if not isinstance(leaf, torch.Tensor):
+        raise PrecompileError(
+            f"input {name}: expected a tensor of shape {plan.shown}, got {type(leaf).__name__}."
+        )
+    if leaf.is_nested:  # it has no shape to compare
+        raise dense_error(f"input {name}", leaf)
+    if not plan.static:
+        sizes.check_shape(plan, leaf)
+    elif leaf.shape != plan.shape:
+        raise PrecompileError(
+            f"input {name}: expected shape {plan.shown}, got {tuple(leaf.shape)}. Shapes are "
+            "specialized to the example; precompile again for this shape."
+        )
+    if leaf.dtype != plan.dtype:
+        raise PrecompileError(f"input {name}: expected dtype {plan.dtype}, got {leaf.dtype}.")
+    if type(leaf) not in PLAIN and not plan.subclass:
+        raise subclass_error(f"input {name}", leaf)
+    if leaf.device != plan.device:
+        raise PrecompileError(f"input {name}: expected device {plan.device}, got {leaf.device}.")
+    if leaf.layout is not torch.strided:
+        raise dense_error(f"input {name}", leaf)
+    if plan.requires_grad is not None and leaf.requires_grad != plan.requires_grad:
+        raise PrecompileError(_requires_grad_message(f"input {name}", plan.requires_grad))
+    if isinstance(plan.strides, str):  # an input with dynamic dims: its memory format
+        sizes.check_memory_format(leaf, plan.strides, f"input {name}")
+    elif plan.strides is not None:
+        if plan.relayout and layout_differs(leaf, plan.strides):
+            return torch.empty_strided(
+                leaf.shape, plan.strides, dtype=leaf.dtype, device=leaf.device
+            ).copy_(leaf)
+        check_layout(leaf, plan.strides, f"input {name}", backend)
+    return leaf
+
+
+def check_model_tensor(
+    tensor: torch.Tensor,
+    what: str,
+    shape: Sequence[int],
+    dtype: str,
+    device: str,
+    strides: Sequence[int] | None = None,
+    requires_grad: bool | None = None,
+    carried: bool = False,
+) -> None:
+    """A model's parameter or buffer (``what``) against its capture; ``requires_grad`` None:
+    not checked, ``carried``: a subclass a driver part unwraps."""
+    if (
+        tensor.shape != torch.Size(shape)
+        or tensor.dtype != _dtype(dtype)
+        or tensor.device != torch.device(device)
+    ):
+        raise PrecompileError(
+            f"{what}: expected shape {tuple(shape)}, dtype {_dtype(dtype)}, device {device}; "
+            f"got shape {tuple(tensor.shape)}, dtype {tensor.dtype}, device {tensor.device}. "
+            "Load a checkpoint of the same architecture."
+        )
+    if requires_grad is not None and tensor.requires_grad != requires_grad:
+        raise PrecompileError(_requires_grad_message(what, requires_grad))
+    if type(tensor) not in PLAIN and not carried:
+        raise subclass_error(what, tensor)
+    if tensor.layout is not torch.strided:
+        raise dense_error(what, tensor)
+    if strides is not None:
+        check_layout(tensor, strides, what)
+
+
+def members_differ(expected: tuple[str, str, str], found: tuple[str, str, str]) -> Any:
+    """A model whose walk finds ``found`` (argument, kind, name) where the capture's found
+    ``expected``, or found nothing more (``expected`` empty)."""
+    owner, kind, local = found
+    where = (
+        f"where the captured model {expected[0]} has {expected[1]} {expected[2]!r}, the "
+        f"runtime model has {kind} {local!r}"
+        + (f" (of argument {owner})" if owner != expected[0] else "")
+        if expected[0]
+        else f"it has {kind} {local!r} beyond the captured model's parameters and buffers"
+    )
+    return PrecompileError(
+        f"model argument {owner} does not match the captured model: {where}. Pass a model "
+        "with the same parameters and buffers, in the same order."
+    )
+
+
+def check_is_model(value: Any, argument: str) -> None:
+    if not isinstance(value, torch.nn.Module):
+        raise PrecompileError(
+            f"argument {argument} was a torch.nn.Module at capture; got "
+            f"{type(value).__name__}. Pass the model in the same position."
+        )
+
+
+def members_missing(missing: Sequence[str]) -> Any:
+    """The parameters and buffers (``kind 'name'``) a runtime model lacks."""
+    return PrecompileError(
+        f"the runtime model lacks {', '.join(missing[:5])}"
+        f"{' and more' if len(missing) > 5 else ''}, which the captured model had. Pass a "
+        "model with the same parameters and buffers."
+    )
+
+
+def submodules_differ(names: Sequence[str], captured: Sequence[str]) -> Any:
+    """The submodule names a walk found, where the capture's were ``captured``."""
+    added = sorted(set(names) - set(captured))
+    return PrecompileError(
+        "the runtime model's submodules differ from the captured model's"
+        + (f" (new: {', '.join(repr(n or '<root>') for n in added[:5])})" if added else "")
+        + ". Pass a model with the same modules as the example."
+    )
+
+
+def check_module(
+    module: Any, name: str, cls: str | None, forward: str | None, training: bool
+) -> None:
+    """One submodule (``name`` in the walk) against its captured class, forward and mode."""
+    if cls is not None and qualified_name(type(module)) != cls:
+        raise PrecompileError(
+            f"{_shown_module(name)} is a {qualified_name(type(module))}, but was a {cls} at "
+            "capture: the artifact runs the code the captured class ran. Pass a model "
+            "built like the example, or precompile again with this one."
+        )
+    if cls is not None and forward_name(module) != forward:
+        raise forward_error(_shown_module(name), forward, forward_name(module))
+    if module.training != training:
+        mode, fix = ("training", ".train()") if training else ("eval", ".eval()")
+        raise PrecompileError(
+            f"{_shown_module(name)} is in {'training' if module.training else 'eval'} mode, "
+            f"but was captured in {mode} mode (dropout and BatchNorm behave differently). Call "
+            f"{fix} on the model before calling the artifact, or precompile again in this "
+            "mode."
+        )

@@ -1,0 +1,272 @@
+"""Plain artifacts: checks generated one a line over a small runtime, refusing what the
+generic driver refuses, with the same words."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import torch_precompile.artifact.render as render
+from torch_precompile import PrecompileError, precompile
+from torch_precompile.artifact.plain_checks import is_plain
+
+from conftest import assert_same, model_state, run_python
+
+logging.getLogger("torch_precompile").setLevel(logging.ERROR)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.norm = torch.nn.LayerNorm(3)
+        self.register_buffer("scale", torch.full((3,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.fc(x))) * self.scale
+
+
+class Other(Net):
+    pass
+
+
+def infer(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x)
+
+
+def train(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = m(x).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def _pairs(fn: Callable[..., Any], backend: str) -> tuple[str, str]:
+    """The plain artifact of ``fn`` and the generic driver's for the same capture."""
+    example = (_net(), torch.randn(5, 4))
+    with _grad_mode(fn):
+        # The first capture in a process may see the test runner's own lazy imports read.
+        precompile(fn, *example, backend=backend)
+        plain = precompile(fn, *example, backend=backend)[0]
+        original = render.is_plain
+        render.is_plain = lambda *_: False  # type: ignore[assignment]
+        try:
+            generic = precompile(fn, *example, backend=backend)[0]
+        finally:
+            render.is_plain = original
+    return plain, generic
+
+
+def _grad_mode(fn: Callable[..., Any]) -> Any:
+    """Inference as a server captures and calls it; a training step under grad mode."""
+    return torch.no_grad() if fn is infer else torch.enable_grad()
+
+
+def _eval(m: Net) -> Net:
+    return m.eval()
+
+
+def _hook(m: Net) -> Net:
+    m.fc.register_forward_hook(lambda *_: None)
+    return m
+
+
+def _forward_set(m: Net) -> Net:
+    m.norm.forward = lambda x: x  # type: ignore[method-assign]
+    return m
+
+
+def _other_class(m: Net) -> Net:
+    other = Other()
+    other.load_state_dict(m.state_dict())
+    return other
+
+
+def _wider(m: Net) -> Net:
+    m.fc = torch.nn.Linear(4, 3, bias=False)
+    return m
+
+
+def _extra_buffer(m: Net) -> Net:
+    m.register_buffer("scale", torch.ones(3))
+    return m
+
+
+def _frozen(m: Net) -> Net:
+    m.fc.weight.requires_grad_(False)
+    return m
+
+
+def _double(m: Net) -> Net:
+    return m.double()
+
+
+# (name, change to the model, the input given)
+CALLS: list[tuple[str, Callable[[Net], Any], Callable[[], Any]]] = [
+    ("as captured", lambda m: m, lambda: torch.randn(5, 4)),
+    ("other shape", lambda m: m, lambda: torch.randn(6, 4)),
+    ("other dtype", lambda m: m, lambda: torch.randn(5, 4, dtype=torch.float64)),
+    ("transposed", lambda m: m, lambda: torch.randn(4, 5).t()),
+    ("not a tensor", lambda m: m, lambda: [1.0, 2.0]),
+    ("a list of one tensor", lambda m: m, lambda: [torch.randn(5, 4)]),
+    ("requiring grad", lambda m: m, lambda: torch.randn(5, 4, requires_grad=True)),
+    ("eval mode", _eval, lambda: torch.randn(5, 4)),
+    ("a hook", _hook, lambda: torch.randn(5, 4)),
+    ("a forward set", _forward_set, lambda: torch.randn(5, 4)),
+    ("another class", _other_class, lambda: torch.randn(5, 4)),
+    ("no bias", _wider, lambda: torch.randn(5, 4)),
+    ("an extra buffer", _extra_buffer, lambda: torch.randn(5, 4)),
+    ("a frozen weight", _frozen, lambda: torch.randn(5, 4)),
+    ("float64 weights", _double, lambda: torch.randn(5, 4)),
+    ("not a model", lambda m: "model", lambda: torch.randn(5, 4)),
+]
+
+
+def _outcome(
+    code: str, fn: Callable[..., Any], change: Callable[[Net], Any], given: Callable[[], Any]
+) -> Any:
+    run = precompile.load(code, None)
+    torch.manual_seed(1)
+    model, x = change(_net()), given()
+    try:
+        with _grad_mode(fn):
+            return ("ran", run(model, x))
+    except PrecompileError as error:
+        return ("refused", str(error))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("fn", [infer, train], ids=["infer", "train"])
+def test_plain_refuses_what_the_generic_driver_refuses_in_its_words(backend, fn) -> None:
+    plain, generic = _pairs(fn, backend)
+    assert "forward = PlainForward(" in plain and "class Driver" not in plain
+    assert "class Driver" in generic
+    refused = 0
+    for name, change, given in CALLS:
+        ours = _outcome(plain, fn, change, given)
+        theirs = _outcome(generic, fn, change, given)
+        assert ours[0] == theirs[0], (name, ours, theirs)
+        if ours[0] == "refused":
+            refused += 1
+            assert ours[1] == theirs[1], name
+        else:
+            assert_same(ours[1], theirs[1])
+    assert refused >= 10
+
+
+def _remembered(fn: Callable[..., Any]) -> tuple[Callable[..., Any], Net, torch.Tensor]:
+    model, x = _net(), torch.randn(5, 4)
+    code, cache = precompile(fn, model, x, backend="eager")
+    run = precompile.load(code, cache)
+    run(model, x)  # passes the full check: the model is remembered
+    return run, model, x
+
+
+def _called(run: Callable[..., Any], model: Net, x: torch.Tensor) -> Any:
+    try:
+        return ("ran", run(model, x).item())
+    except PrecompileError as error:
+        return ("refused", str(error))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.norm.eval(),
+        lambda m: m.fc.register_forward_pre_hook(lambda *_: None),
+        lambda m: torch.nn.modules.module.register_module_forward_hook(lambda *_: None),
+        lambda m: setattr(m.fc, "forward", lambda x: x),
+        lambda m: delattr(m.fc, "bias"),
+        lambda m: setattr(m.fc, "weight", torch.nn.Parameter(torch.ones(3, 4))),
+        lambda m: setattr(m.fc, "weight", torch.nn.Parameter(torch.ones(2, 4))),
+        lambda m: m.fc.weight.data.resize_(2, 4),
+        lambda m: m.fc.weight.register_hook(lambda g: g),
+        lambda m: m.norm.register_buffer("extra", torch.ones(1)),
+    ],
+    ids=[
+        "eval",
+        "hook",
+        "global-hook",
+        "forward",
+        "deleted",
+        "replaced",
+        "replaced-other-shape",
+        "resized",
+        "tensor-hook",
+        "new-buffer",
+    ],
+)
+def test_a_remembered_model_answers_as_a_full_check_would(change) -> None:
+    """A change after a call that passed: the remembered artifact and a fresh load (which
+    checks in full) refuse alike, with the same words, or compute alike."""
+    run, model, x = _remembered(train)
+    fresh_pair = precompile(train, _net(), x, backend="eager")  # loaded after the change
+    handle = change(model)
+    try:
+        state = model_state(model)
+        remembered = _called(run, model, x)
+        if remembered[0] == "refused":  # a refused call wrote nothing, .grad included
+            for key, value in model_state(model).items():
+                assert (value is None) == (state[key] is None), key
+                assert value is None or torch.equal(value, state[key]), key
+        fresh = precompile.load(*fresh_pair)
+        assert remembered == _called(fresh, model, x)
+    finally:
+        if isinstance(handle, torch.utils.hooks.RemovableHandle):
+            handle.remove()
+
+
+def test_the_class_forward_patched_after_a_call_is_refused(monkeypatch) -> None:
+    run, model, x = _remembered(infer)
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: x)
+    with pytest.raises(PrecompileError, match="forward"):
+        run(model, x)
+
+
+def test_plain_specs_are_those_without_generic_features() -> None:
+    def spec_of(fn: Callable[..., Any], *args: Any) -> Any:
+        code = precompile(fn, *args, backend="eager")[0]
+        from torch_precompile.spec import parse_spec
+
+        return parse_spec(code)
+
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert is_plain(spec_of(infer, torch.nn.Linear(4, 4), x), True)
+    assert not is_plain(spec_of(infer, torch.nn.Linear(4, 4), x), True)  # differentiable
+    assert is_plain(spec_of(lambda x: x.sin(), x), True)
+    assert not is_plain(spec_of(lambda x: x.add_(1), x), True)  # writes its input
+    assert is_plain(spec_of(train, _net(), torch.randn(5, 4)), True)
+    tied = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    assert not is_plain(spec_of(infer, tied, x), True)
+
+
+def test_a_plain_artifact_runs_in_a_fresh_process(tmp_path) -> None:
+    model, x = _net(), torch.randn(5, 4)
+    code, _ = precompile(train, model, x, backend="eager")
+    (tmp_path / "artifact.py").write_text(code)
+    out = run_python(
+        "import torch, runpy\n"
+        f"namespace = runpy.run_path({str(tmp_path / 'artifact.py')!r})\n"
+        "torch.manual_seed(0)\n"
+        "from test_plain_artifact import _net, train\n"
+        "m, e = _net(), _net()\n"
+        "x = torch.randn(5, 4)\n"
+        "got, want = namespace['forward'](m, x), train(e, x)\n"
+        "assert torch.allclose(got, want, atol=1e-6)\n"
+        "assert torch.allclose(m.fc.weight.grad, e.fc.weight.grad, atol=1e-6)\n"
+        "try:\n"
+        "    namespace['forward'](m.eval(), x)\n"
+        "except Exception as error:\n"
+        "    print(type(error).__name__, 'eval mode' in str(error))\n"
+    )
+    assert "PrecompileError True" in out.stdout, out.stderr
