@@ -16,7 +16,17 @@ import torch
 import torch_precompile
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.lower.inductor import GENERATED_END, GENERATED_START
-from torch_precompile.shipped.driver import core, distributed, dynamic, hook_values, memo, values
+from torch_precompile.shipped.driver import (
+    core,
+    distributed,
+    dynamic,
+    guards,
+    hook_values,
+    memo,
+    plain,
+    refusals,
+    values,
+)
 from torch_precompile.shipped.source import shipped_source
 from torch_precompile.spec import SCHEMA_VERSION, SPEC_NAME
 
@@ -186,14 +196,19 @@ def test_no_absolute_path_of_the_build_machine(backend: str, artifacts) -> None:
 
 def test_driver_parts_are_the_package_modules_verbatim(backend: str, artifacts) -> None:
     """Each part this artifact needs is copied in, its body to the letter; no other part."""
-    code, _ = artifacts.pair("mlp_infer", backend)
-    for module in (core, memo):
-        body = shipped_source(module).body
-        assert body in code, module.__name__
-        assert "from __future__ import" not in inspect.getsource(module)
-    for module in (values, dynamic, distributed, hook_values):
-        assert shipped_source(module).body.splitlines()[0] not in code, module.__name__
-    assert "from torch_precompile" not in code and '"""The driver' not in code
+    plain_code, _ = artifacts.pair("mlp_infer", backend)  # a plain artifact
+    generic_code, _ = artifacts.pair("pytree", backend)  # nested inputs: the generic driver
+    for code, shipped, absent in (
+        (plain_code, (refusals, guards, plain), (core, memo, values, dynamic, hook_values)),
+        (generic_code, (refusals, guards, core, memo, values), (plain, dynamic, distributed)),
+    ):
+        for module in shipped:
+            body = shipped_source(module).body
+            assert body in code, module.__name__
+            assert "from __future__ import" not in inspect.getsource(module)
+        for module in absent:
+            assert shipped_source(module).body.splitlines()[0] not in code, module.__name__
+        assert "from torch_precompile" not in code and '"""The driver' not in code
 
 
 def test_parts_come_with_the_spec_that_needs_them(artifacts) -> None:

@@ -38,6 +38,10 @@ def infer(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return m(x)
 
 
+def infer_with_history(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x)
+
+
 def train(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     loss = m(x).square().mean()
     loss.backward()
@@ -144,7 +148,9 @@ def _outcome(
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-@pytest.mark.parametrize("fn", [infer, train], ids=["infer", "train"])
+@pytest.mark.parametrize(
+    "fn", [infer, infer_with_history, train], ids=["infer", "with-history", "train"]
+)
 def test_plain_refuses_what_the_generic_driver_refuses_in_its_words(backend, fn) -> None:
     plain, generic = _pairs(fn, backend)
     assert "forward = PlainForward(" in plain and "class Driver" not in plain
@@ -159,6 +165,7 @@ def test_plain_refuses_what_the_generic_driver_refuses_in_its_words(backend, fn)
             assert ours[1] == theirs[1], name
         else:
             assert_same(ours[1], theirs[1])
+            assert ours[1].requires_grad == theirs[1].requires_grad, name
     assert refused >= 10
 
 
@@ -241,7 +248,7 @@ def test_plain_specs_are_those_without_generic_features() -> None:
     x = torch.randn(2, 4)
     with torch.no_grad():
         assert is_plain(spec_of(infer, torch.nn.Linear(4, 4), x), True)
-    assert not is_plain(spec_of(infer, torch.nn.Linear(4, 4), x), True)  # differentiable
+    assert is_plain(spec_of(infer, torch.nn.Linear(4, 4), x), True)  # results with history
     assert is_plain(spec_of(lambda x: x.sin(), x), True)
     assert not is_plain(spec_of(lambda x: x.add_(1), x), True)  # writes its input
     assert is_plain(spec_of(train, _net(), torch.randn(5, 4)), True)

@@ -9,6 +9,8 @@ artifact does not use.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch_precompile.artifact.checks import tensor_type
 from torch_precompile.spec import ArtifactSpec, InputLeaf, ModelTensor
 
@@ -44,7 +46,6 @@ def is_plain(spec: ArtifactSpec, positional: bool) -> bool:
         and not any(getattr(spec, name) for name in _GENERIC_FIELDS)
         and all(t.tied_to is None and not t.hooks for t in spec.model)
         and all(not s.hooks for s in spec.submodules)
-        and (spec.autograd is None or not spec.autograd.outputs)
     )
 
 
@@ -57,16 +58,18 @@ def plain_checks(spec: ArtifactSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plain_binding(spec: ArtifactSpec) -> list[str]:
+def plain_binding(spec: ArtifactSpec, history: Sequence[str] = ()) -> list[str]:
     """The lines that close a plain artifact: what the checks compare with, and ``forward``
-    (after the runtime they are made of)."""
+    (after the runtime they are made of); ``history`` names the functions that ready the
+    forward and backward graphs of results with history."""
     training = any(t.gets_grad for t in spec.model)
     grads = tuple(i for i, t in enumerate(spec.model) if t.gets_grad)
     arguments = ['ARTIFACT_SPEC["out_spec"]', "FLAT_NAMES"]
     if grads:
         arguments.append(f"grads={grads}")
     if spec.autograd is not None:
-        arguments += ["autograd=NoHistory", 'autograd_record=ARTIFACT_SPEC["autograd"]']
+        part = f"differentiable({', '.join(history)})" if spec.autograd.outputs else "NoHistory"
+        arguments += [f"autograd={part}", 'autograd_record=ARTIFACT_SPEC["autograd"]']
     checked = "check_models, READS" if spec.model_names else "None"
     return [
         "# What the checks compare with, and forward: the checks, then the graph.",
@@ -133,56 +136,65 @@ def _check_call(spec: ArtifactSpec, training: bool) -> list[str]:
     names = [a.name for a in spec.args]
     shown = ", ".join(f"{a.name} ({'model' if a.is_model else 'input'})" for a in spec.args)
     inputs = [i for i, a in enumerate(spec.args) if not a.is_model]
-    lines = [
-        'def check_call(args: "Sequence[Any]", kwargs: "dict[str, Any]") -> "list[Any]":',
-        f'    """The checks a call forward({", ".join(names)}) must pass before the graph runs,',
-        "    one a line, in the order they run (generated from the spec). Each raises",
-        "    PrecompileError naming what differs from the capture. Returns the graph's flat",
-        '    inputs."""',
-        "    AMBIENT.check()  # autocast, default dtype, deterministic, modes: as captured",
-    ]
+    steps = ["AMBIENT.check()  # autocast, default dtype, deterministic, modes: as captured"]
     if training:
-        lines += [
-            "    if not torch.is_grad_enabled():  # fn runs a backward",
-            "        raise grad_mode_error()",
+        steps += [
+            "if not torch.is_grad_enabled():  # fn runs a backward",
+            "    raise grad_mode_error()",
         ]
-    lines += [
-        f"    if kwargs or len(args) != {len(names)}:",
-        f"        raise arguments_error(kwargs, len(args), {len(names)}, {shown or 'none'!r})",
-        f"    inputs = [{', '.join(f'args[{i}]' for i in inputs)}]",
-        "    positional_inputs(inputs, INPUTS)  # tensors where the capture had tensors",
-        "    if not REMEMBERED.inputs_unchanged(inputs):  # else laid out as a call that passed",
-    ]
-    for index, leaf in enumerate(spec.inputs):
-        lines.append(
-            f"        inputs[{index}] = check_input(INPUTS[{index}], inputs[{index}], "
+    steps += [
+        f"if kwargs or len(args) != {len(names)}:",
+        f"    raise arguments_error(kwargs, len(args), {len(names)}, {shown or 'none'!r})",
+        "stage = 1",
+        f"inputs = [{', '.join(f'args[{i}]' for i in inputs)}]",
+        "positional_inputs(inputs, INPUTS)  # tensors where the capture had tensors",
+        "stage = 2",
+        "if not REMEMBERED.inputs_unchanged(inputs):  # else laid out as a call that passed",
+        *(
+            f"    inputs[{index}] = check_input(INPUTS[{index}], inputs[{index}], "
             f"{spec.backend!r})  # {leaf.path}: {tensor_type(leaf)}"
-        )
-    lines.append("        REMEMBERED.remember_inputs(inputs)")
+            for index, leaf in enumerate(spec.inputs)
+        ),
+        "    REMEMBERED.remember_inputs(inputs)",
+        "stage = 3",
+    ]
     models = [f"args[{i}]" for i, a in enumerate(spec.args) if a.is_model]
-    if models:
-        lines.append(f"    return [*REMEMBERED.model_tensors([{models[0]}]), *inputs]")
-    else:
-        lines.append("    return inputs")
-    return lines
+    steps.append(
+        f"return [*REMEMBERED.model_tensors([{models[0]}]), *inputs]" if models else "return inputs"
+    )
+    return [
+        'def check_call(args: "Sequence[Any]", kwargs: "dict[str, Any]") -> "list[Any]":',
+        f'    """The checks a call forward({", ".join(names)}) must pass before the graph',
+        "    runs, one a line, in the order they run (generated from the spec). Each raises",
+        "    PrecompileError naming what differs from the capture; its check_stage says how far",
+        "    they got (0 state and arguments, 1 structure, 2 inputs, 3 model). Returns the",
+        '    graph\'s flat inputs."""',
+        "    stage = 0",
+        "    try:",
+        *(f"        {step}" for step in steps),
+        "    except PrecompileError as error:",
+        "        error.check_stage = stage",
+        "        raise",
+    ]
 
 
 def _check_models(spec: ArtifactSpec, training: bool) -> list[str]:
     name = spec.model_names[0]
     lines = [
         f'def check_models({name}: "torch.nn.Module") -> "tuple[list[Any], list[Any]]":',
-        f'    """The full check of the model {name}, one line per tensor and module, in the',
-        "    order capture walked them. A call whose model passed it and is unchanged since",
-        '    skips it (RememberedCall)."""',
+        f'    """The full check of model argument {name}: one line per tensor, submodule and',
+        "    value the trace read off one, in the order capture walked them. A call whose model",
+        '    passed it and is unchanged since skips it (RememberedCall)."""',
         f"    check_is_model({name}, {name!r})",
         f"    tensors = members({name}, {name!r}, MEMBERS)",
         *(_tensor_check(index, t, training) for index, t in enumerate(spec.model)),
         f"    modules = submodules({name}, SUBMODULES)",
     ]
     for index, module in enumerate(spec.submodules):
+        forward = "" if module.forward is None else f", forward={module.forward!r}"
         lines.append(
-            f"    check_module(modules[{index}], {module.name!r}, {module.cls!r}, "
-            f"{module.forward!r}, {module.training!r})"
+            f"    check_module(modules[{index}], {module.name!r}, {module.cls!r}{forward}, "
+            f"training={module.training!r})"
         )
     # With a backward inside fn, hooks on its tensors would run in it (as the generic walk).
     parameters = [f"({t.name!r}, tensors[{i}])" for i, t in enumerate(spec.model)]
@@ -212,8 +224,8 @@ def _tensor_check(index: int, tensor: ModelTensor, training: bool) -> str:
         repr(tensor.dtype),
         repr(tensor.device),
     ]
-    if tensor.strides is not None or training:
-        arguments.append(repr(tuple(tensor.strides) if tensor.strides is not None else None))
+    if tensor.strides is not None:
+        arguments.append(f"strides={tuple(tensor.strides)!r}")
     if training:
-        arguments.append(repr(tensor.requires_grad))
+        arguments.append(f"requires_grad={tensor.requires_grad!r}")
     return f"    check_model_tensor({', '.join(arguments)})"

@@ -254,12 +254,13 @@ def render(
     graph_section = _graph_section(named)
     plain_spec = len(variants) == 1 and is_plain(spec, not _has_values(spec))
     if plain_spec:
-        parts = [refusals, guards, encoded, plain]
-        parts += [no_history] if spec.autograd is not None else []
+        parts = [refusals, guards, *([encoded] if spec.read_values else []), plain]
+        if spec.autograd is not None:
+            parts += [no_history, *([autograd] if spec.autograd.outputs else [])]
         driver_source = _driver_source(
             [shipped_source(m) for m in parts], graph_section, [plain_checks(spec)]
         )
-        binding = plain_binding(spec)
+        binding = plain_binding(spec, [g.function for g in named[0][1:]])
     else:
         shipped = [
             shipped_source(m) for m in (refusals, core, *(p.module for p in _all_parts(variants)))
@@ -278,7 +279,7 @@ def render(
             provenance=_provenance(spec, tracer),
             call_example=call_example,
             checks=_checks(variants),
-            sections=_sections_line(all_named),
+            sections=_sections_line(all_named, plain_spec),
         ),
         _section(1, "The spec: the calling convention, read by load() without executing"),
         spec_source(spec, _structure_notes(spec)),
@@ -360,8 +361,9 @@ def _named_graphs(
     return named
 
 
-def _sections_line(named: Sequence[_NamedGraph]) -> str:
-    """The header's list of sections; what section 2 holds depends on the graphs."""
+def _sections_line(named: Sequence[_NamedGraph], plain_spec: bool) -> str:
+    """The header's list of sections; what sections 2 and 3 hold depends on the graphs and
+    on the driver."""
     if len(named) == 1:
         graphs = "the compiled graph, call(flat_inputs)"
     elif any(g.lazy for g in named):
@@ -373,8 +375,14 @@ def _sections_line(named: Sequence[_NamedGraph]) -> str:
         graphs = "the compiled graphs, one per variant"
     text = (
         f"Sections: 1. the spec (ARTIFACT_SPEC, the calling convention)  2. {graphs}  "
-        "3. the driver: check_call (the checks a call runs, one a line, in order), then the "
-        "helpers it calls and forward. Last, the seal."
+        + (
+            "3. the driver: check_call and check_models (the checks a call runs, one a line, "
+            "in order), the runtime they call, then what they compare with and forward. "
+            if plain_spec
+            else "3. the driver: check_call (the checks a call runs, one a line, in order), "
+            "then the helpers it calls and forward. "
+        )
+        + "Last, the seal."
     )
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
 

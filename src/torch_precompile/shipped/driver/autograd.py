@@ -25,7 +25,7 @@ Graph = Callable[[list[Any]], list[Any]]
 
 def differentiable(
     forward: Callable[[], Graph] | None = None, backward: Callable[[], Graph] | None = None
-) -> Callable[[Driver], "AutogradCall"]:
+) -> "Callable[[Driver], AutogradCall]":
     """The ``autograd`` part of a driver whose artifact holds the functions that ready its
     ``forward`` and ``backward`` graphs (none where results carry no history)."""
     return lambda driver: AutogradCall(driver, forward, backward)
@@ -36,12 +36,12 @@ class AutogradCall(NoHistory):
 
     def __init__(
         self,
-        driver: Driver,
+        driver: "Driver",
         forward: Callable[[], Graph] | None,
         backward: Callable[[], Graph] | None,
     ) -> None:
         super().__init__(driver)
-        record = driver.spec.autograd
+        record = driver.autograd_record
         self.outputs = list(record.outputs)
         self.tangent_strides = [tuple(s) for s in record.tangent_strides]
         self.ready = (forward, backward)
@@ -49,7 +49,7 @@ class AutogradCall(NoHistory):
         self.forward: Any = None
         self.backward: Any = None
         self.lock = threading.Lock()
-        self.num_outputs = driver.guards_start + len(driver.value_guards)
+        self.num_outputs = driver.graph_outputs  # results, gradients, value guards
 
     def wanted(self, flat: Sequence[torch.Tensor]) -> bool:
         """Whether this call (under grad mode) must give its results history."""

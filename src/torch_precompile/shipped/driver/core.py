@@ -41,6 +41,7 @@ from torch_precompile.shipped.driver.refusals import (
     no_values,
     positional_inputs,
     submodules_differ,
+    tied_since,
 )
 
 # A call that passed the checks, as a plain tuple (cheapest per call): the model tensors,
@@ -110,6 +111,7 @@ class Driver:
         self.value_guards = [(g.description, g.expected) for g in spec.value_guards]
         self.num_results = self.out_spec.num_leaves
         self.guards_start = self.num_results + len(self.grad_indices)
+        self.graph_outputs = self.guards_start + len(self.value_guards)
         # The flat inputs the graph writes, and the buffers and inputs they must not share
         # memory with (the graph takes them as separate tensors).
         self.mutated = set(spec.mutated)
@@ -381,10 +383,7 @@ def _interned(model: ModelPlan, members: Sequence[Any]) -> list[torch.Tensor]:
                 )
             continue
         if owner is not None:
-            raise PrecompileError(
-                f"model {kind} {name!r} is tied to {owner!r} at runtime but was a separate "
-                "tensor at capture. Use a model with the same weight tying."
-            )
+            raise tied_since(kind, name, owner)
         _check_model_tensor(model, record, tensor)
         first_name[id(tensor)] = name
         tensors.append(tensor)

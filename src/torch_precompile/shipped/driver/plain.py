@@ -37,6 +37,7 @@ from torch_precompile.shipped.driver.refusals import (
     members_differ,
     members_missing,
     submodules_differ,
+    tied_since,
 )
 
 
@@ -44,8 +45,9 @@ class PlainForward:
     """``forward``: ``checks(args, kwargs)`` gives the graph's flat inputs, ``call`` runs it.
 
     ``names`` names each flat input in messages; ``grads`` are the indices of the model
-    tensors whose gradients follow the results; ``autograd`` (``NoHistory``, over the spec's
-    ``autograd_record``) decides what a call under grad mode with tensors requiring grad does.
+    tensors whose gradients follow the results; ``autograd`` (``NoHistory``, or
+    ``differentiable`` where results can carry history, over the spec's ``autograd_record``)
+    decides what a call under grad mode with tensors requiring grad does.
     """
 
     def __init__(
@@ -65,9 +67,13 @@ class PlainForward:
         self.num_results = self.out_spec.num_leaves
         self.names = list(names)
         self.grads = list(grads)
+        self.graph_outputs = self.num_results + len(self.grads)
         record = autograd_record or {}  # the spec's literal: fields at defaults left out
         self.autograd_record = types.SimpleNamespace(
-            inputs=record.get("inputs", ()), unavailable=record.get("unavailable")
+            inputs=record.get("inputs", ()),
+            outputs=record.get("outputs", ()),
+            tangent_strides=record.get("tangent_strides", ()),
+            unavailable=record.get("unavailable"),
         )
         self.autograd: Any = autograd(self) if autograd is not None else None
 
@@ -85,11 +91,11 @@ class PlainForward:
     def run(self, args: Sequence[Any], flat: list[torch.Tensor]) -> Any:
         """Run the graph on a checked call; its gradients go to ``.grad``."""
         grad_enabled = torch.is_grad_enabled()
-        if grad_enabled and self.autograd is not None:
-            self.autograd.wanted(flat)  # results never carry history: it warns or refuses
-        torch._C._set_grad_enabled(False)
+        # Results get history where eager's would: under grad mode, from inputs requiring it.
+        with_history = grad_enabled and self.autograd is not None and self.autograd.wanted(flat)
+        torch._C._set_grad_enabled(with_history)
         try:
-            outputs = self.call(list(flat))
+            outputs = self.autograd(flat) if with_history else self.call(list(flat))
             if self.grads:
                 accumulate_grads(flat, self.grads, outputs[self.num_results :])
         finally:
@@ -100,7 +106,8 @@ class PlainForward:
 
 
 def members(model: Any, argument: str, captured: Sequence[tuple[str, str]]) -> list[Any]:
-    """The model's parameters then buffers, where their kinds and names are ``captured``."""
+    """The model's parameters then buffers, where their kinds and names are ``captured``,
+    each a tensor of its own (as at capture: a plain artifact has no tied weights)."""
     found = [
         *(("parameter", n, t) for n, t in model.named_parameters(remove_duplicate=False)),
         *(("buffer", n, t) for n, t in model.named_buffers(remove_duplicate=False)),
@@ -111,6 +118,11 @@ def members(model: Any, argument: str, captured: Sequence[tuple[str, str]]) -> l
             raise members_differ(expected, (argument, kind, name))
     if len(found) < len(captured):
         raise members_missing([f"{kind} {name!r}" for kind, name in captured[len(found) :]])
+    first_name: dict[int, str] = {}
+    for kind, name, tensor in found:
+        owner = first_name.setdefault(id(tensor), name)
+        if owner != name:
+            raise tied_since(kind, name, owner)
     return [tensor for _, _, tensor in found]
 
 
@@ -214,7 +226,12 @@ class RememberedCall:
 
 
 class _CheckedModels:
-    """Models as the full check found them: what a cheap re-check compares."""
+    """Models as the full check found them, and one expression, compiled for them, that tells
+    whether each fact it checked in Python still holds: each submodule's class, training flag
+    (in its own dict) and forward (none set on it since, none patched into its class), the
+    size of each member dict that was not empty (an empty one gains a member only by a
+    registration, which the count sees), and each value the trace read off a module. Each
+    fact costs a few bytecodes; the objects it compares are the expression's globals."""
 
     def __init__(
         self,
@@ -228,30 +245,69 @@ class _CheckedModels:
         self.registrations = registrations
         self.hook_handles = _HANDLES.next_id
         self.tensors = tensors  # handed out as is: no call mutates it
-        self.modules = modules
-        self.classes = list(map(type, modules))
-        self.modes = [m.training for m in modules]
-        self.attributes = [vars(m) for m in modules]
-        self.own_forwards = [a.get("forward") for a in self.attributes]
-        self.class_forwards: list[tuple[Any, Any]] = [
-            (c, getattr(c, "forward", None)) for c in set(self.classes)
-        ]
-        self.member_dicts = [d for m in modules for d in (m._parameters, m._buffers, m._modules)]
-        self.sizes = list(map(len, self.member_dicts))
-        self.reads = [(modules[index], path) for index, path in reads]
-        self.seen = [_kept(read_value(module, path)) for module, path in self.reads]
+        self.held: dict[str, Any] = {}
+        self.names: dict[int, str] = {}
+        terms = []
+        for module in modules:
+            attributes = self.hold(vars(module))
+            terms.append(f"type({self.hold(module)}) is {self.hold(type(module))}")
+            terms.append(f"{attributes}['training'] is {module.training!r}")
+            if "forward" in vars(module):
+                terms.append(f"{attributes}['forward'] is {self.hold(vars(module)['forward'])}")
+            else:
+                terms.append(f"'forward' not in {attributes}")
+            for members in (module._parameters, module._buffers, module._modules):
+                if members:
+                    terms.append(f"len({self.hold(members)}) == {len(members)}")
+        for cls in dict.fromkeys(map(type, modules)):
+            terms.append(f"{self.hold(cls)}.forward is {self.hold(getattr(cls, 'forward', None))}")
+        for index, path in reads:
+            module = modules[index]
+            now = read_value(module, path)
+            shown = self.read(module, path)
+            kept = _kept(now)
+            terms.append(
+                f"{shown} is {self.hold(now)}"
+                if kept is now
+                else f"_same({shown}, {self.hold(kept)})"
+            )
+        self.held["_same"] = _same
+        source = "def unchanged():\n    return (\n        " + " and\n        ".join(
+            terms or ["True"]
+        )
+        exec(compile(source + "\n    )\n", "<remembered model>", "exec"), self.held)
+        self.facts_hold: Callable[[], bool] = self.held["unchanged"]
         self.guard = tensor_guard(tensors)
 
+    def hold(self, value: Any) -> str:
+        """The name the expression knows ``value`` by, one per object."""
+        name = self.names.get(id(value))
+        if name is None:
+            name = self.names[id(value)] = f"v{len(self.held)}"
+            self.held[name] = value
+        return name
+
+    def read(self, module: Any, path: Sequence[str]) -> str:
+        """Code that reads ``path`` off ``module``: from its own dict where the value lives
+        there (as nn.Module keeps plain attributes), else by attribute."""
+        first, *rest = path
+        if first in vars(module) and not hasattr(type(module), first):
+            code = f"{self.hold(vars(module))}[{first!r}]"
+        else:
+            code = f"getattr({self.hold(module)}, {first!r})"
+        for name in rest:
+            code = f"getattr({code}, {name!r})"
+        return code
+
     def unchanged(self, models: Sequence[Any], registrations: int) -> bool:
+        try:
+            facts_hold = self.facts_hold()
+        except (AttributeError, KeyError):  # a flag or a read attribute deleted
+            return False
         return (
             registrations == self.registrations
             and self.hook_handles == _HANDLES.next_id
             and all(map(operator.is_, map(_DEREF, self.models), models))
-            and list(map(type, self.modules)) == self.classes
-            and [m.training for m in self.modules] == self.modes
-            and [a.get("forward") for a in self.attributes] == self.own_forwards
-            and all([c.forward is f for c, f in self.class_forwards])
-            and list(map(len, self.member_dicts)) == self.sizes
-            and all(map(_same, [read_value(m, p) for m, p in self.reads], self.seen))
+            and facts_hold
             and self.guard.check(*self.tensors)
         )

@@ -498,6 +498,14 @@ def check_is_model(value: Any, argument: str) -> None:
         )
 
 
+def tied_since(kind: str, name: str, owner: str) -> Any:
+    """A member that is the very tensor of member ``owner`` at a call, but was not at capture."""
+    return PrecompileError(
+        f"model {kind} {name!r} is tied to {owner!r} at runtime but was a separate "
+        "tensor at capture. Use a model with the same weight tying."
+    )
+
+
 def members_missing(missing: Sequence[str]) -> Any:
     """The parameters and buffers (``kind 'name'``) a runtime model lacks."""
     return PrecompileError(
@@ -518,7 +526,7 @@ def submodules_differ(names: Sequence[str], captured: Sequence[str]) -> Any:
 
 
 def check_module(
-    module: Any, name: str, cls: str | None, forward: str | None, training: bool
+    module: Any, name: str, cls: str | None, forward: str | None = None, training: bool = True
 ) -> None:
     """One submodule (``name`` in the walk) against its captured class, forward and mode."""
     if cls is not None and qualified_name(type(module)) != cls:
