@@ -9,6 +9,7 @@ artifact does not use.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
 from torch_precompile.artifact.checks import tensor_type
@@ -164,11 +165,16 @@ def _check_call(spec: ArtifactSpec, training: bool) -> list[str]:
     )
     return [
         'def check_call(args: "Sequence[Any]", kwargs: "dict[str, Any]") -> "list[Any]":',
-        f'    """The checks a call forward({", ".join(names)}) must pass before the graph',
-        "    runs, one a line, in the order they run (generated from the spec). Each raises",
-        "    PrecompileError naming what differs from the capture; its check_stage says how far",
-        "    they got (0 state and arguments, 1 structure, 2 inputs, 3 model). Returns the",
-        '    graph\'s flat inputs."""',
+        *textwrap.wrap(
+            f'"""The checks a call forward({", ".join(names)}) must pass before the graph runs, '
+            "one a line, in the order they run (generated from the spec). Each raises "
+            "PrecompileError naming what differs from the capture; its check_stage says how "
+            "far they got (0 state and arguments, 1 structure, 2 inputs, 3 model). Returns "
+            'the graph\'s flat inputs."""',
+            width=96,
+            initial_indent="    ",
+            subsequent_indent="    ",
+        ),
         "    stage = 0",
         "    try:",
         *(f"        {step}" for step in steps),

@@ -7,10 +7,13 @@ a hook, and the tensor guard tells whether the tensors kept their type, dtype, d
 strides and requires_grad.
 """
 
+import copy
+import keyword
+import operator
 import sys
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -71,3 +74,115 @@ def registration_counter() -> list[int]:
             hooks.register_module_buffer_registration_hook(fresh.bump)
             hooks.register_module_module_registration_hook(fresh.bump)
     return shared.counter
+
+
+class _CheckSource:
+    """The generated check being written: its terms, and the objects they name."""
+
+    def __init__(self, models: Sequence[Any]) -> None:
+        self.roots = {id(m): f"model{k}" for k, m in enumerate(models)}
+        self.held: dict[str, Any] = {}
+        self.names: dict[tuple[str, int], str] = {}
+        self.terms: list[str] = []
+
+    def hold(self, prefix: str, obj: Any) -> str:
+        """The global name ``obj`` goes by, one per object."""
+        key = (prefix, id(obj))
+        if key not in self.names:
+            self.names[key] = f"{prefix}{len(self.names)}"
+            self.held[self.names[key]] = obj
+        return self.names[key]
+
+    def module(self, module: Any) -> str:
+        return self.roots.get(id(module)) or self.hold("module", module)
+
+    def read(self, module: Any, path: Sequence[str]) -> str:
+        """Code that reads ``path`` off ``module``: a first attribute that lives in the
+        instance dict (as nn.Module keeps its flags and options) is read from that dict."""
+        first, rest = path[0], path[1:]
+        if first in vars(module) and not hasattr(type(module), first):
+            code = f"{self.hold('attributes', vars(module))}[{first!r}]"
+        else:
+            code = _attribute(self.module(module), first)
+        for name in rest:
+            code = _attribute(code, name)
+        return code
+
+    def no_other_forward(self, module: Any) -> None:
+        """A term: no forward set on the instance since the walk (or the same one)."""
+        attributes = self.hold("attributes", vars(module))
+        if "forward" in vars(module):
+            self.same(f"{attributes}['forward']", vars(module)["forward"])
+        else:
+            self.terms.append(f"'forward' not in {attributes}")
+
+    def same(self, code: str, value: Any) -> None:
+        """A term: ``code`` gives the very object ``value`` (a list or dict: an equal one,
+        item by item in order, since it can change in place)."""
+        if type(value) is list:
+            self.terms.append(f"{code} == {self.hold('value', copy.deepcopy(value))}")
+            return
+        if type(value) is dict:
+            items = self.hold("value", copy.deepcopy(list(value.items())))
+            self.terms.append(f"list({code}.items()) == {items}")
+            return
+        if type(value) is types.MethodType:  # a new bound method at every read
+            self.terms.append(f"{code}.__func__ is {self.hold('value', value.__func__)}")
+            return
+        known = (
+            repr(value)
+            if value is None or value is True or value is False
+            else self.hold("value", value)
+        )
+        self.terms.append(f"{code} is {known}")
+
+    def compiled(self) -> Callable[..., bool]:
+        body = "".join(f"\n                {t} and" for t in self.terms)
+        source = (
+            f"def unchanged({', '.join(self.roots.values())}):\n"
+            "    try:\n"
+            f"        return ({body}\n                True)\n"
+            "    except (AttributeError, KeyError):\n"
+            "        return False\n"
+        )
+        exec(compile(source, "<remembered models>", "exec"), self.held)
+        return self.held["unchanged"]
+
+
+def _attribute(code: str, name: str) -> str:
+    """Code that reads attribute ``name`` off the value of ``code``."""
+    if name.isidentifier() and not keyword.iskeyword(name):
+        return f"{code}.{name}"
+    return f"getattr({code}, {name!r})"
+
+
+def _value_at(module: Any, path: Sequence[str]) -> Any:
+    try:
+        return operator.attrgetter(".".join(path))(module)
+    except AttributeError:
+        return _GONE
+
+
+_GONE = object()  # an attribute the walk found missing: no later read can be this object
+
+
+def module_facts(
+    check: "_CheckSource", modules: Sequence[Any], paths: Sequence[tuple[int, Sequence[str]]]
+) -> None:
+    """Terms of ``check`` for what a full walk checked in Python about ``modules``: each one's
+    class, training flag and forward (none set on the instance since, none patched into its
+    class), the values at ``paths`` (submodule index, attribute path) the trace read, and the
+    size of each member dict that was not empty (an empty one gains a member only by a
+    registration, which the count sees)."""
+    for module in modules:
+        check.same(f"type({check.module(module)})", type(module))
+        check.same(check.read(module, ("training",)), module.training)
+        check.no_other_forward(module)
+    for cls in dict.fromkeys(map(type, modules)):  # a forward patched into a class
+        check.same(f"{check.hold('value', cls)}.forward", getattr(cls, "forward", None))
+    for index, path in paths:
+        module = modules[index]
+        check.same(check.read(module, path), _value_at(module, path))
+    members = [d for m in modules for d in (m._parameters, m._buffers, m._modules) if d]
+    for d in members:
+        check.terms.append(f"len({check.hold('members', d)}) == {len(d)}")

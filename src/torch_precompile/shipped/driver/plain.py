@@ -7,7 +7,6 @@ inputs, variants). Its section 3 opens with ``check_call`` and ``check_models``,
 its spec one check a line; ``PlainForward`` runs the graph on the tensors they return.
 """
 
-import copy
 import operator
 import threading
 import types
@@ -22,6 +21,8 @@ from torch_precompile.shipped.driver.encoded import MISSING, compare_read, modul
 from torch_precompile.shipped.driver.guards import (
     _DEREF,
     _HANDLES,
+    _CheckSource,
+    module_facts,
     registration_counter,
     tensor_guard,
 )
@@ -166,20 +167,6 @@ def check_read(module: Any, name: str, path: Sequence[str], expected: Any, where
     compare_read(expected, where, module_read_name(name, path), read_value(module, path))
 
 
-def _kept(value: Any) -> Any:
-    """What a later read is compared with: a list or dict can change in place (an equal
-    copy), a bound method is new at every read (its function)."""
-    if type(value) in (list, dict):
-        return copy.deepcopy(value)
-    return value.__func__ if type(value) is types.MethodType else value
-
-
-def _same(now: Any, kept: Any) -> bool:
-    if type(now) in (list, dict):
-        return type(now) is type(kept) and now == kept
-    return (now.__func__ if type(now) is types.MethodType else now) is kept
-
-
 class RememberedCall:
     """The inputs' layouts and the last few models that passed the full checks.
 
@@ -226,12 +213,9 @@ class RememberedCall:
 
 
 class _CheckedModels:
-    """Models as the full check found them, and one expression, compiled for them, that tells
-    whether each fact it checked in Python still holds: each submodule's class, training flag
-    (in its own dict) and forward (none set on it since, none patched into its class), the
-    size of each member dict that was not empty (an empty one gains a member only by a
-    registration, which the count sees), and each value the trace read off a module. Each
-    fact costs a few bytecodes; the objects it compares are the expression's globals."""
+    """Models as the full check found them, and a function of the models, generated for
+    them as one expression (``guards.module_facts``, as the generic memo's), that tells
+    whether each fact the full check compared in Python still holds."""
 
     def __init__(
         self,
@@ -245,69 +229,16 @@ class _CheckedModels:
         self.registrations = registrations
         self.hook_handles = _HANDLES.next_id
         self.tensors = tensors  # handed out as is: no call mutates it
-        self.held: dict[str, Any] = {}
-        self.names: dict[int, str] = {}
-        terms = []
-        for module in modules:
-            attributes = self.hold(vars(module))
-            terms.append(f"type({self.hold(module)}) is {self.hold(type(module))}")
-            terms.append(f"{attributes}['training'] is {module.training!r}")
-            if "forward" in vars(module):
-                terms.append(f"{attributes}['forward'] is {self.hold(vars(module)['forward'])}")
-            else:
-                terms.append(f"'forward' not in {attributes}")
-            for members in (module._parameters, module._buffers, module._modules):
-                if members:
-                    terms.append(f"len({self.hold(members)}) == {len(members)}")
-        for cls in dict.fromkeys(map(type, modules)):
-            terms.append(f"{self.hold(cls)}.forward is {self.hold(getattr(cls, 'forward', None))}")
-        for index, path in reads:
-            module = modules[index]
-            now = read_value(module, path)
-            shown = self.read(module, path)
-            kept = _kept(now)
-            terms.append(
-                f"{shown} is {self.hold(now)}"
-                if kept is now
-                else f"_same({shown}, {self.hold(kept)})"
-            )
-        self.held["_same"] = _same
-        source = "def unchanged():\n    return (\n        " + " and\n        ".join(
-            terms or ["True"]
-        )
-        exec(compile(source + "\n    )\n", "<remembered model>", "exec"), self.held)
-        self.facts_hold: Callable[[], bool] = self.held["unchanged"]
+        check = _CheckSource(models)
+        module_facts(check, modules, reads)
+        self.facts_hold = check.compiled()
         self.guard = tensor_guard(tensors)
 
-    def hold(self, value: Any) -> str:
-        """The name the expression knows ``value`` by, one per object."""
-        name = self.names.get(id(value))
-        if name is None:
-            name = self.names[id(value)] = f"v{len(self.held)}"
-            self.held[name] = value
-        return name
-
-    def read(self, module: Any, path: Sequence[str]) -> str:
-        """Code that reads ``path`` off ``module``: from its own dict where the value lives
-        there (as nn.Module keeps plain attributes), else by attribute."""
-        first, *rest = path
-        if first in vars(module) and not hasattr(type(module), first):
-            code = f"{self.hold(vars(module))}[{first!r}]"
-        else:
-            code = f"getattr({self.hold(module)}, {first!r})"
-        for name in rest:
-            code = f"getattr({code}, {name!r})"
-        return code
-
     def unchanged(self, models: Sequence[Any], registrations: int) -> bool:
-        try:
-            facts_hold = self.facts_hold()
-        except (AttributeError, KeyError):  # a flag or a read attribute deleted
-            return False
         return (
             registrations == self.registrations
             and self.hook_handles == _HANDLES.next_id
             and all(map(operator.is_, map(_DEREF, self.models), models))
-            and facts_hold
+            and self.facts_hold(*models)
             and self.guard.check(*self.tensors)
         )

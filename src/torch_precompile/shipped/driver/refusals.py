@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 class PrecompileError(RuntimeError):
     """A precompile contract was broken: at capture, at load, or by a call to an artifact."""
 
-    check_stage: int  # set by a call's checks: how far they got (see Driver.checked)
+    check_stage: int  # set by a call's generated checks: how far they got
 
 
 def structure_error(expected: Any, given: Any) -> PrecompileError:
@@ -152,16 +152,12 @@ MODULE_HOOKS = (
     ("backward_pre", "_backward_pre_hooks"),
     ("backward", "_backward_hooks"),
 )
-
-
 GLOBAL_HOOKS = (
     ("forward_pre", "_global_forward_pre_hooks"),
     ("forward", "_global_forward_hooks"),
     ("backward_pre", "_global_backward_pre_hooks"),
     ("backward", "_global_backward_hooks"),
 )
-
-
 TENSOR_HOOKS = (
     ("grad", "_backward_hooks"),
     ("post_accumulate_grad", "_post_accumulate_grad_hooks"),
@@ -298,14 +294,8 @@ def _shown_state(value: Any) -> str:
 
 
 _ANY_AUTOCAST = torch._C._is_any_autocast_enabled
-
-
 _DETERMINISTIC = torch._C._get_deterministic_algorithms
-
-
 _FUNCTION_MODES = torch._C._len_torch_function_stack
-
-
 _DISPATCH_MODES = torch._C._len_torch_dispatch_stack
 
 
@@ -348,7 +338,9 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
-def arguments_error(kwargs: Mapping[str, Any], count: int, arity: int, shown: str) -> Any:
+def arguments_error(
+    kwargs: Mapping[str, Any], count: int, arity: int, shown: str
+) -> PrecompileError:
     """Keyword arguments, or another number of positional ones than fn took (``shown``)."""
     if kwargs:
         return PrecompileError(
@@ -473,7 +465,7 @@ def check_model_tensor(
         check_layout(tensor, strides, what)
 
 
-def members_differ(expected: tuple[str, str, str], found: tuple[str, str, str]) -> Any:
+def members_differ(expected: tuple[str, str, str], found: tuple[str, str, str]) -> PrecompileError:
     """A model whose walk finds ``found`` (argument, kind, name) where the capture's found
     ``expected``, or found nothing more (``expected`` empty)."""
     owner, kind, local = found
@@ -498,7 +490,7 @@ def check_is_model(value: Any, argument: str) -> None:
         )
 
 
-def tied_since(kind: str, name: str, owner: str) -> Any:
+def tied_since(kind: str, name: str, owner: str) -> PrecompileError:
     """A member that is the very tensor of member ``owner`` at a call, but was not at capture."""
     return PrecompileError(
         f"model {kind} {name!r} is tied to {owner!r} at runtime but was a separate "
@@ -506,7 +498,7 @@ def tied_since(kind: str, name: str, owner: str) -> Any:
     )
 
 
-def members_missing(missing: Sequence[str]) -> Any:
+def members_missing(missing: Sequence[str]) -> PrecompileError:
     """The parameters and buffers (``kind 'name'``) a runtime model lacks."""
     return PrecompileError(
         f"the runtime model lacks {', '.join(missing[:5])}"
@@ -515,7 +507,7 @@ def members_missing(missing: Sequence[str]) -> Any:
     )
 
 
-def submodules_differ(names: Sequence[str], captured: Sequence[str]) -> Any:
+def submodules_differ(names: Sequence[str], captured: Sequence[str]) -> PrecompileError:
     """The submodule names a walk found, where the capture's were ``captured``."""
     added = sorted(set(names) - set(captured))
     return PrecompileError(
