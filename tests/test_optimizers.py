@@ -344,6 +344,50 @@ def test_an_optimizer_class_not_carried_is_refused_at_capture() -> None:
     assert len(opt.state) == 0
 
 
+@pytest.mark.parametrize("home", ["global", "closure", "model attribute", "second"])
+def test_an_optimizer_fn_steps_but_does_not_take_is_refused_at_capture(home: str) -> None:
+    """An optimizer fn reaches without taking it keeps its state outside the artifact: the graph
+    would replay its first step at every call (eager goes on from its state). Refused, naming
+    the fix, with the model, its gradients and the optimizer as they were."""
+    model = make_model(13)
+    hidden = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    passed = torch.optim.SGD(model.parameters(), lr=0.1)
+    GLOBAL_OPTIMIZER[0] = hidden
+
+    def closure_step(m: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return step(m, hidden, x, t)
+
+    def attribute_step(m: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return step(m, m.opt, x, t)  # type: ignore[arg-type]
+
+    def second_step(m: torch.nn.Module, opt: Any, x: torch.Tensor, t: torch.Tensor) -> Any:
+        step(m, opt, x, t)
+        return step(m, hidden, x, t)
+
+    fn, args = {
+        "global": (global_step, (model, *batch(0))),
+        "closure": (closure_step, (model, *batch(0))),
+        "model attribute": (attribute_step, (model, *batch(0))),
+        "second": (second_step, (model, passed, *batch(0))),
+    }[home]
+    if home == "model attribute":
+        object.__setattr__(model, "opt", hidden)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(PrecompileError, match=r"fn steps a torch.optim.adamw.AdamW that is not"):
+        precompile(fn, *args, backend="eager")
+    assert len(hidden.state) == 0 and len(passed.state) == 0
+    assert all(p.grad is None for p in model.parameters())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+GLOBAL_OPTIMIZER: list[Any] = [None]
+
+
+def global_step(m: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return step(m, GLOBAL_OPTIMIZER[0], x, t)
+
+
 def test_an_optimizer_nested_in_an_input_is_refused() -> None:
     model = make_model(12)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -70,6 +70,7 @@ from torch_precompile.trace.optimizers import (
     OptimizerArg,
     check_returned_lrs,
     kept_entries,
+    only_arguments_step,
     optimizer_records,
     read_optimizers,
     stepping,
@@ -403,6 +404,7 @@ def _flat_function(
                     state.tensors,
                 )
             )
+            stack.enter_context(only_arguments_step(layout.optimizers))
             stack.enter_context(data_parallel.tracing(layout.data_parallel, _trained(layout, flat)))
             stack.enter_context(fully_shard.tracing(layout.fully_sharded, state.tensors, flat))
             with (

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.optim import step_count_dtype, step_hooks
@@ -252,6 +253,32 @@ def stepping(
     finally:
         for undo in reversed(restore):
             undo()
+
+
+@contextlib.contextmanager
+def only_arguments_step(optimizers: Sequence[OptimizerArg]) -> Iterator[None]:
+    """While fn is traced, an optimizer that is not an argument of fn (a global, a closure
+    value, an attribute) must not step: its state lives outside what the artifact takes, so
+    the graph would bake its first step (state from zero, step count 1) and replay it at every
+    call, where eager would go on from the state it keeps."""
+    passed = {id(o.optimizer) for o in optimizers}
+
+    def refuse(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if id(optimizer) not in passed:
+            cls = type(optimizer)
+            raise PrecompileError(
+                f"fn steps a {cls.__module__}.{cls.__qualname__} that is not one of its "
+                "arguments (a global, a closure value or an attribute): the artifact would "
+                "replay the step from the state it had at capture at every call. Pass the "
+                "optimizer as an argument, as the model is: fn(model, opt, x, ...) and "
+                "precompile(fn, model, opt, x, ...); or step it outside fn."
+            )
+
+    handle = register_optimizer_step_pre_hook(refuse)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _stepping_traced(
