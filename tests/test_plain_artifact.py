@@ -246,15 +246,100 @@ def test_plain_specs_are_those_without_generic_features() -> None:
         return parse_spec(code)
 
     x = torch.randn(2, 4)
+    # The first capture in a process may see the test runner's own lazy imports read.
+    precompile(infer, torch.nn.Linear(4, 4), x, backend="eager")
     with torch.no_grad():
         assert is_plain(spec_of(infer, torch.nn.Linear(4, 4), x), True)
     assert is_plain(spec_of(infer, torch.nn.Linear(4, 4), x), True)  # results with history
     assert is_plain(spec_of(lambda x: x.sin(), x), True)
-    assert not is_plain(spec_of(lambda x: x.add_(1), x), True)  # writes its input
+    assert is_plain(spec_of(lambda x: x.add_(1) * 2, x), True)  # writes its input
+    assert not is_plain(spec_of(lambda x: x.add_(1), x), True)  # returns its input: an alias
     assert is_plain(spec_of(train, _net(), torch.randn(5, 4)), True)
     tied = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     tied[1].weight = tied[0].weight
     assert not is_plain(spec_of(infer, tied, x), True)
+
+
+class Tally(torch.nn.Module):
+    """Writes a buffer in place at every call, as BatchNorm's running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(5, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x)
+        return self.fc(x) + self.total
+
+
+def _tally(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x)
+
+
+def _scaled_in_place(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x.mul_(2))
+
+
+# (name, the input given for a model, whether it must hold the same values as the capture's)
+WRITE_CALLS: list[tuple[str, Callable[[torch.nn.Module], torch.Tensor]]] = [
+    ("a tensor of its own", lambda m: torch.randn(5, 4)),
+    ("the written buffer itself", lambda m: m.total),
+    ("a view of the written buffer", lambda m: m.total.view(4, 5).t().t().view(5, 4)),
+    ("a transposed tensor", lambda m: torch.randn(4, 5).t()),
+]
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("fn", [_tally, _scaled_in_place], ids=["buffer", "input"])
+def test_writes_in_place_are_plain_and_checked_as_the_generic_driver_does(backend, fn) -> None:
+    """A graph that writes a buffer or an input in place: the plain artifact writes what eager
+    writes, and refuses a call whose inputs share memory with what it writes, in the generic
+    driver's words, leaving every tensor as it was."""
+    torch.manual_seed(0)
+    example = (Tally(), torch.randn(5, 4))
+    with torch.no_grad():
+        plain = precompile(fn, *example, backend=backend)[0]
+        original = render.is_plain
+        render.is_plain = lambda *_: False  # type: ignore[assignment]
+        try:
+            generic = precompile(fn, *example, backend=backend)[0]
+        finally:
+            render.is_plain = original
+    assert "forward = PlainForward(" in plain and "class Driver" in generic
+    for name, given in WRITE_CALLS:
+        outcomes = []
+        for code in (plain, generic):
+            run = precompile.load(code, None)
+            torch.manual_seed(1)
+            model = Tally()
+            x = given(model)
+            before = (model_state(model), x.clone())
+            try:
+                with torch.no_grad():
+                    outcomes.append(("ran", run(model, x), model.total.clone(), x.clone()))
+            except PrecompileError as error:
+                outcomes.append(("refused", str(error)))
+                assert torch.equal(x, before[1]), name  # nothing written
+                for key, value in model_state(model).items():
+                    was = before[0][key]
+                    assert value is was is None or torch.equal(value, was), (name, key)
+        ours, theirs = outcomes
+        assert ours[0] == theirs[0], (name, ours, theirs)
+        assert ours[0] == "refused" or "buffer" not in name, name
+        if ours[0] == "refused":
+            assert ours[1] == theirs[1], name
+            assert "shares memory" in ours[1] or "strides" in ours[1], name
+            continue
+        torch.manual_seed(1)
+        model = Tally()
+        x = given(model)
+        with torch.no_grad():
+            want = fn(model, x)
+        for got, expected in zip(ours[1:], (want, model.total, x), strict=True):
+            assert_same(got, expected)
+        for got, expected in zip(theirs[1:], (want, model.total, x), strict=True):
+            assert_same(got, expected)
 
 
 def test_a_plain_artifact_runs_in_a_fresh_process(tmp_path) -> None:

@@ -13,6 +13,7 @@ import textwrap
 from collections.abc import Sequence
 
 from torch_precompile.artifact.checks import tensor_type
+from torch_precompile.shipped.driver.refusals import written_apart
 from torch_precompile.spec import ArtifactSpec, InputLeaf, ModelTensor
 
 # Fields a plain spec leaves at their defaults: each is a feature of the generic driver.
@@ -31,7 +32,6 @@ _GENERIC_FIELDS = (
     "data_parallel",
     "fully_sharded",
     "global_hooks",
-    "mutated",
     "variants",
 )
 
@@ -86,16 +86,25 @@ def plain_binding(spec: ArtifactSpec, history: Sequence[str] = ()) -> list[str]:
 
 def _constants(spec: ArtifactSpec, training: bool) -> list[str]:
     inputs = [f"input {leaf.path}" for leaf in spec.inputs]
+    written = set(spec.mutated)
     lines = [
         "FLAT_NAMES = [  # in messages: the model's tensors, then the inputs",
         "    *(f\"model {t['kind']} {t['name']!r}\" for t in ARTIFACT_SPEC[\"model\"]),",
         *(f"    {name!r}," for name in inputs),
         "]",
         "INPUTS = (",
-        *(f"    {_leaf_plan(leaf, spec.backend, training)}," for leaf in spec.inputs),
+        *(
+            f"    {_leaf_plan(leaf, spec.backend, training, len(spec.model) + i in written)},"
+            for i, leaf in enumerate(spec.inputs)
+        ),
         ")",
         f"AMBIENT = {_ambient(spec)}",
     ]
+    if _apart(spec):
+        lines += [
+            f"WRITTEN = {set(spec.mutated)!r}  # the flat inputs the graph writes in place",
+            f"APART = {_apart(spec)!r}  # the flat inputs that must not share memory with them",
+        ]
     if spec.model_names:
         lines += [
             'MEMBERS = [(t["kind"], t["name"]) for t in ARTIFACT_SPEC["model"]]',
@@ -106,7 +115,7 @@ def _constants(spec: ArtifactSpec, training: bool) -> list[str]:
     return lines
 
 
-def _leaf_plan(leaf: InputLeaf, backend: str, training: bool) -> str:
+def _leaf_plan(leaf: InputLeaf, backend: str, training: bool, written: bool) -> str:
     arguments = [
         repr(leaf.path),
         f"shape={tuple(leaf.shape or ())!r}",
@@ -117,7 +126,7 @@ def _leaf_plan(leaf: InputLeaf, backend: str, training: bool) -> str:
         arguments.append(f"strides={tuple(leaf.strides)!r}")
     if training:
         arguments.append(f"requires_grad={leaf.requires_grad!r}")
-    if backend == "eager" and leaf.strides is not None:
+    if backend == "eager" and leaf.strides is not None and not written:
         arguments.append("relayout=True")  # the graph neither writes it nor views it
     return f"LeafPlan({', '.join(arguments)})"
 
@@ -160,9 +169,15 @@ def _check_call(spec: ArtifactSpec, training: bool) -> list[str]:
         "stage = 3",
     ]
     models = [f"args[{i}]" for i, a in enumerate(spec.args) if a.is_model]
-    steps.append(
-        f"return [*REMEMBERED.model_tensors([{models[0]}]), *inputs]" if models else "return inputs"
-    )
+    flat = f"[*REMEMBERED.model_tensors([{models[0]}]), *inputs]" if models else "inputs"
+    if _apart(spec):
+        steps += [
+            f"flat = {flat}",
+            "check_written_apart(flat, APART, WRITTEN, FLAT_NAMES.__getitem__)",
+            "return flat",
+        ]
+    else:
+        steps.append(f"return {flat}")
     return [
         'def check_call(args: "Sequence[Any]", kwargs: "dict[str, Any]") -> "list[Any]":',
         *textwrap.wrap(
@@ -235,3 +250,9 @@ def _tensor_check(index: int, tensor: ModelTensor, training: bool) -> str:
     if training:
         arguments.append(f"requires_grad={tensor.requires_grad!r}")
     return f"    check_model_tensor({', '.join(arguments)})"
+
+
+def _apart(spec: ArtifactSpec) -> list[int]:
+    """The flat inputs a call must pass in separate memory (no ties in a plain spec)."""
+    parameters = sum(t.kind == "parameter" for t in spec.model)
+    return written_apart(spec.mutated, parameters, len(spec.model) + len(spec.inputs))

@@ -49,6 +49,7 @@ from torch_precompile.shipped.source import (
     import_block,
     shipped_source,
     shipped_text,
+    used_only,
 )
 from torch_precompile.spec import ArtifactSpec, spec_source, to_literal
 from torch_precompile.spec_listing import driver_records
@@ -257,20 +258,24 @@ def render(
         parts = [refusals, guards, *([encoded] if spec.read_values else []), plain]
         if spec.autograd is not None:
             parts += [no_history, *([autograd] if spec.autograd.outputs else [])]
-        driver_source = _driver_source(
-            [shipped_source(m) for m in parts], graph_section, [plain_checks(spec)]
-        )
+        shipped = [shipped_source(m) for m in parts]
+        checks = [plain_checks(spec)]
         binding = plain_binding(spec, [g.function for g in named[0][1:]])
     else:
         shipped = [
-            shipped_source(m) for m in (refusals, core, *(p.module for p in _all_parts(variants)))
+            _records(variants),
+            *(
+                shipped_source(m)
+                for m in (refusals, core, *(p.module for p in _all_parts(variants)))
+            ),
         ]
         checks = [
             check_function(v, _check_name(n, len(variants)), _keywords(v))
             for n, v in enumerate(variants, 1)
         ]
-        driver_source = _driver_source([_records(variants), *shipped], graph_section, checks)
         binding = _binding(variants, named)
+    roots = "\n".join([graph_section, *checks, *binding, _MAIN])
+    driver_source = _driver_source(used_only(shipped, roots), graph_section, checks)
     _check_no_clash(graph_section, driver_source)
     all_named = [g for per_variant in named for g in per_variant]
     sections = [

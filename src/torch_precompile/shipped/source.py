@@ -88,3 +88,88 @@ def import_block(imports: Sequence[ast.Import | ast.ImportFrom]) -> str:
         return module.split(".")[0] == "torch", module
 
     return "\n".join(sorted(lines, key=order)) + "\n"
+
+
+def defined_names(statement: ast.stmt) -> set[str]:
+    """The module-level names a top-level statement binds."""
+    if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return {statement.name}
+    targets: list[ast.expr] = []
+    if isinstance(statement, ast.Assign):
+        targets = list(statement.targets)
+    elif isinstance(statement, ast.AnnAssign | ast.AugAssign):
+        targets = [statement.target]
+    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+
+def used_names(tree: ast.AST) -> set[str]:
+    """Every bare name ``tree`` mentions (quoted annotations are never evaluated)."""
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A top-level statement of a shipped body with the comments and blank lines above it."""
+
+    text: str
+    defines: frozenset[str]
+    uses: frozenset[str]
+
+
+def _blocks(body: str) -> list[_Block]:
+    lines = body.splitlines()
+    blocks: list[_Block] = []
+    start = 0
+    for statement in ast.parse(body).body:
+        end = statement.end_lineno or statement.lineno
+        text = "\n".join(lines[start:end])
+        defines = frozenset(defined_names(statement))
+        blocks.append(_Block(text, defines, frozenset(used_names(statement))))
+        start = end
+    return blocks
+
+
+def used_only(sources: Sequence[ShippedSource], roots: str) -> list[ShippedSource]:
+    """``sources`` cut to the definitions the code in ``roots`` reaches, directly or through
+    one another, and to the imports those use. A source none of whose definitions is reached
+    goes whole (its comment too); a statement that binds no name is always kept. An artifact
+    so carries nothing for features it does not use."""
+    per_source = [_blocks(source.body) for source in sources]
+    owners = {name: block for blocks in per_source for block in blocks for name in block.defines}
+    reached: set[int] = set()
+    from_roots = used_names(ast.parse(roots))
+    pending = list(from_roots)
+    pending += [n for blocks in per_source for b in blocks if not b.defines for n in b.uses]
+    seen: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in seen or name not in owners:
+            continue
+        seen.add(name)
+        block = owners[name]
+        if id(block) not in reached:
+            reached.add(id(block))
+            pending.extend(block.uses)
+    kept: list[ShippedSource] = []
+    for source, blocks in zip(sources, per_source, strict=True):
+        chosen = [b for b in blocks if id(b) in reached or not b.defines]
+        if not chosen:
+            continue
+        body = "\n".join(b.text for b in chosen).strip("\n") + "\n"
+        used = used_names(ast.parse(body)) | from_roots
+        kept.append(ShippedSource(_used_imports(source.imports, used), source.comment, body))
+    return kept
+
+
+def _used_imports(
+    imports: Sequence[ast.Import | ast.ImportFrom], used: set[str]
+) -> tuple[ast.Import | ast.ImportFrom, ...]:
+    """``imports`` with only the names in ``used`` (``import a.b`` binds ``a``)."""
+    kept: list[ast.Import | ast.ImportFrom] = []
+    for node in imports:
+        names = [a for a in node.names if (a.asname or a.name).split(".")[0] in used]
+        if names and isinstance(node, ast.Import):
+            kept.append(ast.Import(names=names))
+        elif names and isinstance(node, ast.ImportFrom):
+            kept.append(ast.ImportFrom(module=node.module, names=names, level=node.level))
+    return tuple(kept)

@@ -34,6 +34,7 @@ from torch_precompile.shipped.driver.refusals import (
     check_is_model,
     check_model_tensor,
     check_module,
+    check_written_apart,
     hook_sets,
     hooks_error,
     members_differ,
@@ -42,6 +43,7 @@ from torch_precompile.shipped.driver.refusals import (
     positional_inputs,
     submodules_differ,
     tied_since,
+    written_apart,
 )
 
 # A call that passed the checks, as a plain tuple (cheapest per call): the model tensors,
@@ -117,11 +119,7 @@ class Driver:
         self.mutated = set(spec.mutated)
         first_buffer = len([t for t in self.model.interned if t.kind == "parameter"])
         end = len(self.model.interned) + sum(p.is_tensor for p in self.leaves)
-        self.separate = (
-            sorted(i for i in self.mutated | set(range(first_buffer, end)) if i < end)
-            if self.mutated & set(range(first_buffer, end))
-            else []
-        )
+        self.separate = written_apart(self.mutated, first_buffer, end)
         self.rollback = sorted(self.mutated) if self.value_guards else []
         self.seed = spec.seed  # set inside fn before its first random draw
         # Optional parts: Any, since each is a class of another shipped module.
@@ -175,7 +173,7 @@ class Driver:
         # Results get history where eager's would: under grad mode, from inputs requiring it.
         with_history = grad_enabled and self.autograd is not None and self.autograd.wanted(flat)
         if self.separate:  # before anything is written, the averaged gradients included
-            check_separate_writes(self, flat)
+            check_written_apart(flat, self.separate, self.mutated, self.flat_name)
         if self.data_parallel is not None:
             self.data_parallel.average_left_gradients(args, state)
         torch._C._set_grad_enabled(with_history)
@@ -200,24 +198,6 @@ class Driver:
         if self.single_result:
             return outputs[0]
         return pytree.tree_unflatten(outputs[: self.num_results], self.out_spec)
-
-
-def check_separate_writes(driver: Driver, flat: Sequence[torch.Tensor]) -> None:
-    """Refuse a call where a tensor the graph writes shares memory with another input."""
-    owner: dict[int, int] = {}
-    for index in driver.separate:
-        tensor = flat[index]
-        if not tensor.numel():
-            continue
-        other = owner.setdefault(tensor.untyped_storage().data_ptr(), index)
-        if other != index and (index in driver.mutated or other in driver.mutated):
-            written, alias = (index, other) if index in driver.mutated else (other, index)
-            raise PrecompileError(
-                f"{driver.flat_name(written)} shares memory with {driver.flat_name(alias)} at "
-                "this call, and the artifact writes the first in place: eager fn would see the "
-                "write through the other, the graph (which takes them as separate tensors) "
-                "would not. Pass separate tensors (x.clone())."
-            )
 
 
 def check_arguments(driver: Driver, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:

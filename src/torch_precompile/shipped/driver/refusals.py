@@ -7,7 +7,7 @@ raises ``PrecompileError`` naming what was captured, what was given and the fix.
 """
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -324,6 +324,36 @@ def accumulate_grads(
                 param.grad = torch.empty_like(param).copy_(grad)
         else:
             param.grad.add_(grad)
+
+
+def written_apart(written: Collection[int], first_buffer: int, end: int) -> list[int]:
+    """The flat inputs to keep apart in memory: where the graph writes a buffer or an input
+    (``written``), those and every buffer and input (flat indices ``first_buffer``..``end``)."""
+    tail = set(range(first_buffer, end))
+    return sorted(i for i in {*written, *tail} if i < end) if set(written) & tail else []
+
+
+def check_written_apart(
+    flat: Sequence[torch.Tensor],
+    apart: Sequence[int],
+    written: Collection[int],
+    name: Callable[[int], str],
+) -> None:
+    """Refuse a call where a tensor the graph writes shares memory with another input."""
+    owner: dict[int, int] = {}
+    for index in apart:
+        tensor = flat[index]
+        if not tensor.numel():
+            continue
+        other = owner.setdefault(tensor.untyped_storage().data_ptr(), index)
+        if other != index and (index in written or other in written):
+            target, alias = (index, other) if index in written else (other, index)
+            raise PrecompileError(
+                f"{name(target)} shares memory with {name(alias)} at this call, and the "
+                "artifact writes the first in place: eager fn would see the write through the "
+                "other, the graph (which takes them as separate tensors) would not. Pass "
+                "separate tensors (x.clone())."
+            )
 
 
 def _requires_grad_message(what: str, captured: bool) -> str:
