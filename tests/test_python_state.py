@@ -179,3 +179,62 @@ def test_fn_failing_after_changing_state_reports_its_own_error(backend: str) -> 
     with pytest.raises(ValueError, match="fn's own failure"):
         precompile(failing, model, torch.randn(2, 4), backend=backend)
     assert model.calls == 0
+
+
+STEPS = 0
+
+
+def count_then_scale(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    global STEPS
+    STEPS += 1
+    return m(x) * STEPS
+
+
+def _bump() -> int:
+    global STEPS
+    STEPS += 1
+    return STEPS
+
+
+def scale_by_helper(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x) * _bump()
+
+
+def test_a_global_fn_assigns_is_refused_and_put_back(backend: str) -> None:
+    """Before: ``global STEPS; STEPS += 1`` ran once, at capture, and the artifact scaled by
+    the capture's count at every call while eager counted on (silently different from the
+    first call on). A helper of fn's module that assigns is followed too."""
+    for fn, by in ((count_then_scale, "fn"), (scale_by_helper, "_bump")):
+        with pytest.raises(
+            PrecompileError,
+            match=rf"^fn changed global 'STEPS' of module test_python_state, which {by}.* "
+            r"assigns, while it was traced\..*\(Capture put the old value back\.\)$",
+        ):
+            precompile(fn, torch.nn.Linear(4, 4), torch.randn(2, 4), backend=backend)
+        assert STEPS == 0
+
+
+def test_a_closure_variable_fn_assigns_is_refused_and_put_back(backend: str) -> None:
+    calls = 0
+
+    def counted(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return m(x) * calls
+
+    with pytest.raises(PrecompileError, match=r"fn changed the 'calls' it closes over, which"):
+        precompile(counted, torch.nn.Linear(4, 4), torch.randn(2, 4), backend=backend)
+    assert calls == 0
+
+
+def test_a_global_assigned_its_own_value_passes(backend: str) -> None:
+    """Only a change is refused: setting a flag to the value it holds changes nothing."""
+
+    def same(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        global STEPS
+        STEPS = 0
+        return m(x)
+
+    model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    run = precompile.load(*precompile(same, model, x, backend=backend))
+    assert_same(run(model, x), model(x))

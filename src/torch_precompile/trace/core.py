@@ -52,6 +52,7 @@ from torch_precompile.trace.distributed import (
 from torch_precompile.trace.fully_shard import FullySharded
 from torch_precompile.trace.guards import GuardRecorder
 from torch_precompile.trace.hooks import (
+    assigned_names,
     global_hooks,
     hook_functions,
     module_hooks,
@@ -125,15 +126,14 @@ def capture(
     watch = _Watch(layout)
     refuse_unreplayable_modules(watch.named_submodules())
     flat_fn = _flat_function(fn, layout, recorder, outputs, watch)
+    functions = [
+        named_function(fn),
+        *hook_functions(watch.submodules, layout.state.tensors[: layout.num_params]),
+    ]
     before = take_snapshot(
         [(layout.arg_names[i], args[i]) for i in layout.module_positions],
         [(o.name, o.optimizer) for o in layout.optimizers],
-        reachable_containers(
-            [
-                named_function(fn),
-                *hook_functions(watch.submodules, layout.state.tensors[: layout.num_params]),
-            ]
-        ),
+        [*reachable_containers(functions), *assigned_names(functions)],
     )
     try:
         traced = _trace(flat_fn, layout, recorder, decompositions, on_fakes)

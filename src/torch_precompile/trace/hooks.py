@@ -10,8 +10,9 @@ containers a hook (or ``fn`` itself) can reach, and refuses the capture when one
 
 from __future__ import annotations
 
+import dis
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -84,6 +85,90 @@ def reachable_containers(functions: Sequence[tuple[str, Any]]) -> list[Slot]:
                     )
                 )
     return slots
+
+
+def assigned_names(functions: Sequence[tuple[str, Any]]) -> list[Slot]:
+    """The globals and closure variables that ``functions``, or the functions of their own
+    module they call by name, assign or delete (``global steps; steps += 1``, ``nonlocal``):
+    a trace runs that assignment once, at capture, and an artifact never again."""
+    slots: dict[tuple[int, str], Slot] = {}
+    for who, function in functions:
+        pending, seen = [_unwrapped(function)], set()
+        while pending:
+            current = pending.pop()
+            code = getattr(current, "__code__", None)
+            if code is None or id(code) in seen or _torch_own(current):
+                continue
+            seen.add(id(code))
+            namespace = current.__globals__
+            by = f"{current.__qualname__} (called by {who})" if len(seen) > 1 else who
+            for name, owner, where in _assignments(current, code, namespace):
+                key = (id(getattr(owner, "cell", owner)), name)  # a cell: one slot
+                slots.setdefault(
+                    key, Slot(owner, name, f"{where}, which {by} assigns,", _SIDE_EFFECT_FIX)
+                )
+            pending.extend(
+                value
+                for name in code.co_names
+                if isinstance(value := namespace.get(name), types.FunctionType)
+                and value.__globals__ is namespace
+            )
+    return list(slots.values())
+
+
+def _torch_own(function: Any) -> bool:
+    """torch's own hooks (DDP's, FSDP's) keep their state by design; capture handles them."""
+    module = str(function.__globals__.get("__name__", ""))
+    return module == "torch" or module.startswith("torch.")
+
+
+def _assignments(
+    function: Any, code: types.CodeType, namespace: dict[str, Any]
+) -> Iterator[tuple[str, MutableMapping[str, Any], str]]:
+    """Each global and closure variable ``code`` stores to: its name, its holder, its words."""
+    for instruction in dis.get_instructions(code):
+        name = instruction.argval
+        if instruction.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            yield name, namespace, f"global {name!r} of module {namespace.get('__name__')}"
+        elif instruction.opname in ("STORE_DEREF", "DELETE_DEREF") and name in code.co_freevars:
+            cell = function.__closure__[code.co_freevars.index(name)]
+            yield "value", _CellContents(cell), f"the {name!r} it closes over"
+
+
+class _CellContents(MutableMapping[str, Any]):
+    """A closure cell as a mapping of one entry, ``value``: what a Slot reads and puts back."""
+
+    def __init__(self, cell: types.CellType) -> None:
+        self.cell = cell
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self.cell.cell_contents
+        except ValueError:  # empty
+            raise KeyError(key) from None
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.cell.cell_contents = value
+
+    def __delitem__(self, key: str) -> None:
+        del self.cell.cell_contents
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(["value"][: len(self)])
+
+    def __len__(self) -> int:
+        try:
+            _ = self.cell.cell_contents
+        except ValueError:  # empty
+            return 0
+        return 1
+
+
+def _unwrapped(function: Any) -> Any:
+    """The plain function behind a ``functools.partial`` or a bound method."""
+    while hasattr(function, "func") and not isinstance(function, types.FunctionType):
+        function = function.func
+    return getattr(function, "__func__", function)
 
 
 def _containers(function: Any) -> Iterator[tuple[Any, str]]:

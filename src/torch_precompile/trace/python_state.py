@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ class Slot:
     """One place that holds Python state, ``owner[name]``: described as ``where``, with
     ``fix`` saying what to do instead."""
 
-    owner: dict[str, Any]
+    owner: MutableMapping[str, Any]
     name: str
     where: str
     fix: str = _MODULE_FIX
@@ -62,7 +62,7 @@ class Snapshot:
     # Each module's attribute dict and its parameter, buffer and submodule dicts, the names
     # each had, and how to name an entry fn adds: an attribute (a tensor it creates on the
     # first call and keeps) or a registered member is state too.
-    namespaces: tuple[tuple[dict[str, Any], frozenset[str], str, str], ...] = ()
+    namespaces: tuple[tuple[MutableMapping[str, Any], frozenset[str], str, str], ...] = ()
 
 
 def take_snapshot(
