@@ -2,9 +2,10 @@
 
     .venv/bin/python benchmarks/artifact_size.py [--src DIR]
 
-Builds the eager ``Linear(4, 4)`` artifact and the two inductor artifacts of ``make demo``
-(inference and training step) and prints one row each. ``--src`` measures another checkout's
-``src/`` (for a before/after comparison); the default is this one.
+Builds the eager ``Linear(4, 4)`` artifact, the two inductor artifacts of ``make demo``
+(inference and training step) and an inductor MLP training step with AdamW inside ``fn``, and
+prints one row each. ``--src`` measures another checkout's ``src/`` (for a before/after
+comparison); the default is this one.
 """
 
 from __future__ import annotations
@@ -48,6 +49,19 @@ with torch.no_grad():  # inference artifacts, as a server builds them
                                              torch.randn(2, 4), backend="eager")[0])
     measure("inductor demo infer", precompile(demo.WORKLOADS["infer"], *demo.example("infer"))[0])
 measure("inductor demo train", precompile(demo.WORKLOADS["train"], *demo.example("train"))[0])
+
+def adamw_step(model, opt, x, target):
+    loss = torch.nn.functional.cross_entropy(model(x), target)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+torch.manual_seed(0)
+mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+opt = torch.optim.AdamW(mlp.parameters(), lr=1e-3)
+measure("inductor MLP + AdamW step",
+        precompile(adamw_step, mlp, opt, torch.randn(16, 32), torch.randint(0, 10, (16,)))[0])
 print(json.dumps(rows))
 """
 
