@@ -71,6 +71,7 @@ class _CodeReads:
     paths: tuple[tuple[tuple[str, ...], int], ...]
     globals: tuple[tuple[tuple[str, ...], int], ...]
     closed_over: tuple[tuple[str, int], ...] = ()  # free variables it loads
+    library: bool = False  # an installed package's code: its own functions are not reads
 
 
 class ReadRecorder:
@@ -145,6 +146,8 @@ class ReadRecorder:
                         shown = f"{'.'.join((enclosed, *path))}={value!r}"
                         self.closed_over[id(owner), path] = f"{shown} ({where.format(line)})"
         for path, line in reads.globals:
+            if reads.library and callable(frame.f_globals.get(path[0])):
+                continue  # a library calling its own helpers (a lazy import's first run)
             self._global_read(frame.f_globals, path, where.format(line))
             if _reads_clock(frame.f_globals, path):
                 self.clocks.setdefault(".".join(path), where.format(line))
@@ -378,7 +381,11 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
     if not paths and not names and not closed_over:
         return None
     return _CodeReads(
-        self_name, tuple(paths.items()), tuple(names.items()), tuple(closed_over.items())
+        self_name,
+        tuple(paths.items()),
+        tuple(names.items()),
+        tuple(closed_over.items()),
+        library=not in_torch and not users,
     )
 
 
