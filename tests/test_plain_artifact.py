@@ -342,6 +342,115 @@ def test_writes_in_place_are_plain_and_checked_as_the_generic_driver_does(backen
             assert_same(got, expected)
 
 
+def _adamw_step(
+    m: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, t: torch.Tensor
+) -> torch.Tensor:
+    loss = torch.nn.functional.cross_entropy(m(x), t)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _stepped_once(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    _adamw_step(m, opt, torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))
+
+
+def _wrong_state(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    _stepped_once(m, opt)
+    opt.state[m.fc.weight]["exp_avg"] = torch.zeros(3)
+
+
+def _stale_grad(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    m.fc.weight.grad = torch.ones_like(m.fc.weight)
+
+
+def _decay(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.param_groups[0]["weight_decay"] = 0.5
+
+
+def _lr_text(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.param_groups[0]["lr"] = "fast"
+
+
+def _scheduled(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.param_groups[0]["lr"] = 0.5
+
+
+def _hooked(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.register_step_pre_hook(lambda *_: None)
+
+
+# (name, how the optimizer is built over the model, a change to both before the call)
+OPTIMIZER_CALLS: list[tuple[str, Callable[..., Any], Callable[..., None]]] = [
+    ("fresh", lambda m: torch.optim.AdamW(m.parameters(), lr=0.1), lambda m, o: None),
+    ("stepped before", lambda m: torch.optim.AdamW(m.parameters(), lr=0.1), _stepped_once),
+    ("another lr", lambda m: torch.optim.AdamW(m.parameters(), lr=0.1), _scheduled),
+    ("another class", lambda m: torch.optim.Adam(m.parameters(), lr=0.1), lambda m, o: None),
+    (
+        "two groups",
+        lambda m: torch.optim.AdamW([{"params": [m.fc.weight]}, {"params": [m.fc.bias]}]),
+        lambda m, o: None,
+    ),
+    ("other parameters", lambda m: torch.optim.AdamW(_net().parameters()), lambda m, o: None),
+    ("an option changed", lambda m: torch.optim.AdamW(m.parameters(), lr=0.1), _decay),
+    ("lr not a number", lambda m: torch.optim.AdamW(m.parameters(), lr=0.1), _lr_text),
+    ("a stale grad", lambda m: torch.optim.AdamW(m.parameters(), lr=0.1), _stale_grad),
+    ("state of another shape", lambda m: torch.optim.AdamW(m.parameters()), _wrong_state),
+    ("a step hook", lambda m: torch.optim.AdamW(m.parameters(), lr=0.1), _hooked),
+]
+
+
+def _optimizer_outcome(code: str, build: Callable[..., Any], change: Callable[..., None]) -> Any:
+    run = precompile.load(code, None)
+    torch.manual_seed(3)
+    model = _net()
+    opt = build(model)
+    change(model, opt)
+    x, t = torch.randn(5, 4), torch.tensor([2, 1, 0, 0, 1])
+    before = (model_state(model), {k: dict(v) for k, v in opt.state.items()})
+    try:
+        loss = run(model, opt, x, t)
+    except PrecompileError as error:
+        assert model_state(model).keys() == before[0].keys()
+        for key, value in model_state(model).items():
+            was = before[0][key]
+            assert value is was is None or torch.equal(value, was), key
+        assert {k: dict(v) for k, v in opt.state.items()} == before[1]  # nothing installed
+        return ("refused", str(error), error.check_stage)
+    state = [v.clone() for entries in opt.state.values() for v in entries.values()]
+    return ("ran", loss, [p.detach().clone() for p in model.parameters()], state)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_an_optimizer_step_is_plain_and_checked_as_the_generic_driver_does(backend) -> None:
+    """An optimizer argument: the plain artifact steps it as the generic driver does and
+    refuses what it refuses, with its words, leaving model, gradients and state as they were."""
+    torch.manual_seed(0)
+    example = (_net(), torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))
+    opt = torch.optim.AdamW(example[0].parameters(), lr=0.1)
+    plain = precompile(_adamw_step, example[0], opt, *example[1:], backend=backend)[0]
+    original = render.is_plain
+    render.is_plain = lambda *_: False  # type: ignore[assignment]
+    try:
+        generic = precompile(_adamw_step, example[0], opt, *example[1:], backend=backend)[0]
+    finally:
+        render.is_plain = original
+    assert "OPTIMIZERS = OptimizerSteps([" in plain and "class Driver" in generic
+    refused = 0
+    for name, build, change in OPTIMIZER_CALLS:
+        ours = _optimizer_outcome(plain, build, change)
+        theirs = _optimizer_outcome(generic, build, change)
+        assert ours[0] == theirs[0], (name, ours, theirs)
+        if ours[0] == "refused":
+            refused += 1
+            assert ours[1:] == theirs[1:], name
+            continue
+        for got, want in zip(ours[1:], theirs[1:], strict=True):
+            assert_same(got, want)
+    assert refused == 8
+
+
 def test_a_plain_artifact_runs_in_a_fresh_process(tmp_path) -> None:
     model, x = _net(), torch.randn(5, 4)
     code, _ = precompile(train, model, x, backend="eager")

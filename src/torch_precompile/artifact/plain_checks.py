@@ -1,10 +1,11 @@
 """The checks of a plain artifact as generated code, over the small runtime in ``driver.plain``.
 
-A plain spec (``is_plain``) takes at most one model and positional tensors and uses no feature
-of the generic ``Driver``. Its artifact holds ``check_call``, which checks a call one line per
-check in the order they run, and ``check_models``, the full check of the model one line per
-tensor and module: what a reader sees is what a call checks, with nothing for features the
-artifact does not use.
+A plain spec (``is_plain``) takes at most one model, positional tensors and optimizers, and
+uses no feature of the generic ``Driver``. Its artifact holds ``check_call``, which checks a
+call one line per check in the order they run, and ``check_models``, the full check of the
+model one line per tensor and module (and ``OPTIMIZERS``, one line per param group and state
+tensor): what a reader sees is what a call checks, with nothing for features the artifact
+does not use.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 
 from torch_precompile.artifact.checks import tensor_type
 from torch_precompile.shipped.driver.refusals import written_apart
-from torch_precompile.spec import ArtifactSpec, InputLeaf, ModelTensor
+from torch_precompile.spec import Argument, ArtifactSpec, InputLeaf, ModelTensor
 
 # Fields a plain spec leaves at their defaults: each is a feature of the generic driver.
 _GENERIC_FIELDS = (
@@ -24,9 +25,6 @@ _GENERIC_FIELDS = (
     "output_aliases",
     "meshes",
     "distributed",
-    "optimizers",
-    "param_groups",
-    "optimizer_state",
     "wrapped",
     "wrapped_inner",
     "data_parallel",
@@ -50,9 +48,14 @@ def is_plain(spec: ArtifactSpec, positional: bool) -> bool:
     )
 
 
+def _training(spec: ArtifactSpec) -> bool:
+    """Whether fn runs a backward: gradients come out, or an optimizer inside fn takes them."""
+    return any(t.gets_grad for t in spec.model) or bool(spec.optimizers)
+
+
 def plain_checks(spec: ArtifactSpec) -> str:
     """The generated functions that open a plain artifact's driver section."""
-    training = any(t.gets_grad for t in spec.model)
+    training = _training(spec)
     lines = _check_call(spec, training)
     if spec.model_names:
         lines += ["", "", *_check_models(spec, training)]
@@ -63,7 +66,7 @@ def plain_binding(spec: ArtifactSpec, history: Sequence[str] = ()) -> list[str]:
     """The lines that close a plain artifact: what the checks compare with, and ``forward``
     (after the runtime they are made of); ``history`` names the functions that ready the
     forward and backward graphs of results with history."""
-    training = any(t.gets_grad for t in spec.model)
+    training = _training(spec)
     grads = tuple(i for i, t in enumerate(spec.model) if t.gets_grad)
     arguments = ['ARTIFACT_SPEC["out_spec"]', "FLAT_NAMES"]
     if grads:
@@ -71,11 +74,14 @@ def plain_binding(spec: ArtifactSpec, history: Sequence[str] = ()) -> list[str]:
     if spec.autograd is not None:
         part = f"differentiable({', '.join(history)})" if spec.autograd.outputs else "NoHistory"
         arguments += [f"autograd={part}", 'autograd_record=ARTIFACT_SPEC["autograd"]']
+    if spec.optimizers:
+        arguments.append("optimizers=OPTIMIZERS")
     checked = "check_models, READS" if spec.model_names else "None"
     return [
         "# What the checks compare with, and forward: the checks, then the graph.",
         *_constants(spec, training),
         f"REMEMBERED = RememberedCall({checked})",
+        *_optimizer_plans(spec),
         "forward = PlainForward(",
         "    call,",
         "    check_call,",
@@ -144,8 +150,8 @@ def _ambient(spec: ArtifactSpec) -> str:
 
 def _check_call(spec: ArtifactSpec, training: bool) -> list[str]:
     names = [a.name for a in spec.args]
-    shown = ", ".join(f"{a.name} ({'model' if a.is_model else 'input'})" for a in spec.args)
-    inputs = [i for i, a in enumerate(spec.args) if not a.is_model]
+    shown = ", ".join(f"{a.name} ({_argument_kind(a)})" for a in spec.args)
+    inputs = [i for i, a in enumerate(spec.args) if _argument_kind(a) == "input"]
     steps = ["AMBIENT.check()  # autocast, default dtype, deterministic, modes: as captured"]
     if training:
         steps += [
@@ -170,21 +176,29 @@ def _check_call(spec: ArtifactSpec, training: bool) -> list[str]:
     ]
     models = [f"args[{i}]" for i, a in enumerate(spec.args) if a.is_model]
     flat = f"[*REMEMBERED.model_tensors([{models[0]}]), *inputs]" if models else "inputs"
+    if not _apart(spec) and not spec.optimizers:
+        return _check_call_function(names, [*steps, f"return {flat}"], "3 model")
+    steps.append(f"flat = {flat}")
     if _apart(spec):
+        steps.append("check_written_apart(flat, APART, WRITTEN, FLAT_NAMES.__getitem__)")
+    if spec.optimizers:
+        optimizers = ", ".join(a.name for a in spec.args if a.is_optimizer)
         steps += [
-            f"flat = {flat}",
-            "check_written_apart(flat, APART, WRITTEN, FLAT_NAMES.__getitem__)",
-            "return flat",
+            "stage = 4",
+            f"flat += OPTIMIZERS.flat_inputs(args, flat)  # {optimizers}: groups, state, lr",
         ]
-    else:
-        steps.append(f"return {flat}")
+    last = "3 model, 4 optimizers" if spec.optimizers else "3 model"
+    return _check_call_function(names, [*steps, "return flat"], last)
+
+
+def _check_call_function(names: Sequence[str], steps: Sequence[str], last: str) -> list[str]:
     return [
         'def check_call(args: "Sequence[Any]", kwargs: "dict[str, Any]") -> "list[Any]":',
         *textwrap.wrap(
             f'"""The checks a call forward({", ".join(names)}) must pass before the graph runs, '
             "one a line, in the order they run (generated from the spec). Each raises "
             "PrecompileError naming what differs from the capture; its check_stage says how "
-            "far they got (0 state and arguments, 1 structure, 2 inputs, 3 model). Returns "
+            f"far they got (0 state and arguments, 1 structure, 2 inputs, {last}). Returns "
             'the graph\'s flat inputs."""',
             width=96,
             initial_indent="    ",
@@ -256,3 +270,42 @@ def _apart(spec: ArtifactSpec) -> list[int]:
     """The flat inputs a call must pass in separate memory (no ties in a plain spec)."""
     parameters = sum(t.kind == "parameter" for t in spec.model)
     return written_apart(spec.mutated, parameters, len(spec.model) + len(spec.inputs))
+
+
+def _argument_kind(argument: Argument) -> str:
+    return "model" if argument.is_model else "optimizer" if argument.is_optimizer else "input"
+
+
+def _optimizer_plans(spec: ArtifactSpec) -> list[str]:
+    """``OPTIMIZERS``: what each optimizer argument must be, one line per param group and
+    state tensor (a spec without optimizers: none)."""
+    if not spec.optimizers:
+        return []
+    index = {t.name: i for i, t in enumerate(spec.model)}
+    positions = [i for i, a in enumerate(spec.args) if a.is_optimizer]
+    lines = [
+        "# What each optimizer argument must be: its param groups and state tensors.",
+        "OPTIMIZERS = OptimizerSteps([",
+    ]
+    for number, record in enumerate(spec.optimizers):
+        groups = [g for g in spec.param_groups if g.optimizer == number]
+        fresh = {name: g.fresh_start for g in groups for name in g.params}
+        lines += [f"    OptimizerPlan({positions[number]}, {record.argument!r}, {record.cls!r}, ["]
+        for g in groups:
+            lines += [
+                "        # a param group: the parameters it steps, in order, and its options",
+                "        # baked into the graph (lr is read at every call)",
+                f"        GroupPlan({tuple(index[n] for n in g.params)!r}, {tuple(g.params)!r}, (",
+            ]
+            lines += [f"            {option!r}," for option in g.baked]
+            lines.append("        )),")
+        lines.append("    ], [")
+        for state in (s for s in spec.optimizer_state if s.optimizer == number):
+            extra = "" if fresh[state.param] is None else f", fresh_start={fresh[state.param]!r}"
+            lines.append(
+                f"        StatePlan({index[state.param]}, {state.key!r}, {state.param!r}, "
+                f"{tuple(state.shape)!r}, {state.dtype!r}, {state.device!r}"
+                f"{'' if state.strides is None else f', {tuple(state.strides)!r}'}{extra}),"
+            )
+        lines.append(f"    ], zero_grad_first={record.zero_grad_first!r}),")
+    return [*lines, "])"]

@@ -156,7 +156,7 @@ _SIZES = DriverPart(dynamic, "sizes", "DynamicSizes")
 _DISTRIBUTED = DriverPart(distributed, "distributed", "DistributedCall")
 _SUBCLASSES = DriverPart(subclasses, "subclasses", "WrappedCall")
 _PLANNED = DriverPart(planned, None, None)
-_OPTIMIZERS = DriverPart(optimizers, "optimizers", "OptimizerSteps")
+_OPTIMIZERS = DriverPart(optimizers, "optimizers", "optimizer_steps")
 _DATA_PARALLEL = DriverPart(data_parallel, "data_parallel", "DataParallelSteps")
 _NO_HISTORY = DriverPart(no_history, "autograd", "NoHistory")
 _AUTOGRAD = DriverPart(autograd, "autograd", "differentiable")
@@ -256,6 +256,7 @@ def render(
     plain_spec = len(variants) == 1 and is_plain(spec, not _has_values(spec))
     if plain_spec:
         parts = [refusals, guards, *([encoded] if spec.read_values else []), plain]
+        parts += [planned, optimizers] if spec.optimizers else []
         if spec.autograd is not None:
             parts += [no_history, *([autograd] if spec.autograd.outputs else [])]
         shipped = [shipped_source(m) for m in parts]

@@ -24,16 +24,10 @@ from torch_precompile.shipped.driver.refusals import PrecompileError
 
 
 class OptimizerSteps:
-    """The captured optimizers of a driver, in argument order."""
+    """The captured optimizers, in argument order: ``plans`` (one ``OptimizerPlan`` each)."""
 
-    def __init__(self, driver: Driver) -> None:
-        spec = driver.spec
-        index = {t.name: i for i, t in enumerate(driver.model.interned)}
-        positions = [i for i, a in enumerate(spec.args) if a.is_optimizer]
-        self.plans = [
-            OptimizerPlan(number, record, positions[number], spec, index)
-            for number, record in enumerate(spec.optimizers)
-        ]
+    def __init__(self, plans: Sequence["OptimizerPlan"]) -> None:
+        self.plans = list(plans)
 
     def flat_inputs(self, args: Sequence[Any], state: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Every optimizer's state tensors, then every param group's lr."""
@@ -63,33 +57,89 @@ class OptimizerSteps:
                 optimizer._opt_called = True
 
 
-class StatePlan(TensorPlan):
-    """One state tensor the graph reads and updates."""
+def optimizer_steps(driver: "Driver") -> OptimizerSteps:
+    """The generic driver's optimizers, planned from its spec records."""
+    spec = driver.spec
+    index = {t.name: i for i, t in enumerate(driver.model.interned)}
+    positions = [i for i, a in enumerate(spec.args) if a.is_optimizer]
+    plans = []
+    for number, record in enumerate(spec.optimizers):
+        groups = [g for g in spec.param_groups if g.optimizer == number]
+        fresh = {name: g.fresh_start for g in groups for name in g.params}
+        plans.append(
+            OptimizerPlan(
+                positions[number],
+                record.argument,
+                record.cls,
+                [GroupPlan([index[n] for n in g.params], g.params, g.baked) for g in groups],
+                [
+                    StatePlan(
+                        index[s.param],
+                        s.key,
+                        s.param,
+                        s.shape,
+                        s.dtype,
+                        s.device,
+                        s.strides,
+                        fresh_start=fresh[s.param],
+                    )
+                    for s in spec.optimizer_state
+                    if s.optimizer == number
+                ],
+                record.zero_grad_first,
+            )
+        )
+    return OptimizerSteps(plans)
 
-    def __init__(self, record: Any, param: int, fresh_start: Any) -> None:
-        super().__init__(record)
-        self.param, self.key, self.name = param, record.key, record.param
+
+class GroupPlan:
+    """One param group as captured: the model parameters it steps (flat indices ``params``,
+    named ``names``), in order, and the options baked into the graph (``baked``: name and
+    encoded value)."""
+
+    def __init__(
+        self, params: Sequence[int], names: Sequence[str], baked: Sequence[tuple[str, Any]]
+    ) -> None:
+        self.params, self.names, self.baked = list(params), list(names), list(baked)
+
+
+class StatePlan(TensorPlan):
+    """One state tensor the graph reads and updates: ``key`` of model parameter ``name``
+    (flat index ``param``), of the shape, dtype, device and strides given; ``fresh_start``:
+    None where a parameter without state may start from zero state, else why not."""
+
+    def __init__(
+        self,
+        param: int,
+        key: str,
+        name: str,
+        shape: Sequence[int],
+        dtype: str,
+        device: str,
+        strides: Sequence[int] | None = None,
+        fresh_start: str | None = None,
+    ) -> None:
+        super().__init__(shape, dtype, device, strides)
+        self.param, self.key, self.name = param, key, name
         self.fresh_start = fresh_start
 
 
 class OptimizerPlan:
-    """What one optimizer argument must be at every call."""
+    """What the optimizer argument at ``position`` (named ``name``, of class ``cls``) must be
+    at every call: its param ``groups`` and state ``entries``."""
 
     def __init__(
-        self, number: int, record: Any, position: int, spec: Any, index: dict[str, int]
+        self,
+        position: int,
+        name: str,
+        cls: str,
+        groups: Sequence[GroupPlan],
+        entries: Sequence[StatePlan],
+        zero_grad_first: bool = False,
     ) -> None:
-        self.position, self.name, self.cls = position, record.argument, record.cls
-        self.zero_grad_first = record.zero_grad_first
-        self.groups = [g for g in spec.param_groups if g.optimizer == number]
-        self.group_params = [[index[name] for name in g.params] for g in self.groups]
-        group_of = {
-            p: g for g, params in zip(self.groups, self.group_params, strict=True) for p in params
-        }
-        self.entries = [
-            StatePlan(s, index[s.param], group_of[index[s.param]].fresh_start)
-            for s in spec.optimizer_state
-            if s.optimizer == number
-        ]
+        self.position, self.name, self.cls = position, name, cls
+        self.zero_grad_first = zero_grad_first
+        self.groups, self.entries = list(groups), list(entries)
         self.keys: dict[int, int] = {}
         for entry in self.entries:
             self.keys[entry.param] = self.keys.get(entry.param, 0) + 1
@@ -137,16 +187,14 @@ class OptimizerPlan:
                 f"optimizer {self.name} has {len(groups)} param groups; it had "
                 f"{len(self.groups)} at capture. Build it with the same groups."
             )
-        for number, (group, record, params) in enumerate(
-            zip(groups, self.groups, self.group_params, strict=True)
-        ):
-            given = group["params"]
+        for number, (group, record) in enumerate(zip(groups, self.groups, strict=True)):
+            given, params = group["params"], record.params
             if len(given) != len(params) or any(
                 p is not state[i] for p, i in zip(given, params, strict=True)
             ):
                 raise PrecompileError(
                     f"param group {number} of optimizer {self.name} does not step the captured "
-                    f"parameters ({_listed(record.params)}, in this order) of the model "
+                    f"parameters ({_listed(record.names)}, in this order) of the model "
                     "passed with it. Build the optimizer over this model's parameters, grouped "
                     "as at capture."
                 )
@@ -162,7 +210,7 @@ class OptimizerPlan:
             for param, i in zip(given, params, strict=True):
                 if param.grad is not None and not self.zero_grad_first:
                     raise PrecompileError(
-                        f"model parameter {record.params[params.index(i)]!r} has a .grad "
+                        f"model parameter {record.names[params.index(i)]!r} has a .grad "
                         f"from before the call; the step of optimizer {self.name} inside fn "
                         "starts from no gradient, where eager would add the old one. Call "
                         f"{self.name}.zero_grad() before the call."

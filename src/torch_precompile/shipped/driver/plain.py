@@ -1,10 +1,11 @@
 """The runtime of a plain artifact: what its generated checks call, and its ``forward``.
 
-A plain artifact takes at most one model and positional tensors, and uses none of the features
-the generic ``Driver`` is for (nested inputs and Python values, dynamic dims, optimizers,
-sharding, tensor subclasses, tied weights, hooks or values read at capture, writes to its
-inputs, variants). Its section 3 opens with ``check_call`` and ``check_models``, generated from
-its spec one check a line; ``PlainForward`` runs the graph on the tensors they return.
+A plain artifact takes at most one model (no tied weights, no hooks), positional tensors and
+optimizer arguments, and uses none of the features the generic ``Driver`` is for (nested
+inputs and Python values, dynamic dims, sharding, tensor subclasses, globals read at capture,
+results that alias inputs, variants). Its section 3 opens with ``check_call`` and
+``check_models``, generated from its spec one check a line; ``PlainForward`` runs the graph on
+the tensors they return.
 """
 
 import operator
@@ -48,7 +49,8 @@ class PlainForward:
     ``names`` names each flat input in messages; ``grads`` are the indices of the model
     tensors whose gradients follow the results; ``autograd`` (``NoHistory``, or
     ``differentiable`` where results can carry history, over the spec's ``autograd_record``)
-    decides what a call under grad mode with tensors requiring grad does.
+    decides what a call under grad mode with tensors requiring grad does; ``optimizers``
+    (``OptimizerSteps``), where fn steps optimizer arguments, hears that they stepped.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class PlainForward:
         grads: Sequence[int] = (),
         autograd: Any = None,
         autograd_record: Mapping[str, Any] | None = None,
+        optimizers: Any = None,
     ) -> None:
         self.call = call
         self.checks = checks
@@ -77,6 +80,7 @@ class PlainForward:
             unavailable=record.get("unavailable"),
         )
         self.autograd: Any = autograd(self) if autograd is not None else None
+        self.optimizers = optimizers
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the precompiled computation on ``args`` (fn's positional arguments)."""
@@ -101,6 +105,8 @@ class PlainForward:
                 accumulate_grads(flat, self.grads, outputs[self.num_results :])
         finally:
             torch._C._set_grad_enabled(grad_enabled)
+        if self.optimizers is not None:
+            self.optimizers.stepped(args)
         if self.single_result:
             return outputs[0]
         return pytree.tree_unflatten(outputs[: self.num_results], self.out_spec)

@@ -2,7 +2,7 @@
 optimizer's state, a tensor subclass's inner tensors. Each is planned from its spec record
 and checked against it."""
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -13,11 +13,17 @@ class TensorPlan:
     """A plain tensor the graph reads: its shape, dtype, device, and the layout the kernels
     assume (None: any)."""
 
-    def __init__(self, record: Any) -> None:
-        self.shape = torch.Size(record.shape)
-        self.dtype = getattr(torch, record.dtype.removeprefix("torch."))
-        self.device = torch.device(record.device)
-        self.strides = record.strides
+    def __init__(
+        self,
+        shape: Sequence[int],
+        dtype: str,
+        device: str,
+        strides: Sequence[int] | None = None,
+    ) -> None:
+        self.shape = torch.Size(shape)
+        self.dtype = getattr(torch, dtype.removeprefix("torch."))
+        self.device = torch.device(device)
+        self.strides = strides
 
 
 def check_planned(tensor: torch.Tensor, plan: TensorPlan, what: str, fix: str) -> None:

@@ -70,7 +70,7 @@ class Wrapped:
 
     def __init__(self, record: Any, inner: Sequence[Any]) -> None:
         self.record = record
-        self.inner = [TensorPlan(t) for t in inner]
+        self.inner = [TensorPlan(t.shape, t.dtype, t.device, t.strides) for t in inner]
         self.attrs = [t.attr for t in inner]
         self.shape = torch.Size(record.shape)
         self.cls: Any = None
