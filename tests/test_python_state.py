@@ -7,6 +7,7 @@ and every call replayed that first change: a silently wrong result.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -238,3 +239,61 @@ def test_a_global_assigned_its_own_value_passes(backend: str) -> None:
     model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
     run = precompile.load(*precompile(same, model, x, backend=backend))
     assert_same(run(model, x), model(x))
+
+
+class Stats:
+    """A plain object of the user's that fn keeps a count in."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+STATS = Stats()
+COUNTER = itertools.count(1)
+
+
+def count_in_an_object(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    STATS.calls += 1
+    return m(x) * STATS.calls
+
+
+def scale_by_next(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x) * next(COUNTER)
+
+
+def test_an_attribute_of_a_global_object_fn_changes_is_refused_and_put_back(backend) -> None:
+    """Before: ``STATS.calls += 1`` ran once, at capture; every call scaled by 1 while eager
+    counted on."""
+    with pytest.raises(
+        PrecompileError,
+        match=r"^fn changed attribute 'calls' of global 'STATS' of module test_python_state, "
+        r"which fn \(count_in_an_object\) reaches, while it was traced\.",
+    ):
+        precompile(count_in_an_object, torch.nn.Linear(4, 4), torch.randn(2, 4), backend=backend)
+    assert STATS.calls == 0 and vars(STATS) == {"calls": 0}
+
+
+def test_an_object_fn_only_reads_passes_and_is_checked(backend) -> None:
+    model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    STATS.calls = 2
+    try:
+        run = precompile.load(
+            *precompile(lambda m, x: m(x) * STATS.calls, model, x, backend=backend)
+        )
+        assert_same(run(model, x), model(x) * 2)
+        STATS.calls = 3
+        with pytest.raises(PrecompileError, match="STATS"):
+            run(model, x)
+    finally:
+        STATS.calls = 0
+
+
+def test_an_iterator_fn_reads_is_refused_at_capture(backend) -> None:
+    """Before: the number ``next(COUNTER)`` gave at capture was a constant of the graph."""
+    with pytest.raises(
+        PrecompileError,
+        match=r"^fn \(scale_by_next\) reads global 'COUNTER' of module test_python_state, an "
+        r"iterator \(count\).*Pass what it yields as an argument of fn\.$",
+    ):
+        precompile(scale_by_next, torch.nn.Linear(4, 4), torch.randn(2, 4), backend=backend)
+    assert next(copy.copy(COUNTER)) == 1  # not advanced by the refused capture

@@ -58,6 +58,8 @@ from torch_precompile.trace.hooks import (
     module_hooks,
     named_function,
     reachable_containers,
+    reachable_objects,
+    refuse_iterators,
     refuse_unreplayable_modules,
 )
 from torch_precompile.trace.inputs import (
@@ -130,10 +132,12 @@ def capture(
         named_function(fn),
         *hook_functions(watch.submodules, layout.state.tensors[: layout.num_params]),
     ]
+    refuse_iterators(functions)
     before = take_snapshot(
         [(layout.arg_names[i], args[i]) for i in layout.module_positions],
         [(o.name, o.optimizer) for o in layout.optimizers],
         [*reachable_containers(functions), *assigned_names(functions)],
+        reachable_objects(functions),
     )
     try:
         traced = _trace(flat_fn, layout, recorder, decompositions, on_fakes)

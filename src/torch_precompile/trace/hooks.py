@@ -10,7 +10,9 @@ containers a hook (or ``fn`` itself) can reach, and refuses the capture when one
 
 from __future__ import annotations
 
+import collections.abc
 import dis
+import io
 import types
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any
@@ -87,33 +89,94 @@ def reachable_containers(functions: Sequence[tuple[str, Any]]) -> list[Slot]:
     return slots
 
 
+def _reached(function: Any, who: str) -> Iterator[tuple[Any, str]]:
+    """``function`` and the functions of its own module it calls by name, each once, with how
+    to name it (``who``, or ``helper (called by who)``); torch's own code is not followed."""
+    pending, seen = [_unwrapped(function)], set()
+    while pending:
+        current = pending.pop()
+        code = getattr(current, "__code__", None)
+        if code is None or id(code) in seen or _torch_own(current):
+            continue
+        seen.add(id(code))
+        yield current, f"{current.__qualname__} (called by {who})" if len(seen) > 1 else who
+        namespace = current.__globals__
+        pending.extend(
+            value
+            for name in code.co_names
+            if isinstance(value := namespace.get(name), types.FunctionType)
+            and value.__globals__ is namespace
+        )
+
+
 def assigned_names(functions: Sequence[tuple[str, Any]]) -> list[Slot]:
     """The globals and closure variables that ``functions``, or the functions of their own
     module they call by name, assign or delete (``global steps; steps += 1``, ``nonlocal``):
     a trace runs that assignment once, at capture, and an artifact never again."""
     slots: dict[tuple[int, str], Slot] = {}
     for who, function in functions:
-        pending, seen = [_unwrapped(function)], set()
-        while pending:
-            current = pending.pop()
-            code = getattr(current, "__code__", None)
-            if code is None or id(code) in seen or _torch_own(current):
-                continue
-            seen.add(id(code))
-            namespace = current.__globals__
-            by = f"{current.__qualname__} (called by {who})" if len(seen) > 1 else who
-            for name, owner, where in _assignments(current, code, namespace):
+        for current, by in _reached(function, who):
+            for name, owner, where in _assignments(current, current.__code__, current.__globals__):
                 key = (id(getattr(owner, "cell", owner)), name)  # a cell: one slot
                 slots.setdefault(
                     key, Slot(owner, name, f"{where}, which {by} assigns,", _SIDE_EFFECT_FIX)
                 )
-            pending.extend(
-                value
-                for name in code.co_names
-                if isinstance(value := namespace.get(name), types.FunctionType)
-                and value.__globals__ is namespace
-            )
     return list(slots.values())
+
+
+def reachable_objects(functions: Sequence[tuple[str, Any]]) -> list[tuple[Any, str]]:
+    """Plain objects (a stats holder, a config; not modules, tensors or functions) that
+    ``functions``, or the functions of their module they call, name as globals or close over:
+    their attributes are Python state a trace would change once. Each with how to name it."""
+    found: dict[int, tuple[Any, str]] = {}
+    for who, function in functions:
+        for current, by in _reached(function, who):
+            for value, where in _named_values(current):
+                if _plain_object(value):
+                    found.setdefault(id(value), (value, f"{where}, which {by} reaches"))
+    return list(found.values())
+
+
+def refuse_iterators(functions: Sequence[tuple[str, Any]]) -> None:
+    """An iterator ``fn`` names as a global or closes over (``next(counter)``): what it gave at
+    capture would be baked into the graph and it would never advance; refused by name."""
+    for who, function in functions:
+        for current, by in _reached(function, who):
+            for value, where in _named_values(current):
+                if isinstance(value, collections.abc.Iterator) and not isinstance(value, io.IOBase):
+                    raise PrecompileError(
+                        f"{by} reads {where}, an iterator ({type(value).__name__}): what it "
+                        "yields at capture would become constants of the graph, and it would "
+                        "never advance at a call. Pass what it yields as an argument of fn."
+                    )
+
+
+def _named_values(function: Any) -> Iterator[tuple[Any, str]]:
+    """The globals ``function`` names and the values it closes over, with their names."""
+    code, namespace = function.__code__, function.__globals__
+    for name in code.co_names:
+        if name in namespace:
+            yield namespace[name], f"global {name!r} of module {namespace.get('__name__')}"
+    for name, cell in zip(code.co_freevars, function.__closure__ or (), strict=False):
+        try:
+            yield cell.cell_contents, f"the {name!r} it closes over"
+        except ValueError:  # an empty cell
+            continue
+
+
+def _plain_object(value: Any) -> bool:
+    """An instance of an ordinary class holding attributes: not a module, tensor, class,
+    function or other callable, nor an iterator (refused apart)."""
+    return hasattr(value, "__dict__") and not isinstance(
+        value,
+        torch.nn.Module
+        | torch.Tensor
+        | torch.optim.Optimizer
+        | type
+        | types.ModuleType
+        | collections.abc.Callable
+        | collections.abc.Iterator,
+    )
 
 
 def _torch_own(function: Any) -> bool:

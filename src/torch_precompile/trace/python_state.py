@@ -32,6 +32,10 @@ _MEMBER_FIX = (
     "Register it before capture (in __init__, or with one eager call of fn first): an "
     "artifact takes the members the model had at capture."
 )
+_OBJECT_FIX = (
+    "Change it outside fn (from what fn returns), or keep such state in a tensor the model "
+    "registers and update it in place."
+)
 _OPTIMIZER_FIX = (
     "Change optimizer options between calls, outside fn (lr, which an LR "
     "scheduler sets, is read at every call); or call opt.step() outside the "
@@ -69,10 +73,17 @@ def take_snapshot(
     modules: Sequence[tuple[str, torch.nn.Module]],
     optimizers: Sequence[tuple[str, torch.optim.Optimizer]],
     extra: Sequence[Slot] = (),
+    objects: Sequence[tuple[Any, str]] = (),
 ) -> Snapshot:
-    """The state reachable from the arguments, and the ``extra`` slots (containers a hook or
-    fn reaches)."""
-    slots = (*_slots(modules, optimizers), *extra)
+    """The state reachable from the arguments, the ``extra`` slots (containers a hook or fn
+    reaches) and the attributes of ``objects`` (plain objects fn reaches, each with its
+    name)."""
+    held = [
+        Slot(vars(o), attr, f"attribute {attr!r} of {shown},", _OBJECT_FIX)
+        for o, shown in objects
+        for attr in list(vars(o))
+    ]
+    slots = (*_slots(modules, optimizers), *extra, *held)
     values = tuple(slot.owner.get(slot.name, _ABSENT) for slot in slots)
     contents = tuple(copy.copy(v) if isinstance(v, list | dict | set) else None for v in values)
     namespaces = tuple(
@@ -82,6 +93,9 @@ def take_snapshot(
             (vars(module), "attribute", "added", _MODULE_FIX),
             *((d, k, "registered", _MEMBER_FIX) for d, k in member_dicts(module)),
         )
+    ) + tuple(
+        (vars(o), frozenset(vars(o)), f"attribute {{name!r}} of {shown} (added by fn)", _OBJECT_FIX)
+        for o, shown in objects
     )
     return Snapshot(slots, values, contents, tuple(_look(v) for v in values), namespaces)
 
