@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 
 import pytest
 import torch
 
+import held_state
 from test_optimizers import step
 from torch_precompile import PrecompileError, precompile
 
@@ -297,3 +299,55 @@ def test_an_iterator_fn_reads_is_refused_at_capture(backend) -> None:
     ):
         precompile(scale_by_next, torch.nn.Linear(4, 4), torch.randn(2, 4), backend=backend)
     assert next(copy.copy(COUNTER)) == 1  # not advanced by the refused capture
+
+
+class CountedCalls(torch.nn.Module):
+    """Counts its calls in a class attribute."""
+
+    count = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).count += 1
+        return self.lin(x) * type(self).count
+
+
+def step_in_a_module_dict(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    held_state.STATE["step"] += 1
+    return m(x) * held_state.STATE["step"]
+
+
+def doubled_module_global(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    held_state.SCALE = held_state.SCALE * 2
+    return m(x) * held_state.SCALE
+
+
+def test_state_of_the_users_modules_and_classes_fn_changes_is_refused(backend) -> None:
+    """Before: a class-level counter, a dict of another module of the user's and a global of
+    that module set through it changed once, at capture, and every call replayed that."""
+    cases = [
+        (lambda m, x: m(x), CountedCalls(), r"attribute 'count' of class CountedCalls"),
+        (step_in_a_module_dict, torch.nn.Linear(4, 4), r"global 'STATE' of module held_state"),
+        (doubled_module_global, torch.nn.Linear(4, 4), r"global 'SCALE' of module held_state"),
+    ]
+    for fn, model, named in cases:
+        with pytest.raises(PrecompileError, match=rf"^fn changed {named}.*put the old value"):
+            precompile(fn, model, torch.randn(2, 4), backend=backend)
+    assert CountedCalls.count == 0
+    assert held_state.STATE == {"step": 0} and held_state.SCALE == 1.0
+
+
+def test_a_logger_fn_uses_is_no_state_of_the_users(backend) -> None:
+    """A library's object keeps its own state (a logger fills its caches as it is used)."""
+    log = logging.getLogger("test_python_state.fn")
+
+    def logged(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        log.info("step")
+        return m(x)
+
+    model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    run = precompile.load(*precompile(logged, model, x, backend=backend))
+    assert_same(run(model, x), model(x))

@@ -58,7 +58,7 @@ from torch_precompile.trace.hooks import (
     module_hooks,
     named_function,
     reachable_containers,
-    reachable_objects,
+    reachable_state,
     refuse_iterators,
     refuse_unreplayable_modules,
 )
@@ -137,7 +137,7 @@ def capture(
         [(layout.arg_names[i], args[i]) for i in layout.module_positions],
         [(o.name, o.optimizer) for o in layout.optimizers],
         [*reachable_containers(functions), *assigned_names(functions)],
-        reachable_objects(functions),
+        reachable_state(functions, watch.submodules),
     )
     try:
         traced = _trace(flat_fn, layout, recorder, decompositions, on_fakes)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections.abc
 import dis
 import io
+import sys
 import types
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any
@@ -30,7 +31,8 @@ from torch_precompile.shipped.driver.refusals import (
     hook_sets,
 )
 from torch_precompile.spec import HookSet
-from torch_precompile.trace.python_state import Slot
+from torch_precompile.trace.python_state import Held, Slot
+from torch_precompile.trace.reads import users_file
 
 _SIDE_EFFECT_FIX = (
     "A hook or fn that keeps tensors or counts in Python objects would do so once, at "
@@ -124,17 +126,60 @@ def assigned_names(functions: Sequence[tuple[str, Any]]) -> list[Slot]:
     return list(slots.values())
 
 
-def reachable_objects(functions: Sequence[tuple[str, Any]]) -> list[tuple[Any, str]]:
-    """Plain objects (a stats holder, a config; not modules, tensors or functions) that
-    ``functions``, or the functions of their module they call, name as globals or close over:
-    their attributes are Python state a trace would change once. Each with how to name it."""
-    found: dict[int, tuple[Any, str]] = {}
+def reachable_state(
+    functions: Sequence[tuple[str, Any]], modules: Sequence[torch.nn.Module]
+) -> list[Held]:
+    """What of the user's own code ``functions`` (and the functions of their module they
+    call) reach beyond the arguments, whose attributes are Python state a trace would change
+    once: plain objects named as globals or closed over (a stats holder), the user's modules
+    they name (``config.STATE``), and the user's classes of ``modules`` (a class-level
+    counter). Objects of torch, the standard library and installed packages keep their own."""
+    found: dict[int, Held] = {}
     for who, function in functions:
         for current, by in _reached(function, who):
             for value, where in _named_values(current):
                 if _plain_object(value):
-                    found.setdefault(id(value), (value, f"{where}, which {by} reaches"))
+                    shown = f"attribute {{name!r}} of {where}, which {by} reaches"
+                    found.setdefault(id(value), Held(vars(value), shown))
+                elif isinstance(value, types.ModuleType) and _users(value):
+                    shown = f"global {{name!r}} of module {value.__name__}, which {by} reaches"
+                    found.setdefault(id(value), Held(vars(value), shown))
+    for module in modules:
+        for cls in type(module).__mro__:
+            if _users(sys.modules.get(cls.__module__)):
+                shown = f"attribute {{name!r}} of class {cls.__qualname__}"
+                found.setdefault(id(cls), Held(_ClassAttributes(cls), shown))
     return list(found.values())
+
+
+class _ClassAttributes(MutableMapping[str, Any]):
+    """A class's own attributes as a mapping a Slot can read and restore (its ``__dict__``
+    is read-only)."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def __getitem__(self, key: str) -> Any:
+        return vars(self.cls)[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        setattr(self.cls, key, value)
+
+    def __delitem__(self, key: str) -> None:
+        delattr(self.cls, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(vars(self.cls)))
+
+    def __len__(self) -> int:
+        return len(vars(self.cls))
+
+
+def _users(module: Any) -> bool:
+    """Whether ``module`` is one of the user's own (not torch, the standard library, this
+    package or an installed package)."""
+    file = getattr(module, "__file__", None)
+    return isinstance(file, str) and users_file(file)
 
 
 def refuse_iterators(functions: Sequence[tuple[str, Any]]) -> None:
@@ -165,17 +210,24 @@ def _named_values(function: Any) -> Iterator[tuple[Any, str]]:
 
 
 def _plain_object(value: Any) -> bool:
-    """An instance of an ordinary class holding attributes: not a module, tensor, class,
-    function or other callable, nor an iterator (refused apart)."""
-    return hasattr(value, "__dict__") and not isinstance(
-        value,
-        torch.nn.Module
-        | torch.Tensor
-        | torch.optim.Optimizer
-        | type
-        | types.ModuleType
-        | collections.abc.Callable
-        | collections.abc.Iterator,
+    """An instance of a class of the user's own code holding attributes (a stats holder): not
+    a module, tensor, class, function or other callable, nor an iterator (refused apart).
+    Objects of torch, the standard library and installed packages (a logger, whose caches fill
+    as it is used) keep their own state."""
+    users = _users(sys.modules.get(type(value).__module__))
+    return (
+        users
+        and hasattr(value, "__dict__")
+        and not isinstance(
+            value,
+            torch.nn.Module
+            | torch.Tensor
+            | torch.optim.Optimizer
+            | type
+            | types.ModuleType
+            | collections.abc.Callable
+            | collections.abc.Iterator,
+        )
     )
 
 

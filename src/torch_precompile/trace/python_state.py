@@ -69,21 +69,31 @@ class Snapshot:
     namespaces: tuple[tuple[MutableMapping[str, Any], frozenset[str], str, str], ...] = ()
 
 
+@dataclass(frozen=True)
+class Held:
+    """Attributes of something ``fn`` reaches beyond its arguments (a plain object of the
+    user's, a module or class of the user's code): ``names`` maps each to its value, ``where``
+    names one (a format with ``{name!r}``)."""
+
+    names: MutableMapping[str, Any]
+    where: str
+
+
 def take_snapshot(
     modules: Sequence[tuple[str, torch.nn.Module]],
     optimizers: Sequence[tuple[str, torch.optim.Optimizer]],
     extra: Sequence[Slot] = (),
-    objects: Sequence[tuple[Any, str]] = (),
+    held: Sequence[Held] = (),
 ) -> Snapshot:
     """The state reachable from the arguments, the ``extra`` slots (containers a hook or fn
-    reaches) and the attributes of ``objects`` (plain objects fn reaches, each with its
-    name)."""
-    held = [
-        Slot(vars(o), attr, f"attribute {attr!r} of {shown},", _OBJECT_FIX)
-        for o, shown in objects
-        for attr in list(vars(o))
+    reaches) and the attributes of what ``held`` names (dunder names aside)."""
+    attributes = [
+        Slot(h.names, name, h.where.format(name=name) + ",", _OBJECT_FIX)
+        for h in held
+        for name in list(h.names)
+        if not name.startswith("__")
     ]
-    slots = (*_slots(modules, optimizers), *extra, *held)
+    slots = (*_slots(modules, optimizers), *extra, *attributes)
     values = tuple(slot.owner.get(slot.name, _ABSENT) for slot in slots)
     contents = tuple(copy.copy(v) if isinstance(v, list | dict | set) else None for v in values)
     namespaces = tuple(
@@ -93,10 +103,7 @@ def take_snapshot(
             (vars(module), "attribute", "added", _MODULE_FIX),
             *((d, k, "registered", _MEMBER_FIX) for d, k in member_dicts(module)),
         )
-    ) + tuple(
-        (vars(o), frozenset(vars(o)), f"attribute {{name!r}} of {shown} (added by fn)", _OBJECT_FIX)
-        for o, shown in objects
-    )
+    ) + tuple((h.names, frozenset(h.names), f"{h.where} (added by fn)", _OBJECT_FIX) for h in held)
     return Snapshot(slots, values, contents, tuple(_look(v) for v in values), namespaces)
 
 
