@@ -1,19 +1,20 @@
 """Python values the traced code read: each becomes a check the artifact runs at every call.
 
 A trace records tensor operations; a module attribute (``self.scaling``) or a module global
-(``SCALE``) that the code multiplies by is baked into the graph as a number. So while ``fn``
-is traced, every Python function entered is looked at once: the attribute paths it reads off
-its first argument when that is one of the model's submodules (``self.p``,
-``self.config.eps``, a class attribute of the user's ``self.factor``) and the globals it names,
-followed into attributes of the user's own modules and plain objects (``config.SCALE``), and of
-modules held in globals (a global ``criterion``'s ``self.label_smoothing``). Those holding
-plain values (numbers, strings, bools, None, enum members, dtypes, functions, tuples, lists
-and dicts of such) are recorded with the value they had; the driver compares them at every
-call. A path that ends on an object (``c = self.config``, ``helper(x, self.config)``) records
-every plain value the object holds, since what is read off it later is out of sight. Reads
-are found by reading each function's bytecode, so a name used only in a branch the trace did
-not take is checked too (a stricter check, never a missed one). Values held elsewhere (a
-closure cell, an object passed in) are the caller's to keep; see docs/CONTRACT.md.
+(``SCALE``) that the code multiplies by is baked into the graph as a number. So while ``fn`` is
+traced, every Python function entered is looked at once: the attribute paths it reads off its
+first argument when that is one of the model's submodules (``self.p``, ``self.config.eps``, a
+class attribute of the user's ``self.factor``) and, in the user's own code (a library's globals
+are its own), the globals it names, followed into attributes of the user's own modules and
+plain objects (``config.SCALE``), and of modules held in globals (a global ``criterion``'s
+``self.label_smoothing``). Those holding plain values (numbers, strings, bools, None, enum
+members, dtypes, functions, tuples, lists and dicts of such) are recorded with the value they
+had; the driver compares them at every call. A path that ends on an object (``c =
+self.config``, ``helper(x, self.config)``) records every plain value the object holds, since
+what is read off it later is out of sight. Reads are found by reading each function's bytecode,
+so a name used only in a branch the trace did not take is checked too (a stricter check, never
+a missed one). Values held elsewhere (a closure cell, an object passed in) are the caller's to
+keep; see docs/CONTRACT.md.
 """
 
 from __future__ import annotations
@@ -71,7 +72,6 @@ class _CodeReads:
     paths: tuple[tuple[tuple[str, ...], int], ...]
     globals: tuple[tuple[tuple[str, ...], int], ...]
     closed_over: tuple[tuple[str, int], ...] = ()  # free variables it loads
-    library: bool = False  # an installed package's code: its own functions are not reads
 
 
 class ReadRecorder:
@@ -146,8 +146,6 @@ class ReadRecorder:
                         shown = f"{'.'.join((enclosed, *path))}={value!r}"
                         self.closed_over[id(owner), path] = f"{shown} ({where.format(line)})"
         for path, line in reads.globals:
-            if reads.library and callable(frame.f_globals.get(path[0])):
-                continue  # a library calling its own helpers (a lazy import's first run)
             self._global_read(frame.f_globals, path, where.format(line))
             if _reads_clock(frame.f_globals, path):
                 self.clocks.setdefault(".".join(path), where.format(line))
@@ -368,7 +366,7 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
     instructions = list(dis.get_instructions(code))
     for i, instruction in enumerate(instructions):
         line = (instruction.positions and instruction.positions.lineno) or line
-        if instruction.opname in _GLOBAL_LOADS and not in_torch:
+        if instruction.opname in _GLOBAL_LOADS and users:  # a library's globals are its own
             name = instruction.argval
             name = name[1] if isinstance(name, tuple) else name
             names.setdefault((name, *_attribute_chain(instructions, i + 1)), line)
@@ -385,7 +383,6 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
         tuple(paths.items()),
         tuple(names.items()),
         tuple(closed_over.items()),
-        library=not in_torch and not users,
     )
 
 
