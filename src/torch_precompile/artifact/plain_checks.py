@@ -43,7 +43,7 @@ def is_plain(spec: ArtifactSpec, positional: bool) -> bool:
         and spec.seed is None
         and all(r.submodule is not None for r in spec.read_values)  # globals: generic
         and not any(getattr(spec, name) for name in _GENERIC_FIELDS)
-        and all(t.tied_to is None and not t.hooks for t in spec.model)
+        and all(not t.hooks for t in spec.model)
         and all(not s.hooks for s in spec.submodules)
     )
 
@@ -67,7 +67,7 @@ def plain_binding(spec: ArtifactSpec, history: Sequence[str] = ()) -> list[str]:
     (after the runtime they are made of); ``history`` names the functions that ready the
     forward and backward graphs of results with history."""
     training = _training(spec)
-    grads = tuple(i for i, t in enumerate(spec.model) if t.gets_grad)
+    grads = tuple(i for i, t in enumerate(_interned(spec)) if t.gets_grad)
     arguments = ['ARTIFACT_SPEC["out_spec"]', "FLAT_NAMES"]
     if grads:
         arguments.append(f"grads={grads}")
@@ -94,13 +94,14 @@ def _constants(spec: ArtifactSpec, training: bool) -> list[str]:
     inputs = [f"input {leaf.path}" for leaf in spec.inputs]
     written = set(spec.mutated)
     lines = [
-        "FLAT_NAMES = [  # in messages: the model's tensors, then the inputs",
-        "    *(f\"model {t['kind']} {t['name']!r}\" for t in ARTIFACT_SPEC[\"model\"]),",
+        "FLAT_NAMES = [  # in messages: the model's tensors (one per tie), then the inputs",
+        "    *(f\"model {t['kind']} {t['name']!r}\" for t in ARTIFACT_SPEC[\"model\"]"
+        ' if not t["tied_to"]),',
         *(f"    {name!r}," for name in inputs),
         "]",
         "INPUTS = (",
         *(
-            f"    {_leaf_plan(leaf, spec.backend, training, len(spec.model) + i in written)},"
+            f"    {_leaf_plan(leaf, spec.backend, training, len(_interned(spec)) + i in written)},"
             for i, leaf in enumerate(spec.inputs)
         ),
         ")",
@@ -113,7 +114,8 @@ def _constants(spec: ArtifactSpec, training: bool) -> list[str]:
         ]
     if spec.model_names:
         lines += [
-            'MEMBERS = [(t["kind"], t["name"]) for t in ARTIFACT_SPEC["model"]]',
+            "# Each parameter and buffer: (kind, name, the one it is tied to or None).",
+            'MEMBERS = [(t["kind"], t["name"], t["tied_to"]) for t in ARTIFACT_SPEC["model"]]',
             'SUBMODULES = [s["name"] for s in ARTIFACT_SPEC["submodules"]]',
             "# Where the trace read each value off a submodule: (its index, attribute path).",
             'READS = [(r["submodule"], r["path"]) for r in ARTIFACT_SPEC.get("read_values", ())]',
@@ -222,7 +224,7 @@ def _check_models(spec: ArtifactSpec, training: bool) -> list[str]:
         '    passed it and is unchanged since skips it (RememberedCall)."""',
         f"    check_is_model({name}, {name!r})",
         f"    tensors = members({name}, {name!r}, MEMBERS)",
-        *(_tensor_check(index, t, training) for index, t in enumerate(spec.model)),
+        *(_tensor_check(index, t, training) for index, t in enumerate(_interned(spec))),
         f"    modules = submodules({name}, SUBMODULES)",
     ]
     for index, module in enumerate(spec.submodules):
@@ -232,7 +234,7 @@ def _check_models(spec: ArtifactSpec, training: bool) -> list[str]:
             f"training={module.training!r})"
         )
     # With a backward inside fn, hooks on its tensors would run in it (as the generic walk).
-    parameters = [f"({t.name!r}, tensors[{i}])" for i, t in enumerate(spec.model)]
+    parameters = [f"({t.name!r}, tensors[{i}])" for i, t in enumerate(_interned(spec))]
     hooks = f"check_no_hooks(modules, SUBMODULES{', [' if training else ''}"
     if training:
         lines.append(f"    {hooks}")
@@ -267,9 +269,10 @@ def _tensor_check(index: int, tensor: ModelTensor, training: bool) -> str:
 
 
 def _apart(spec: ArtifactSpec) -> list[int]:
-    """The flat inputs a call must pass in separate memory (no ties in a plain spec)."""
-    parameters = sum(t.kind == "parameter" for t in spec.model)
-    return written_apart(spec.mutated, parameters, len(spec.model) + len(spec.inputs))
+    """The flat inputs a call must pass in separate memory."""
+    interned = _interned(spec)
+    parameters = sum(t.kind == "parameter" for t in interned)
+    return written_apart(spec.mutated, parameters, len(interned) + len(spec.inputs))
 
 
 def _argument_kind(argument: Argument) -> str:
@@ -281,7 +284,7 @@ def _optimizer_plans(spec: ArtifactSpec) -> list[str]:
     state tensor (a spec without optimizers: none)."""
     if not spec.optimizers:
         return []
-    index = {t.name: i for i, t in enumerate(spec.model)}
+    index = {t.name: i for i, t in enumerate(_interned(spec))}
     positions = [i for i, a in enumerate(spec.args) if a.is_optimizer]
     lines = [
         "# What each optimizer argument must be: its param groups and state tensors.",
@@ -309,3 +312,8 @@ def _optimizer_plans(spec: ArtifactSpec) -> list[str]:
             )
         lines.append(f"    ], zero_grad_first={record.zero_grad_first!r}),")
     return [*lines, "])"]
+
+
+def _interned(spec: ArtifactSpec) -> list[ModelTensor]:
+    """The model's tensors as the graph takes them: one per tie."""
+    return [t for t in spec.model if t.tied_to is None]

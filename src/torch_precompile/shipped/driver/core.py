@@ -26,7 +26,6 @@ from torch_precompile.shipped.driver.refusals import (
     TENSOR_HOOKS,
     AmbientPlan,
     LeafPlan,
-    PrecompileError,
     _shown_module,
     accumulate_grads,
     arguments_error,
@@ -42,6 +41,7 @@ from torch_precompile.shipped.driver.refusals import (
     no_values,
     positional_inputs,
     submodules_differ,
+    tied_apart,
     tied_since,
     written_apart,
 )
@@ -357,10 +357,7 @@ def _interned(model: ModelPlan, members: Sequence[Any]) -> list[torch.Tensor]:
         owner = first_name.get(id(tensor))
         if record.tied_to is not None:
             if owner != record.tied_to:
-                raise PrecompileError(
-                    f"model {kind} {name!r} was tied to {record.tied_to!r} at capture; at "
-                    "runtime it is a separate tensor. Tie the weights as in the example model."
-                )
+                raise tied_apart(kind, name, record.tied_to)
             continue
         if owner is not None:
             raise tied_since(kind, name, owner)

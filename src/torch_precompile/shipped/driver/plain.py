@@ -39,6 +39,7 @@ from torch_precompile.shipped.driver.refusals import (
     members_differ,
     members_missing,
     submodules_differ,
+    tied_apart,
     tied_since,
 )
 
@@ -112,25 +113,33 @@ class PlainForward:
         return pytree.tree_unflatten(outputs[: self.num_results], self.out_spec)
 
 
-def members(model: Any, argument: str, captured: Sequence[tuple[str, str]]) -> list[Any]:
-    """The model's parameters then buffers, where their kinds and names are ``captured``,
-    each a tensor of its own (as at capture: a plain artifact has no tied weights)."""
+def members(model: Any, argument: str, captured: Sequence[tuple[str, str, Any]]) -> list[Any]:
+    """The model's parameters then buffers, where their kinds, names and ties are
+    ``captured`` (kind, name, the name it is tied to or None): one tensor per tie."""
     found = [
         *(("parameter", n, t) for n, t in model.named_parameters(remove_duplicate=False)),
         *(("buffer", n, t) for n, t in model.named_buffers(remove_duplicate=False)),
     ]
     for index, (kind, name, _) in enumerate(found):
-        if index >= len(captured) or captured[index] != (kind, name):
-            expected = (argument, *captured[index]) if index < len(captured) else ("", "", "")
+        if index >= len(captured) or captured[index][:2] != (kind, name):
+            expected = (argument, *captured[index][:2]) if index < len(captured) else ("", "", "")
             raise members_differ(expected, (argument, kind, name))
     if len(found) < len(captured):
-        raise members_missing([f"{kind} {name!r}" for kind, name in captured[len(found) :]])
+        missing = captured[len(found) :]
+        raise members_missing([f"{kind} {name!r}" for kind, name, _ in missing])
     first_name: dict[int, str] = {}
-    for kind, name, tensor in found:
-        owner = first_name.setdefault(id(tensor), name)
-        if owner != name:
+    tensors = []
+    for (kind, name, tensor), (_, _, tied_to) in zip(found, captured, strict=True):
+        owner = first_name.get(id(tensor))
+        if tied_to is not None:
+            if owner != tied_to:
+                raise tied_apart(kind, name, tied_to)
+            continue
+        if owner is not None:
             raise tied_since(kind, name, owner)
-    return [tensor for _, _, tensor in found]
+        first_name[id(tensor)] = name
+        tensors.append(tensor)
+    return tensors
 
 
 def submodules(model: Any, captured: Sequence[str]) -> list[Any]:

@@ -528,6 +528,14 @@ def tied_since(kind: str, name: str, owner: str) -> PrecompileError:
     )
 
 
+def tied_apart(kind: str, name: str, tied_to: str) -> PrecompileError:
+    """A member tied to another at capture that is a tensor of its own now."""
+    return PrecompileError(
+        f"model {kind} {name!r} was tied to {tied_to!r} at capture; at runtime it is a "
+        "separate tensor. Tie the weights as in the example model."
+    )
+
+
 def members_missing(missing: Sequence[str]) -> PrecompileError:
     """The parameters and buffers (``kind 'name'``) a runtime model lacks."""
     return PrecompileError(
