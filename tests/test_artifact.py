@@ -144,8 +144,26 @@ def test_sections_in_order(backend: str, artifacts) -> None:
 
 
 def test_a_calls_checks_are_generated_for_what_the_spec_holds(artifacts) -> None:
-    """One line per check, in the order they run, and none for a feature the spec lacks."""
+    """One line per check, in the order they run, and none for a feature the spec lacks: in a
+    plain artifact (one model) and in the generic driver's (two models)."""
     code, _ = artifacts.pair("mlp_train", "eager")
+    checks = code[code.index("\ndef check_call(") : code.index("\ndef check_models(")]
+    lines = [line.strip() for line in checks.splitlines()]
+    order = [
+        "AMBIENT.check()",
+        "raise grad_mode_error()",
+        "raise arguments_error(kwargs, len(args), 3, 'm (model), x (input), t (input)')",
+        "positional_inputs(inputs, INPUTS)",
+        "inputs[0] = check_input(INPUTS[0], inputs[0], 'eager')  # x: float32[5, 4]",
+        "inputs[1] = check_input(INPUTS[1], inputs[1], 'eager')  # t: float32[5, 3]",
+        "flat = [*REMEMBERED.model_tensors([args[0]]), *inputs]",
+        "check_written_apart(flat, APART, WRITTEN, FLAT_NAMES.__getitem__)",  # BatchNorm's
+    ]
+    found = [next(i for i, line in enumerate(lines) if line.startswith(o)) for o in order]
+    assert found == sorted(found), lines
+    for absent in ("OPTIMIZERS", "driver.", "GLOBALS"):
+        assert absent not in checks
+    code, _ = artifacts.pair("two_models", "eager")
     checks = code[code.index("\ndef check_call(") : code.index("    return state, inputs, ()")]
     lines = [line.strip() for line in checks.splitlines()]
     order = [
@@ -154,11 +172,10 @@ def test_a_calls_checks_are_generated_for_what_the_spec_holds(artifacts) -> None
         "check_arguments(driver, args, kwargs)",
         "leaves = positional_leaves(driver, args)",
         "inputs = checked_inputs(driver, leaves)",
-        "state = model_tensors(driver, [args[0]])",
+        "state = model_tensors(driver, [args[0], args[2]])",
     ]
     found = [next(i for i, line in enumerate(lines) if line.startswith(o)) for o in order]
     assert found == sorted(found), lines
-    assert "# x: float32[5, 4] on cpu, t: float32[5, 3] on cpu" in checks
     for absent in ("driver.values", "driver.optimizers", "driver.data_parallel"):
         assert absent not in checks
     code, _ = artifacts.pair("pytree", "eager")
