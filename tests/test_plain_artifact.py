@@ -521,6 +521,46 @@ def test_tied_weights_are_plain_and_checked_as_the_generic_driver_does(backend) 
                 assert_same(ran[2], model.emb.weight.grad)
 
 
+SCALE = 2.0
+
+
+def scaled(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x) * SCALE
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_global_read_is_plain_and_checked_as_the_generic_driver_does(backend) -> None:
+    """A global fn reads: GLOBALS checks it at every call, refusing another value in the
+    generic driver's words, at the same stage."""
+    global SCALE
+    model, x = _net(), torch.randn(5, 4)
+    with torch.no_grad():
+        plain = precompile(scaled, model, x, backend=backend)[0]
+        original = render.is_plain
+        render.is_plain = lambda *_: False  # type: ignore[assignment]
+        try:
+            generic = precompile(scaled, model, x, backend=backend)[0]
+        finally:
+            render.is_plain = original
+    assert "GLOBALS = GlobalReads([" in plain and "class Driver" in generic
+    runs = [precompile.load(code, None) for code in (plain, generic)]
+    with torch.no_grad():
+        for run in runs:
+            assert_same(run(model, x), scaled(model, x))
+        SCALE = 3.0
+        try:
+            refusals = []
+            for run in runs:
+                with pytest.raises(PrecompileError, match="global 'SCALE' of module") as info:
+                    run(model, x)
+                refusals.append((str(info.value), info.value.check_stage))
+            assert refusals[0] == refusals[1]
+        finally:
+            SCALE = 2.0
+        for run in runs:
+            assert_same(run(model, x), scaled(model, x))
+
+
 def test_a_plain_artifact_runs_in_a_fresh_process(tmp_path) -> None:
     model, x = _net(), torch.randn(5, 4)
     code, _ = precompile(train, model, x, backend="eager")

@@ -80,8 +80,8 @@ def _steps(spec: ArtifactSpec, parts: Sequence[str]) -> list[str]:
     shown = ", ".join(f"args[{i}]" for i in models)
     steps.append(f"state = model_tensors(driver, [{shown}])  # {_shown_models(spec)}")
     if any(r.submodule is None for r in spec.read_values):
-        paths = sorted({_global_name(r) for r in spec.read_values if r.submodule is None})
-        steps.append(f"driver.facts.check_globals()  # the globals the trace read: {_few(paths)}")
+        paths = sorted({global_name(r) for r in spec.read_values if r.submodule is None})
+        steps.append(f"driver.facts.check_globals()  # the globals the trace read: {few(paths)}")
     steps.append("stage = 4")
     if "optimizers" in parts:
         names = ", ".join(a.name for a in spec.args if a.is_optimizer)
@@ -95,10 +95,10 @@ def _shown_inputs(leaves: Sequence[InputLeaf]) -> str:
     tensors = [leaf for leaf in leaves if leaf.kind == "tensor"]
     if not tensors:
         return "no input tensors"
-    return _few([f"{leaf.path}: {tensor_type(leaf)} on {leaf.device}" for leaf in tensors])
+    return few([f"{leaf.path}: {tensor_type(leaf)} on {leaf.device}" for leaf in tensors])
 
 
-def _few(items: Sequence[str]) -> str:
+def few(items: Sequence[str]) -> str:
     """The first few of ``items``, and how many more."""
     more = len(items) - _SHOWN_LEAVES
     return ", ".join(items[:_SHOWN_LEAVES]) + (f" and {more} more" if more > 0 else "")
@@ -129,7 +129,7 @@ def _count(tensors: Sequence[ModelTensor], kind: str) -> int:
     return sum(1 for t in tensors if t.kind == kind)
 
 
-def _global_name(read: ReadValue) -> str:
+def global_name(read: ReadValue) -> str:
     """A global read as code names it: ``config.SCALE``, ``os.environ['SCALE']``."""
     if read.module == "os" and read.path[0] == "environ":
         return f"os.environ[{read.path[1]!r}]"

@@ -13,9 +13,9 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
-from torch_precompile.artifact.checks import tensor_type
+from torch_precompile.artifact.checks import few, global_name, tensor_type
 from torch_precompile.shipped.driver.refusals import written_apart
-from torch_precompile.spec import Argument, ArtifactSpec, InputLeaf, ModelTensor
+from torch_precompile.spec import Argument, ArtifactSpec, InputLeaf, ModelTensor, ReadValue
 
 # Fields a plain spec leaves at their defaults: each is a feature of the generic driver.
 _GENERIC_FIELDS = (
@@ -41,7 +41,6 @@ def is_plain(spec: ArtifactSpec, positional: bool) -> bool:
         positional
         and len(spec.model_names) <= 1
         and spec.seed is None
-        and all(r.submodule is not None for r in spec.read_values)  # globals: generic
         and not any(getattr(spec, name) for name in _GENERIC_FIELDS)
         and all(not t.hooks for t in spec.model)
         and all(not s.hooks for s in spec.submodules)
@@ -81,6 +80,7 @@ def plain_binding(spec: ArtifactSpec, history: Sequence[str] = ()) -> list[str]:
         "# What the checks compare with, and forward: the checks, then the graph.",
         *_constants(spec, training),
         f"REMEMBERED = RememberedCall({checked})",
+        *_global_plans(spec),
         *_optimizer_plans(spec),
         "forward = PlainForward(",
         "    call,",
@@ -118,7 +118,11 @@ def _constants(spec: ArtifactSpec, training: bool) -> list[str]:
             'MEMBERS = [(t["kind"], t["name"], t["tied_to"]) for t in ARTIFACT_SPEC["model"]]',
             'SUBMODULES = [s["name"] for s in ARTIFACT_SPEC["submodules"]]',
             "# Where the trace read each value off a submodule: (its index, attribute path).",
-            'READS = [(r["submodule"], r["path"]) for r in ARTIFACT_SPEC.get("read_values", ())]',
+            "READS = [",
+            '    (r["submodule"], r["path"])',
+            '    for r in ARTIFACT_SPEC.get("read_values", ())',
+            '    if r["submodule"] is not None',
+            "]",
         ]
     return lines
 
@@ -178,9 +182,12 @@ def _check_call(spec: ArtifactSpec, training: bool) -> list[str]:
     ]
     models = [f"args[{i}]" for i, a in enumerate(spec.args) if a.is_model]
     flat = f"[*REMEMBERED.model_tensors([{models[0]}]), *inputs]" if models else "inputs"
-    if not _apart(spec) and not spec.optimizers:
+    if not _apart(spec) and not spec.optimizers and not _global_reads(spec):
         return _check_call_function(names, [*steps, f"return {flat}"], "3 model")
     steps.append(f"flat = {flat}")
+    if _global_reads(spec):
+        shown = few(sorted({global_name(r) for r in _global_reads(spec)}))
+        steps.append(f"GLOBALS.check()  # the globals the trace read: {shown}")
     if _apart(spec):
         steps.append("check_written_apart(flat, APART, WRITTEN, FLAT_NAMES.__getitem__)")
     if spec.optimizers:
@@ -243,12 +250,12 @@ def _check_models(spec: ArtifactSpec, training: bool) -> list[str]:
     else:
         lines.append(f"    {hooks})")
     for read in spec.read_values:
-        assert read.submodule is not None
-        lines.append(
-            f"    check_read(modules[{read.submodule}], "
-            f"{spec.submodules[read.submodule].name!r}, {tuple(read.path)!r}, "
-            f"{read.expected!r}, {read.where!r})"
-        )
+        if read.submodule is not None:  # the globals read are GLOBALS
+            lines.append(
+                f"    check_read(modules[{read.submodule}], "
+                f"{spec.submodules[read.submodule].name!r}, {tuple(read.path)!r}, "
+                f"{read.expected!r}, {read.where!r})"
+            )
     lines.append("    return tensors, modules")
     return lines
 
@@ -317,3 +324,22 @@ def _optimizer_plans(spec: ArtifactSpec) -> list[str]:
 def _interned(spec: ArtifactSpec) -> list[ModelTensor]:
     """The model's tensors as the graph takes them: one per tie."""
     return [t for t in spec.model if t.tied_to is None]
+
+
+def _global_reads(spec: ArtifactSpec) -> list[ReadValue]:
+    return [r for r in spec.read_values if r.submodule is None]
+
+
+def _global_plans(spec: ArtifactSpec) -> list[str]:
+    """``GLOBALS``: each global the trace read, where and as what (none: no lines)."""
+    reads = _global_reads(spec)
+    if not reads:
+        return []
+    lines = ["# The globals the trace read: module, attribute path, value, where it was read."]
+    lines.append("GLOBALS = GlobalReads([")
+    for r in reads:
+        file = "" if r.file is None else f", {r.file!r}"
+        lines.append(
+            f"    GlobalRead({r.module!r}, {tuple(r.path)!r}, {r.expected!r}, {r.where!r}{file}),"
+        )
+    return [*lines, "])"]

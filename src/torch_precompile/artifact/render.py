@@ -256,6 +256,7 @@ def render(
     plain_spec = len(variants) == 1 and is_plain(spec, not _has_values(spec))
     if plain_spec:
         parts = [refusals, guards, *([encoded] if spec.read_values else []), plain]
+        parts += [facts] if any(r.submodule is None for r in spec.read_values) else []
         parts += [planned, optimizers] if spec.optimizers else []
         if spec.autograd is not None:
             parts += [no_history, *([autograd] if spec.autograd.outputs else [])]

@@ -21,7 +21,7 @@ from torch_precompile.shipped.driver.encoded import MISSING, compare_read, modul
 class PythonFacts:
     """The values a driver's spec says the trace read."""
 
-    def __init__(self, driver: Driver) -> None:
+    def __init__(self, driver: "Driver") -> None:
         spec = driver.spec
         names = [s.name for s in spec.submodules]
         self.module_reads = [
@@ -29,11 +29,13 @@ class PythonFacts:
             for r in spec.read_values
             if r.submodule is not None
         ]
-        self.global_reads = [GlobalRead(r) for r in spec.read_values if r.submodule is None]
-        self.global_dicts: list[Any] = []
-        self.global_names: list[str] = []
-        self.global_seen: list[Any] = []
-        self.globals_settled = not self.global_reads
+        self.globals = GlobalReads(
+            [
+                GlobalRead(r.module, r.path, r.expected, r.where, r.file)
+                for r in spec.read_values
+                if r.submodule is None
+            ]
+        )
 
     def check_modules(self, submodules: Sequence[Any]) -> None:
         """Every attribute read off a submodule, compared with the captured value."""
@@ -48,21 +50,37 @@ class PythonFacts:
         return [(read.submodule, tuple(read.path)) for read, _ in self.module_reads]
 
     def check_globals(self) -> None:
+        self.globals.check()
+
+
+class GlobalReads:
+    """The globals the trace read (``reads``), checked at every call. The path to each value
+    is remembered while nothing can have changed in place: a call that finds the same objects
+    there checks nothing more."""
+
+    def __init__(self, reads: Sequence["GlobalRead"]) -> None:
+        self.reads = list(reads)
+        self.dicts: list[Any] = []
+        self.names: list[str] = []
+        self.seen: list[Any] = []
+        self.settled = not self.reads
+
+    def check(self) -> None:
         """The globals read, where their module is loaded in this process."""
-        if self.globals_settled and all(
-            map(operator.is_, map(dict.get, self.global_dicts, self.global_names), self.global_seen)
+        if self.settled and all(
+            map(operator.is_, map(dict.get, self.dicts, self.names), self.seen)
         ):
             return
         dicts, names, seen = [], [], []
         settled = True
-        for read in self.global_reads:
+        for read in self.reads:
             holder: Any = read.namespace()
             if holder is None:
                 settled = settled and read.never_here
                 continue
             # Each step of the path (config, then config.SCALE) is remembered, so that the
             # next call sees a rebound config as surely as a changed SCALE.
-            for name in read.record.path:
+            for name in read.path:
                 if not isinstance(holder, dict):  # os.environ: None where a name is unset
                     value, settled = holder.get(name), False
                 else:
@@ -73,35 +91,47 @@ class PythonFacts:
                 holder = value if value is os.environ else getattr(value, "__dict__", None)
                 if not isinstance(holder, dict) and holder is not os.environ:
                     holder = {}
-            compare_read(read.record.expected, read.record.where, read.shown, value)
+            compare_read(read.expected, read.where, read.shown, value)
             settled = settled and type(value) not in (list, dict)  # it can change in place
-        self.global_dicts, self.global_names, self.global_seen = dicts, names, seen
-        self.globals_settled = settled
+        self.dicts, self.names, self.seen = dicts, names, seen
+        self.settled = settled
 
 
 class GlobalRead:
-    """A global read by the traced code, and where to find its module at a call."""
+    """A global the traced code read: off module ``module`` (by name; ``file``: the script's
+    base name where it is ``__main__``), the attribute ``path``, its ``expected`` value
+    (encoded) and ``where`` it was read."""
 
-    def __init__(self, record: Any) -> None:
-        self.record = record
-        environment = record.module == "os" and record.path[0] == "environ"
+    def __init__(
+        self,
+        module: str,
+        path: Sequence[str],
+        expected: Any,
+        where: str,
+        file: str | None = None,
+    ) -> None:
+        self.module, self.path, self.expected, self.where, self.file = (
+            module,
+            tuple(path),
+            expected,
+            where,
+            file,
+        )
+        environment = module == "os" and self.path[0] == "environ"
         self.shown = (
-            f"environment variable {record.path[1]!r}"
+            f"environment variable {self.path[1]!r}"
             if environment
-            else f"global {'.'.join(record.path)!r} of module {record.module}"
+            else f"global {'.'.join(self.path)!r} of module {module}"
         )
         self.never_here = False
 
     def namespace(self) -> dict[str, Any] | None:
         """The module's globals; None where it is not loaded (or ``__main__`` is another
         script), so nothing in this process can have changed the value."""
-        module = sys.modules.get(self.record.module)
+        module = sys.modules.get(self.module)
         if module is None:
             return None
-        if (
-            self.record.module == "__main__"
-            and _base_name(getattr(module, "__file__", None)) != self.record.file
-        ):
+        if self.module == "__main__" and _base_name(getattr(module, "__file__", None)) != self.file:
             self.never_here = True
             return None
         return vars(module)
