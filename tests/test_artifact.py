@@ -159,8 +159,7 @@ def test_a_calls_checks_are_generated_for_what_the_spec_holds(artifacts) -> None
         "flat = [*REMEMBERED.model_tensors([args[0]]), *inputs]",
         "check_written_apart(flat, APART, WRITTEN, FLAT_NAMES.__getitem__)",  # BatchNorm's
     ]
-    found = [next(i for i, line in enumerate(lines) if line.startswith(o)) for o in order]
-    assert found == sorted(found), lines
+    _in_order(lines, order)
     for absent in ("OPTIMIZERS", "driver.", "GLOBALS"):
         assert absent not in checks
     code, _ = artifacts.pair("two_models", "eager")
@@ -174,13 +173,18 @@ def test_a_calls_checks_are_generated_for_what_the_spec_holds(artifacts) -> None
         "inputs = checked_inputs(driver, leaves)",
         "state = model_tensors(driver, [args[0], args[2]])",
     ]
-    found = [next(i for i, line in enumerate(lines) if line.startswith(o)) for o in order]
-    assert found == sorted(found), lines
+    _in_order(lines, order)
     for absent in ("driver.values", "driver.optimizers", "driver.data_parallel"):
         assert absent not in checks
     code, _ = artifacts.pair("pytree", "eager")
     assert "leaves = driver.values.input_leaves(args)" in code
     assert "raise grad_mode_error()" not in code
+
+
+def _in_order(lines: list[str], order: list[str]) -> None:
+    """Each of ``order`` begins a line of ``lines``, in that order."""
+    found = [next(i for i, line in enumerate(lines) if line.startswith(o)) for o in order]
+    assert found == sorted(found), lines
 
 
 def test_a_refused_call_fails_in_the_generated_checks(artifacts) -> None:

@@ -4,7 +4,7 @@ generic driver refuses, with the same words."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -53,20 +53,24 @@ def _net() -> Net:
     return Net()
 
 
-def _pairs(fn: Callable[..., Any], backend: str) -> tuple[str, str]:
+def _both(fn: Callable[..., Any], example: Sequence[Any], backend: str) -> tuple[str, str]:
     """The plain artifact of ``fn`` and the generic driver's for the same capture."""
+    plain = precompile(fn, *example, backend=backend)[0]
+    original = render.is_plain
+    render.is_plain = lambda *_: False  # type: ignore[assignment]
+    try:
+        generic = precompile(fn, *example, backend=backend)[0]
+    finally:
+        render.is_plain = original
+    return plain, generic
+
+
+def _pairs(fn: Callable[..., Any], backend: str) -> tuple[str, str]:
     example = (_net(), torch.randn(5, 4))
     with _grad_mode(fn):
         # The first capture in a process may see the test runner's own lazy imports read.
         precompile(fn, *example, backend=backend)
-        plain = precompile(fn, *example, backend=backend)[0]
-        original = render.is_plain
-        render.is_plain = lambda *_: False  # type: ignore[assignment]
-        try:
-            generic = precompile(fn, *example, backend=backend)[0]
-        finally:
-            render.is_plain = original
-    return plain, generic
+        return _both(fn, example, backend)
 
 
 def _grad_mode(fn: Callable[..., Any]) -> Any:
@@ -299,13 +303,7 @@ def test_writes_in_place_are_plain_and_checked_as_the_generic_driver_does(backen
     torch.manual_seed(0)
     example = (Tally(), torch.randn(5, 4))
     with torch.no_grad():
-        plain = precompile(fn, *example, backend=backend)[0]
-        original = render.is_plain
-        render.is_plain = lambda *_: False  # type: ignore[assignment]
-        try:
-            generic = precompile(fn, *example, backend=backend)[0]
-        finally:
-            render.is_plain = original
+        plain, generic = _both(fn, example, backend)
     assert "forward = PlainForward(" in plain and "class Driver" in generic
     for name, given in WRITE_CALLS:
         outcomes = []
@@ -429,13 +427,7 @@ def test_an_optimizer_step_is_plain_and_checked_as_the_generic_driver_does(backe
     torch.manual_seed(0)
     example = (_net(), torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))
     opt = torch.optim.AdamW(example[0].parameters(), lr=0.1)
-    plain = precompile(_adamw_step, example[0], opt, *example[1:], backend=backend)[0]
-    original = render.is_plain
-    render.is_plain = lambda *_: False  # type: ignore[assignment]
-    try:
-        generic = precompile(_adamw_step, example[0], opt, *example[1:], backend=backend)[0]
-    finally:
-        render.is_plain = original
+    plain, generic = _both(_adamw_step, (example[0], opt, *example[1:]), backend)
     assert "OPTIMIZERS = OptimizerSteps([" in plain and "class Driver" in generic
     refused = 0
     for name, build, change in OPTIMIZER_CALLS:
@@ -485,16 +477,7 @@ def test_tied_weights_are_plain_and_checked_as_the_generic_driver_does(backend) 
     refused in the generic driver's words."""
     torch.manual_seed(0)
     ids = torch.randint(0, 10, (3, 5))
-    plain, generic = (
-        precompile(train, TiedHead(), ids, backend=backend)[0],
-        None,
-    )
-    original = render.is_plain
-    render.is_plain = lambda *_: False  # type: ignore[assignment]
-    try:
-        generic = precompile(train, TiedHead(), ids, backend=backend)[0]
-    finally:
-        render.is_plain = original
+    plain, generic = _both(train, (TiedHead(), ids), backend)
     assert "forward = PlainForward(" in plain and "class Driver" in generic
     for change in (lambda m: None, _untied, _tied_elsewhere, _fc_tied):
         outcomes = []
@@ -535,13 +518,7 @@ def test_a_global_read_is_plain_and_checked_as_the_generic_driver_does(backend) 
     global SCALE
     model, x = _net(), torch.randn(5, 4)
     with torch.no_grad():
-        plain = precompile(scaled, model, x, backend=backend)[0]
-        original = render.is_plain
-        render.is_plain = lambda *_: False  # type: ignore[assignment]
-        try:
-            generic = precompile(scaled, model, x, backend=backend)[0]
-        finally:
-            render.is_plain = original
+        plain, generic = _both(scaled, (model, x), backend)
     assert "GLOBALS = GlobalReads([" in plain and "class Driver" in generic
     runs = [precompile.load(code, None) for code in (plain, generic)]
     with torch.no_grad():
