@@ -118,11 +118,7 @@ def _constants(spec: ArtifactSpec, training: bool) -> list[str]:
             'MEMBERS = [(t["kind"], t["name"], t["tied_to"]) for t in ARTIFACT_SPEC["model"]]',
             'SUBMODULES = [s["name"] for s in ARTIFACT_SPEC["submodules"]]',
             "# Where the trace read each value off a submodule: (its index, attribute path).",
-            "READS = [",
-            '    (r["submodule"], r["path"])',
-            '    for r in ARTIFACT_SPEC.get("read_values", ())',
-            '    if r["submodule"] is not None',
-            "]",
+            f"READS = {_module_reads(spec)!r}",
         ]
     return lines
 
@@ -343,3 +339,7 @@ def _global_plans(spec: ArtifactSpec) -> list[str]:
             f"    GlobalRead({r.module!r}, {tuple(r.path)!r}, {r.expected!r}, {r.where!r}{file}),"
         )
     return [*lines, "])"]
+
+
+def _module_reads(spec: ArtifactSpec) -> list[tuple[int, tuple[str, ...]]]:
+    return [(r.submodule, tuple(r.path)) for r in spec.read_values if r.submodule is not None]

@@ -1,11 +1,10 @@
 """The runtime of a plain artifact: what its generated checks call, and its ``forward``.
 
-A plain artifact takes at most one model (no tied weights, no hooks), positional tensors and
-optimizer arguments, and uses none of the features the generic ``Driver`` is for (nested
-inputs and Python values, dynamic dims, sharding, tensor subclasses, globals read at capture,
-results that alias inputs, variants). Its section 3 opens with ``check_call`` and
-``check_models``, generated from its spec one check a line; ``PlainForward`` runs the graph on
-the tensors they return.
+A plain artifact takes at most one model (without hooks), positional tensors and optimizer
+arguments, and uses none of the features the generic ``Driver`` is for (nested inputs and
+Python values, dynamic dims, sharding, tensor subclasses, results that alias inputs, variants).
+Its section 3 opens with ``check_call`` and ``check_models``, generated from its spec one check
+a line; ``PlainForward`` runs the graph on the tensors they return.
 """
 
 import operator
