@@ -351,3 +351,26 @@ def test_a_logger_fn_uses_is_no_state_of_the_users(backend) -> None:
     model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
     run = precompile.load(*precompile(logged, model, x, backend=backend))
     assert_same(run(model, x), model(x))
+
+
+class KeepsStats(torch.nn.Module):
+    """Holds an object of the user's as an attribute and counts in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.stats = Stats()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stats.calls += 1
+        return self.lin(x) * self.stats.calls
+
+
+def test_an_object_a_module_holds_that_fn_changes_is_refused_and_put_back(backend) -> None:
+    """Before: ``self.stats.calls += 1`` ran once, at capture; every call scaled by 1."""
+    model = KeepsStats()
+    with pytest.raises(
+        PrecompileError, match=r"^fn changed attribute 'calls' of 'stats' of model m, while"
+    ):
+        precompile(lambda m, x: m(x), model, torch.randn(2, 4), backend=backend)
+    assert model.stats.calls == 0

@@ -137,7 +137,7 @@ def capture(
         [(layout.arg_names[i], args[i]) for i in layout.module_positions],
         [(o.name, o.optimizer) for o in layout.optimizers],
         [*reachable_containers(functions), *assigned_names(functions)],
-        reachable_state(functions, watch.submodules),
+        reachable_state(functions, watch.named_submodules()),
     )
     try:
         traced = _trace(flat_fn, layout, recorder, decompositions, on_fakes)

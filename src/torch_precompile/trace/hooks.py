@@ -127,13 +127,15 @@ def assigned_names(functions: Sequence[tuple[str, Any]]) -> list[Slot]:
 
 
 def reachable_state(
-    functions: Sequence[tuple[str, Any]], modules: Sequence[torch.nn.Module]
+    functions: Sequence[tuple[str, Any]], modules: Sequence[tuple[str, torch.nn.Module]]
 ) -> list[Held]:
     """What of the user's own code ``functions`` (and the functions of their module they
     call) reach beyond the arguments, whose attributes are Python state a trace would change
     once: plain objects named as globals or closed over (a stats holder), the user's modules
-    they name (``config.STATE``), and the user's classes of ``modules`` (a class-level
-    counter). Objects of torch, the standard library and installed packages keep their own."""
+    they name (``config.STATE``), and, for the model's ``modules`` (each with how messages
+    name it), the plain objects they hold as attributes (``self.stats``) and their classes of
+    the user's (a class-level counter). Objects of torch, the standard library and installed
+    packages keep their own."""
     found: dict[int, Held] = {}
     for who, function in functions:
         for current, by in _reached(function, who):
@@ -144,7 +146,11 @@ def reachable_state(
                 elif isinstance(value, types.ModuleType) and _users(value):
                     shown = f"global {{name!r}} of module {value.__name__}, which {by} reaches"
                     found.setdefault(id(value), Held(vars(value), shown))
-    for module in modules:
+    for shown_module, module in modules:
+        for attribute, value in vars(module).items():
+            if _plain_object(value):
+                shown = f"attribute {{name!r}} of {attribute!r} of {shown_module}"
+                found.setdefault(id(value), Held(vars(value), shown))
         for cls in type(module).__mro__:
             if _users(sys.modules.get(cls.__module__)):
                 shown = f"attribute {{name!r}} of class {cls.__qualname__}"
