@@ -558,3 +558,27 @@ def test_a_plain_artifact_runs_in_a_fresh_process(tmp_path) -> None:
         "    print(type(error).__name__, 'eval mode' in str(error))\n"
     )
     assert "PrecompileError True" in out.stdout, out.stderr
+
+
+def _momentum_step(m: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> Any:
+    loss = m(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def test_an_aliased_written_input_is_refused_before_an_optimizer_changes() -> None:
+    """A graph that writes a buffer, with an optimizer argument: a call passing that buffer
+    as its input is refused before a fresh optimizer is given its zero state, in both forms."""
+    captured = Tally()
+    opt = torch.optim.SGD(captured.parameters(), lr=0.1, momentum=0.9)
+    refusals = []
+    for code in _both(_momentum_step, (captured, opt, torch.randn(5, 4)), "eager"):
+        model = Tally()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with pytest.raises(PrecompileError, match="shares memory") as info:
+            precompile.load(code, None)(model, opt, model.total)
+        assert len(opt.state) == 0 and torch.equal(model.total, torch.zeros(5, 4))
+        refusals.append((str(info.value), info.value.check_stage))
+    assert refusals[0] == refusals[1]

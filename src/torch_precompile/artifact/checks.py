@@ -82,6 +82,11 @@ def _steps(spec: ArtifactSpec, parts: Sequence[str]) -> list[str]:
     if any(r.submodule is None for r in spec.read_values):
         paths = sorted({global_name(r) for r in spec.read_values if r.submodule is None})
         steps.append(f"driver.facts.check_globals()  # the globals the trace read: {few(paths)}")
+    if spec.mutated:  # before an optimizer's state is installed or anything is written
+        steps.append(
+            "check_written_apart([*state, *inputs], driver.separate, driver.mutated, "
+            "driver.flat_name)  # written inputs apart in memory"
+        )
     steps.append("stage = 4")
     if "optimizers" in parts:
         names = ", ".join(a.name for a in spec.args if a.is_optimizer)

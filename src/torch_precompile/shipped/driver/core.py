@@ -33,7 +33,6 @@ from torch_precompile.shipped.driver.refusals import (
     check_is_model,
     check_model_tensor,
     check_module,
-    check_written_apart,
     hook_sets,
     hooks_error,
     members_differ,
@@ -172,8 +171,6 @@ class Driver:
         grad_enabled = torch.is_grad_enabled()
         # Results get history where eager's would: under grad mode, from inputs requiring it.
         with_history = grad_enabled and self.autograd is not None and self.autograd.wanted(flat)
-        if self.separate:  # before anything is written, the averaged gradients included
-            check_written_apart(flat, self.separate, self.mutated, self.flat_name)
         if self.data_parallel is not None:
             self.data_parallel.average_left_gradients(args, state)
         torch._C._set_grad_enabled(with_history)
