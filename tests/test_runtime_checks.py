@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_precompile import PrecompileError
+from torch_precompile import PrecompileError, precompile
 
 from conftest import assert_same, model_state
 from workloads import MLP, WORKLOADS, Encoder, Head, TiedLM
@@ -321,3 +321,24 @@ def test_frozen_parameters_run_as_inference(backend: str, artifacts) -> None:
         run(model, x.requires_grad_())
     with torch.no_grad():
         torch.testing.assert_close(run(model, x), model(x))
+
+
+def divided(m: nn.Module, x: torch.Tensor, s: float) -> torch.Tensor:
+    return m(x) / s  # 1 / 0.0 is inf, 1 / -0.0 is -inf
+
+
+@pytest.mark.parametrize(("captured", "other"), [(0.0, -0.0), (-0.0, 0.0)])
+def test_a_float_input_is_compared_with_its_sign(captured: float, other: float) -> None:
+    """A float value input of 0.0 is not -0.0 (nor the reverse): the graph baked the sign.
+    Before: compared with ==, a call with the other zero returned the captured zero's result
+    (inf where eager gives -inf) with no error."""
+    model, x = nn.Linear(4, 4), torch.randn(5, 4)
+    run = precompile.load(*precompile(divided, model, x, captured, backend="eager"))
+    with torch.no_grad():
+        torch.testing.assert_close(run(model, x, captured), divided(model, x, captured))
+    with pytest.raises(
+        PrecompileError,
+        match=rf"input s: expected the value {re.escape(repr(captured))}, got "
+        rf"{re.escape(repr(other))}\.",
+    ):
+        run(model, x, other)

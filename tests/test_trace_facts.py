@@ -1528,3 +1528,105 @@ def test_environment_variables_fn_reads_are_checked(
         run(model, x)
     monkeypatch.delenv("TP_TEST_FLAG")
     agree(run, env_scaled, (model, x), (model, x))
+
+
+def by_grad_mode(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    scale = 3.0 if torch.is_grad_enabled() else 2.0  # a gate like gradient checkpointing's
+    return m(x) * scale
+
+
+def by_threads(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x) * (2.0 if torch.get_num_threads() > 1 else 1.0)
+
+
+def grad_mode_inside(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.enable_grad():
+        on = torch.is_grad_enabled()  # fn's own setting: the call's does not matter
+    return m(x) * (3.0 if on else 2.0)
+
+
+def test_a_torch_setting_fn_reads_must_be_as_at_capture() -> None:
+    """``torch.is_grad_enabled()`` and ``torch.get_num_threads()`` read into Python decide a
+    branch. Before: the trace ran with gradients on whatever the capture's setting, so an
+    artifact captured and called under no_grad returned ``m(x) * 3`` where eager gives
+    ``m(x) * 2``, and a call in another setting took the capture's branch; now fn is shown
+    the capture's setting and a call in another is refused, leaving every tensor as it was."""
+    model = mlp(0)
+    with torch.no_grad():
+        run = build(by_grad_mode, model, new_x(), backend="eager")
+        x = new_x()
+        agree(run, by_grad_mode, (model, x), (model, x))
+    x = new_x()
+    with refused(r"torch\.is_grad_enabled\(\) gives True at this call, but gave False", model, x):
+        run(model, x)
+    on_grad = build(by_grad_mode, model, new_x(), backend="eager")
+    x = new_x()
+    agree(on_grad, by_grad_mode, (model, x), (model, x))
+    with torch.no_grad(), refused(r"torch\.is_grad_enabled\(\) gives False", model, x):
+        on_grad(model, x)
+    threads = torch.get_num_threads()
+    run = build(by_threads, model, new_x(), backend="eager")
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        with refused(rf"torch\.get_num_threads\(\) gives \d+ at this call, but gave {threads}"):
+            run(model, new_x())
+    finally:
+        torch.set_num_threads(threads)
+    with torch.no_grad():  # fn's own enable_grad decides its read: no check
+        run = build(grad_mode_inside, model, new_x(), backend="eager")
+    x = new_x()
+    agree(run, grad_mode_inside, (model, x), (model, x))
+
+
+def close_to_zero(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = m(x)
+    return y * 2 if torch.allclose(x, torch.zeros_like(x), atol=0.5) else y
+
+
+def test_torch_allclose_deciding_a_branch_is_guarded(backend: str) -> None:
+    """Before: the branch ``torch.allclose`` took at capture ran for every input (allclose
+    compares in C++, below the trace); now it is a value guard."""
+    model = mlp(0)
+    x = torch.full((3, 4), 0.1)
+    with torch.no_grad():
+        run = build(close_to_zero, model, x, backend=backend)
+        agree(run, close_to_zero, (model, x), (model, x))
+        far = x * 10
+        with refused(r"torch\.allclose at .* was True at capture and is False now", model, far):
+            run(model, far)
+
+
+def clipped_step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = m(x).pow(2).mean()
+    loss.backward()
+    nn.utils.clip_grad_norm_(m.parameters(), 0.01)  # reads the gradients .grad holds
+    return loss.detach()
+
+
+def zeroed_step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    m.zero_grad()
+    return train_step(m, x)
+
+
+def test_what_fn_does_with_the_grad_a_call_finds() -> None:
+    """Before: a call finding a ``.grad`` (gradients accumulated over micro-batches) got the
+    artifact's gradient added to it, also where fn's own ``zero_grad()`` drops it first, and
+    ``clip_grad_norm_`` inside fn clipped by the norm of the new gradients alone. Now fn's
+    zero_grad() is replayed (the new gradient replaces the old) and a call with a .grad that
+    fn would read is refused."""
+    model, twin = mlp(0), mlp(0)
+    zeroed = build(zeroed_step, model, new_x(), backend="eager")
+    clipped = build(clipped_step, model, new_x(), backend="eager")
+    for m in (model, twin):
+        train_step(m, new_x().fill_(1.0))  # gradients from an earlier micro-batch
+    x = new_x()
+    agree(zeroed, zeroed_step, (model, x), (twin, x))
+    model.zero_grad()
+    twin.zero_grad()
+    x = new_x()
+    agree(clipped, clipped_step, (model, x), (twin, x))
+    train_step(model, x)
+    with refused(
+        r"model parameter '0\.weight' has a \.grad from before the call, and fn reads", model, x
+    ):
+        clipped(model, x)

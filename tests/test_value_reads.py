@@ -4,12 +4,15 @@
 ``aten._pack_padded_sequence`` reads its lengths inside the operator: the trace bakes what
 they read. Each call of an artifact must either match eager or be refused with a
 PrecompileError naming the read, and a refused call leaves buffers and inputs as they were.
+Python values the traced code reads (sets, named tuples, NumPy scalars and arrays) likewise.
 """
 
 from __future__ import annotations
 
+import collections
 import re
 import threading
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -353,6 +356,101 @@ def test_reads_of_another_thread_are_not_recorded() -> None:
     )
 
 
+# -- What a refused call puts back; reads the trace cannot follow ---------------------------
+
+
+class Normed(torch.nn.Module):
+    """Doubles its input in place, then a BatchNorm in training mode (which writes its running
+    statistics in place) and a decision on the input's values; ``unused`` gets no gradient."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.norm, self.fc, self.unused = (
+            torch.nn.BatchNorm1d(4),
+            torch.nn.Linear(4, 4),
+            torch.nn.Linear(4, 4),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        h = self.fc(self.norm(x))
+        return h if bool(x.sum() > 0) else -h
+
+
+def normed(model: Normed, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def normed_step(model: Normed, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    opt.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_a_refused_call_puts_back_the_batchnorm_statistics(backend: str) -> None:
+    """before: the refused call left running_mean and running_var updated (num_batches_tracked
+    and the input were put back): native_batch_norm writes them though its schema does not
+    say so and their version counters do not move, so the spec's written inputs lacked them."""
+    x = torch.rand(6, 4) + 0.1
+    with torch.no_grad():
+        code, cache = precompile(normed, Normed(0), x.clone(), backend=backend)
+        run, model, eager = precompile.load(code, cache), Normed(0), Normed(0)
+        torch.testing.assert_close(run(model, x.clone()), normed(eager, x.clone()))
+        torch.testing.assert_close(model.state_dict(), eager.state_dict())
+        check_call(run, normed, model, -x, refused=r"left the path.*is put back")
+
+
+def test_a_refused_training_step_puts_back_statistics_parameters_and_optimizer_state() -> None:
+    """An optimizer inside fn, over a parameter without gradient too (whose state the graph
+    drops, so the written inputs after it move down).
+
+    before: IndexError at the first call (the written inputs kept their places from before
+    the drop); the refused call left running_mean and running_var updated."""
+    x = torch.rand(6, 4) + 0.1
+    model = Normed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    code, cache = precompile(normed_step, model, opt, x.clone(), backend="eager")
+    run = precompile.load(code, cache)
+    run(model, opt, x.clone())  # the momentum buffers exist from here on
+    model.zero_grad()
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    momenta = {p: s["momentum_buffer"].clone() for p, s in opt.state.items()}
+    given = -x
+    with pytest.raises(PrecompileError, match=r"left the path.*is put back"):
+        run(model, opt, given)
+    for name, t in model.state_dict().items():
+        torch.testing.assert_close(t, state[name], rtol=0, atol=0, msg=name)
+    for p, momentum in momenta.items():
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], momentum, rtol=0, atol=0)
+    torch.testing.assert_close(given, -x, rtol=0, atol=0)
+
+
+def first_stored_value(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x) * float(x.contiguous().untyped_storage()[0])
+
+
+def own_not_implemented(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    raise NotImplementedError("fn's own error")
+
+
+def test_reading_a_tensor_through_its_storage_is_refused_at_capture() -> None:
+    """before: ``NotImplementedError: argument of type: <class 'torch.storage.UntypedStorage'>``
+    from torch.fx, naming neither fn's line nor what to do. fn's own NotImplementedError still
+    reaches the caller unchanged."""
+    with pytest.raises(
+        PrecompileError,
+        match=r"through its storage at test_value_reads\.py:\d+ \(first_stored_value\).*"
+        r"Use tensor operations instead",
+    ):
+        precompile(first_stored_value, torch.nn.Linear(4, 4), torch.randn(2, 4), backend="eager")
+    with pytest.raises(NotImplementedError, match="fn's own error") as raised:
+        precompile(own_not_implemented, torch.nn.Linear(4, 4), torch.randn(2, 4), backend="eager")
+    assert type(raised.value) is NotImplementedError
+
+
 # -- pack_padded_sequence -------------------------------------------------------------------
 
 
@@ -517,3 +615,250 @@ def test_a_global_of_the_main_script_is_checked_by_script_name(tmp_path) -> None
     assert run("load", "2").startswith("RAN")
     refused = run("load", "3")
     assert refused.startswith("REFUSED") and "SCALE" in refused, refused
+
+
+# -- Python values of other kinds the trace reads: sets, named tuples, NumPy values --------
+
+
+needs_numpy = pytest.mark.skipif(np is None, reason="needs numpy")
+
+
+def built(fn: Callable[..., Any], model: torch.nn.Module, x: torch.Tensor) -> Callable[..., Any]:
+    return precompile.load(*precompile(fn, model, x, backend="eager"))
+
+
+def run_model(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+class Skipping(torch.nn.Module):
+    """Skips the layers whose index is in ``skip`` (a set, as configs hold them)."""
+
+    def __init__(self, skip: set[int] | frozenset[int] = frozenset()) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(3, 3) for _ in range(3))
+        self.skip = skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip:
+                x = layer(x)
+        return x
+
+
+SKIPPED = frozenset({0})  # a global frozenset: fn skips these layers
+
+
+def skip_by_global(model: Skipping, x: torch.Tensor) -> torch.Tensor:
+    for i, layer in enumerate(model.layers):
+        if i not in SKIPPED:
+            x = layer(x)
+    return x
+
+
+def test_a_set_attribute_is_checked_in_place_too() -> None:
+    """A set read in forward is compared by its items, also after a passing call (the
+    remembered path). Before: a set was not recorded; one changed in place or rebound after
+    capture gave another model's result with no error."""
+    model, x = Skipping({1}), x_of(0)
+    run = built(run_model, model, x)
+    check_call(run, run_model, model, x)
+    check_call(run, run_model, model, x)  # the remembered path
+    model.skip.add(2)
+    check_call(
+        run,
+        run_model,
+        model,
+        x,
+        refused=r"attribute 'skip' of the model is \{1, 2\}, but "
+        r"was \{1\} when the trace read it",
+    )
+    model.skip.discard(2)
+    check_call(run, run_model, model, x)
+    model.skip = frozenset({1})
+    check_call(
+        run,
+        run_model,
+        model,
+        x,
+        refused=r"attribute 'skip' of the model is frozenset\("
+        r"\{1\}\), but was \{1\}",
+    )
+    model.skip = {1}
+    check_call(run, run_model, model, x)
+
+
+def test_a_frozenset_global_is_checked() -> None:
+    """A global frozenset must hold the same items at every call. Before: a rebound one was
+    not seen."""
+    global SKIPPED
+    model, x = Skipping(), x_of(0)
+    run = built(skip_by_global, model, x)
+    check_call(run, skip_by_global, model, x)
+    check_call(run, skip_by_global, model, x)
+    try:
+        SKIPPED = frozenset({0, 2})
+        check_call(
+            run,
+            skip_by_global,
+            model,
+            x,
+            refused=r"global 'SKIPPED' of module \S+ is "
+            r"frozenset\(\{0, 2\}\), but was frozenset\(\{0\}\) when the trace read it",
+        )
+        SKIPPED = frozenset({0})  # an equal one, another object
+        check_call(run, skip_by_global, model, x)
+    finally:
+        SKIPPED = frozenset({0})
+
+
+class Scales(typing.NamedTuple):
+    factor: float
+    shift: float = 0.0
+
+
+Offsets = collections.namedtuple("Offsets", "bias")
+OFFSETS = Offsets(0.5)  # a global named tuple
+
+
+class Rescaled(torch.nn.Module):
+    """Scales a projection by a named tuple of options it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(3, 3)
+        self.scales = Scales(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.scales.factor + self.scales.shift + OFFSETS.bias
+
+
+def test_a_named_tuple_is_checked_field_by_field() -> None:
+    """A named tuple (attribute or global) is compared as its class and fields. Before: a named
+    tuple was not recorded (a plain tuple was), so a rebound one went unseen."""
+    global OFFSETS
+    model, x = Rescaled(), x_of(0)
+    run = built(run_model, model, x)
+    check_call(run, run_model, model, x)
+    model.scales = Scales(3.0)
+    check_call(
+        run,
+        run_model,
+        model,
+        x,
+        refused=r"attribute 'scales' of the model is "
+        r"Scales\(factor=3\.0, shift=0\.0\), but was \S*Scales\(factor=2\.0, shift=0\.0\)",
+    )
+    model.scales = (2.0, 0.0)  # a plain tuple of the same values is another type
+    check_call(
+        run, run_model, model, x, refused=r"attribute 'scales' of the model is \(2\.0, 0\.0\)"
+    )
+    model.scales = Scales(2.0)
+    check_call(run, run_model, model, x)
+    try:
+        OFFSETS = Offsets(1.5)
+        check_call(
+            run,
+            run_model,
+            model,
+            x,
+            refused=r"global 'OFFSETS' of module \S+ is "
+            r"Offsets\(bias=1\.5\), but was \S*Offsets\(bias=0\.5\)",
+        )
+    finally:
+        OFFSETS = Offsets(0.5)
+    check_call(run, run_model, model, x)
+
+
+class Gained(torch.nn.Module):
+    """Multiplies by a NumPy scalar and subtracts a NumPy array it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(3, 3)
+        self.gain = np.float32(2.0)
+        self.mean = np.array([0.5, -1.0, 2.0], dtype=np.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.proj(x) - torch.from_numpy(self.mean)) * float(self.gain)
+
+
+@needs_numpy
+def test_a_numpy_scalar_is_checked_by_type_and_value() -> None:
+    """A NumPy scalar read is compared by its NumPy type and its value. Before: not recorded,
+    so another gain gave the captured gain's result."""
+    model, x = Gained(), x_of(0)
+    run = built(run_model, model, x)
+    check_call(run, run_model, model, x)
+    model.gain = np.float32(3.0)
+    check_call(
+        run,
+        run_model,
+        model,
+        x,
+        refused=r"attribute 'gain' of the model is .*, but was "
+        r"numpy\.float32\(2\.0\) when the trace read it",
+    )
+    model.gain = np.float64(2.0)
+    check_call(
+        run,
+        run_model,
+        model,
+        x,
+        refused=r"attribute 'gain' of the model is .*, but was "
+        r"numpy\.float32\(2\.0\)",
+    )
+    model.gain = np.float32(2.0)
+    check_call(run, run_model, model, x)
+
+
+MEAN = np.array([[0.5, -1.0, 2.0]], dtype=np.float32) if np is not None else None
+
+
+def centre_by_global(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x - torch.from_numpy(MEAN))
+
+
+@needs_numpy
+def test_a_numpy_array_is_checked_in_place_too() -> None:
+    """A small NumPy array (attribute or global) is compared by dtype, shape and elements at
+    every call, also after a passing call. Before: not recorded, so an array changed in place
+    or rebound gave the captured values' result."""
+    model, x = Gained(), x_of(0)
+    code, cache = precompile(centre_by_global, model, x, backend="eager")
+    kinds = {r.path: r.expected[0] for r in precompile.inspect(code).read_values}
+    assert kinds.items() >= {("gain",): "numpy", ("mean",): "ndarray", ("MEAN",): "ndarray"}.items()
+    run = precompile.load(code, cache)
+    check_call(run, centre_by_global, model, x)
+    check_call(run, centre_by_global, model, x)  # the remembered path
+    model.mean[1] = 4.0
+    check_call(
+        run,
+        centre_by_global,
+        model,
+        x,
+        refused=r"attribute 'mean' of the model is "
+        r"array\(.*\), but was array\(\[0\.5, -1\.0, 2\.0\], dtype=float32\)",
+    )
+    model.mean[1] = -1.0
+    check_call(run, centre_by_global, model, x)
+    model.mean = model.mean.astype(np.float64)
+    check_call(run, centre_by_global, model, x, refused=r"attribute 'mean' of the model")
+    model.mean = np.array([0.5, -1.0, 2.0], dtype=np.float32)
+    check_call(run, centre_by_global, model, x)
+    try:
+        MEAN[0, 0] = 1.0
+        check_call(
+            run,
+            centre_by_global,
+            model,
+            x,
+            refused=r"global 'MEAN' of module \S+ is "
+            r"array\(.*\), but was array\(\[\[0\.5, -1\.0, 2\.0\]\], dtype=float32\)",
+        )
+    finally:
+        MEAN[0, 0] = 0.5
+    check_call(run, centre_by_global, model, x)

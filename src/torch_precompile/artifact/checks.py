@@ -79,6 +79,10 @@ def _steps(spec: ArtifactSpec, parts: Sequence[str]) -> list[str]:
         steps.append("driver.data_parallel.check(args)  # DDP and FSDP2 wrappers, as captured")
     shown = ", ".join(f"args[{i}]" for i in models)
     steps.append(f"state = model_tensors(driver, [{shown}])  # {_shown_models(spec)}")
+    if any(t.old_grad == "read" for t in spec.model):
+        steps.append(
+            "check_no_old_grads(state, driver.grads_read, driver.flat_name)  # fn reads .grad"
+        )
     if any(r.submodule is None for r in spec.read_values):
         paths = sorted({global_name(r) for r in spec.read_values if r.submodule is None})
         steps.append(f"driver.facts.check_globals()  # the globals the trace read: {few(paths)}")

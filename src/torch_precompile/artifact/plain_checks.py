@@ -42,7 +42,7 @@ def is_plain(spec: ArtifactSpec, positional: bool) -> bool:
         and len(spec.model_names) <= 1
         and spec.seed is None
         and not any(getattr(spec, name) for name in _GENERIC_FIELDS)
-        and all(not t.hooks for t in spec.model)
+        and all(not t.hooks and t.old_grad is None for t in spec.model)
         and all(not s.hooks for s in spec.submodules)
     )
 
@@ -146,7 +146,8 @@ def _ambient(spec: ArtifactSpec) -> str:
     return (
         f"AmbientPlan(autocast={tuple(record.autocast)!r}, default_dtype="
         f"{record.default_dtype!r}, deterministic={record.deterministic!r}, "
-        f"modes={tuple(record.modes)!r})"
+        f"modes={tuple(record.modes)!r}"
+        + (f", settings={tuple(record.settings)!r})" if record.settings else ")")
     )
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "ShapeEnv",
     "TensorMarks",
     "TorchDispatchMode",
+    "TracerRefusal",
     "check",
     "compiling",
     "deferred_asserts",
@@ -65,7 +66,9 @@ __all__ = [
     "symbol_pinning",
     "tensor_marks",
     "trace_with_user_lines",
+    "tracer_refusal",
     "version_of",
+    "written_inputs",
 ]
 
 check: Callable[..., None] = torch._check
@@ -76,6 +79,7 @@ BAKED_READS = (
     torch.ops.aten._local_scalar_dense.default,
     torch.ops.aten.item.default,
     torch.ops.aten.equal.default,
+    torch.ops.aten.allclose.default,
     torch.ops.aten.is_nonzero.default,
 )
 
@@ -202,6 +206,34 @@ _NOT_USER_CODE = tuple(
         sysconfig.get_paths()["stdlib"],
     )
 )
+# torch.fx, the tracer, and torch.storage, whose reads need real memory (fake tensors have
+# none): their refusals of what fn does while traced are not fn's errors.
+_TRACER_CODE = (str(Path(torch.fx.__file__).parent) + os.sep, str(Path(torch.storage.__file__)))
+
+
+@dataclass(frozen=True)
+class TracerRefusal:
+    where: str  # the line of fn's code, as file:line (function)
+    storage: bool  # fn reached a tensor's memory through its storage
+
+
+def tracer_refusal(error: BaseException) -> TracerRefusal | None:
+    """Where fn's code met the tracer's refusal of what it did (``NotImplementedError:
+    argument of type: <class 'torch.storage.UntypedStorage'>``); None for any other error,
+    fn's own ones included."""
+    if not isinstance(error, (NotImplementedError, TypeError)):
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames or not frames[-1].filename.startswith(_TRACER_CODE):
+        return None
+    storage = "Storage" in str(error) or any(f.filename == _TRACER_CODE[1] for f in frames)
+    for frame in reversed(frames):
+        if not frame.filename.startswith(_NOT_USER_CODE):
+            where = f"{Path(frame.filename).name}:{frame.lineno} ({frame.name})"
+            return TracerRefusal(where, storage)
+    return TracerRefusal("a line of fn", storage)
+
+
 _KEEPING_USER_FRAMES = contextvars.ContextVar("keeping_user_frames", default=False)
 _filter_lock = threading.Lock()
 _filter_users = 0
@@ -399,6 +431,44 @@ def reshape_unwritten_views(graph: torch.fx.Graph) -> None:
     one, and a copy elsewhere; a copy is equal in value as long as nothing writes through the
     view or its base, which is checked: views of memory written in place stay views.
     """
+    roots, written = _written_roots(graph)
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.view.default and roots[node] not in written:
+            node.target = torch.ops.aten.reshape.default
+
+
+def written_inputs(graph: torch.fx.Graph) -> list[int]:
+    """The positions of the placeholders whose memory an operator of the graph writes in
+    place, directly or through a view of it.
+
+    Told by the operators' schemas (an argument ``Tensor(a!)``), not by version counters:
+    an operator that writes an argument beside its results (``native_batch_norm``'s running
+    statistics in training mode) leaves the argument's version as it was.
+    """
+    roots, written = _written_roots(graph)
+    placeholders = graph.find_nodes(op="placeholder")
+    return [i for i, node in enumerate(placeholders) if roots[node] in written]
+
+
+# Operators that write their running_mean and running_var in training mode though their
+# schemas do not say so (``Tensor? running_mean``, not ``Tensor(a!)``).
+_BATCH_NORMS = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def _writes_running_stats(target: Any, bound: Mapping[str, Any]) -> bool:
+    packet = getattr(target, "overloadpacket", None)
+    return packet in _BATCH_NORMS and bound.get("training", True) is not False
+
+
+def _written_roots(
+    graph: torch.fx.Graph,
+) -> tuple[dict[torch.fx.Node, torch.fx.Node], set[torch.fx.Node]]:
+    """Each node's root (the node whose memory it views, or itself), and the roots some
+    operator of the graph writes in place."""
     import operator
 
     roots: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -416,14 +486,22 @@ def reshape_unwritten_views(graph: torch.fx.Graph) -> None:
             continue
         bound = dict(zip((a.name for a in schema.arguments), node.args, strict=False))
         bound.update(node.kwargs)
+        if _writes_running_stats(node.target, bound):
+            for name in ("running_mean", "running_var"):
+                if isinstance(bound.get(name), torch.fx.Node):
+                    written.add(roots[bound[name]])
         for argument in schema.arguments:
             value = bound.get(argument.name)
-            if argument.alias_info is None or not isinstance(value, torch.fx.Node):
+            if argument.alias_info is None:
+                continue
+            if isinstance(value, (list, tuple)):  # Tensor(a!)[]: the _foreach_ operators
+                if argument.alias_info.is_write:
+                    written.update(roots[v] for v in value if isinstance(v, torch.fx.Node))
+                continue
+            if not isinstance(value, torch.fx.Node):
                 continue
             if argument.alias_info.is_write:
                 written.add(roots[value])
             if schema.returns and schema.returns[0].alias_info is not None:
                 roots[node] = roots[value]  # a view (or list of views) of this argument
-    for node in graph.nodes:
-        if node.target is torch.ops.aten.view.default and roots[node] not in written:
-            node.target = torch.ops.aten.reshape.default
+    return roots, written

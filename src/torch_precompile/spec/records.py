@@ -19,7 +19,9 @@ from torch_precompile.spec.versions import SchemaVersion, since
 # ("device", "cpu"), ("enum", ("pkg.Mode", "FAST")), ("frozen", ("pkg.Cfg", (("n", ("const",
 # 2)),))). Flatten contexts also hold ("none", None), ("list", (items...)), ("tuple", (...)),
 # ("dict", ((key, value), ...)), ("size", (2, 3)) and ("dataclass", like "frozen"). Schema 3
-# and older also wrote ("repr", (type name, repr)).
+# and older also wrote ("repr", (type name, repr)). Read values also hold ("set", (items
+# sorted by repr...)), ("frozenset", (...)), named tuples as "frozen", ("numpy",
+# ("numpy.float32", ("const", 2.0))) and ("ndarray", ("float32", (2,), (items...))).
 EncodedValue = tuple[str, Any]
 Shape = tuple[int | None, ...]
 Layout = tuple[int, ...] | str | None
@@ -66,6 +68,9 @@ class ModelTensor:
     gets_grad: bool
     # tensor hooks on a parameter of a training step
     hooks: tuple[HookSet, ...] = field(default=(), metadata=since(8))
+    # What fn does with the .grad a call finds: None, its backward adds to it; "read", fn
+    # reads it (a call must come without one); "replaced", fn drops it before any read.
+    old_grad: str | None = field(default=None, metadata=since(10, 2))
 
 
 @dataclass(frozen=True)
@@ -134,13 +139,17 @@ class ReadValue:
 class Ambient:
     """Thread and process state that changes what the traced ops compute, as at capture:
     autocast (device type and dtype, where enabled), the default dtype (None when fn built no
-    tensor from it), deterministic algorithms, and the active torch function and dispatch
-    modes by class name."""
+    tensor from it), deterministic algorithms, the active torch function and dispatch modes by
+    class name, and the torch settings fn's Python read (from 10.2): each as (the reading call,
+    ``"torch.is_grad_enabled"``, the value it gave, the line that read it)."""
 
     autocast: tuple[tuple[str, str], ...] = ()
     default_dtype: str | None = None
     deterministic: bool = False
     modes: tuple[str, ...] = ()
+    settings: tuple[tuple[str, bool | int | str, str], ...] = field(
+        default=(), metadata=since(10, 2)
+    )
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,17 @@ SCHEMA_HISTORY = (
         "set on the instance, or a class's patched in). A global read's path may go on into "
         "attributes of the user's modules and objects (('config', 'SCALE')).",
     ),
+    SchemaChange(
+        (10, 2),
+        "2026-12-05",
+        "Ambient.settings: the torch settings fn's Python read (torch.is_grad_enabled(), the "
+        "default dtype, the number of threads, ...), each with the value it gave and where. "
+        "ModelTensor.old_grad: whether fn reads the .grad a call finds, or drops it first. "
+        "Read values gain the encoded kinds set and frozenset (items sorted by repr), numpy (a "
+        "NumPy scalar: its type and its .item()) and ndarray (a NumPy array of at most 256 "
+        "elements: dtype, shape, elements in C order); a named tuple is encoded as frozen; a "
+        "float is compared with its sign.",
+    ),
 )
 SCHEMA_VERSION: SchemaVersion = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""

@@ -51,12 +51,15 @@ class DefaultDtypeUse(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def ambient_at_capture(default_dtype_used: bool) -> Ambient:
-    """The state now, before the trace pushes modes of its own."""
+def ambient_at_capture(
+    default_dtype_used: bool, settings: tuple[tuple[str, Any, str], ...]
+) -> Ambient:
+    """The state now, before the trace pushes modes of its own, and the settings fn read."""
     autocast, default_dtype, deterministic, modes = ambient_now()
     return Ambient(
         autocast=autocast,
         default_dtype=(str(default_dtype).removeprefix("torch.") if default_dtype_used else None),
         deterministic=deterministic,
         modes=modes,
+        settings=settings,
     )

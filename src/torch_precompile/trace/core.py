@@ -27,7 +27,9 @@ from torch_precompile.internals.tracing import (
     rename_node,
     reparametrize_module,
     trace_with_user_lines,
+    tracer_refusal,
     version_of,
+    written_inputs,
 )
 from torch_precompile.spec import (
     SCHEMA_VERSION,
@@ -50,6 +52,7 @@ from torch_precompile.trace.distributed import (
     name_collectives,
 )
 from torch_precompile.trace.fully_shard import FullySharded
+from torch_precompile.trace.grads import GradUse
 from torch_precompile.trace.guards import GuardRecorder
 from torch_precompile.trace.hooks import (
     assigned_names,
@@ -81,6 +84,7 @@ from torch_precompile.trace.optimizers import (
 from torch_precompile.trace.python_state import put_back, refuse_changes, take_snapshot
 from torch_precompile.trace.random_state import PythonDraws, SeedWatch
 from torch_precompile.trace.reads import ReadRecorder, drop_changed_reads
+from torch_precompile.trace.settings import SettingReads
 from torch_precompile.trace.state import (
     ModelState,
     intern_model_state,
@@ -268,6 +272,8 @@ class _Watch:
         ]
         self.reads = ReadRecorder(self.submodules)
         self.default_dtype = DefaultDtypeUse()
+        self.settings = SettingReads()
+        self.grads = GradUse()
         self.global_hooks = global_hooks()
         self.hooks = [module_hooks(m) for m in self.submodules]
         self.seeds = SeedWatch()
@@ -285,7 +291,7 @@ class _Watch:
         ]
 
     def ambient(self) -> Ambient:
-        return ambient_at_capture(self.default_dtype.used)
+        return ambient_at_capture(self.default_dtype.used, self.settings.records())
 
 
 def _read_layout(
@@ -416,6 +422,8 @@ def _flat_function(
                 recording,
                 watch.reads,
                 watch.default_dtype,
+                watch.settings,
+                watch.grads.watching(flat[: layout.num_params]),
                 watch.seeds,
                 plain_checkpoints(),
                 padded_lengths_in_python(),
@@ -474,6 +482,8 @@ def _trace(
     buffers = _buffers_as_themselves(layout)
     written = [*(params if layout.optimizers else ()), *buffers]
     saved_values = [t.detach().clone() for t in written] if not on_fakes else []
+    # Subclasses and DTensors are laid out otherwise: their examples are not flat inputs.
+    plain = layout.sharding is None and not layout.wrapping.inputs
     try:
         for p in params:
             p.grad = None
@@ -485,20 +495,25 @@ def _trace(
                 dynamic_inputs, fakes=layout.wrapping.expand(dynamic_inputs.fakes)
             )
             gm = _trace_symbolic(flat_fn, dynamic_inputs.fakes, dynamic_inputs, decompositions)
-            return _Traced(gm, dynamic_inputs.fakes, dynamic_inputs, False)
+            mutated = tuple(written_inputs(gm.graph)) if plain else ()
+            return _Traced(gm, dynamic_inputs.fakes, dynamic_inputs, False, mutated)
         examples = _examples(layout, buffers)
         versions = [version_of(e) for e in examples]
         trace = _Trace(flat_fn, decompositions, examples, on_fakes)
         gm = trace.run()
         _refuse_grad_flags_set(layout, examples)
-        # Which examples the trace wrote shows which inputs the graph writes: as laid out
-        # here, an example is a flat input (subclasses and DTensors are laid out otherwise).
-        plain = layout.sharding is None and not layout.wrapping.inputs
+        # Which examples the trace wrote shows which inputs the graph writes, and so do the
+        # operators' schemas (native_batch_norm writes its running statistics without moving
+        # their versions): as laid out here, an example is a flat input.
         mutated = (
             tuple(
-                i
-                for i, (e, v) in enumerate(zip(examples, versions, strict=True))
-                if version_of(e) != v
+                sorted(
+                    {
+                        i
+                        for i, (e, v) in enumerate(zip(examples, versions, strict=True))
+                        if version_of(e) != v
+                    }.union(written_inputs(gm.graph))
+                )
             )
             if plain
             else ()
@@ -652,7 +667,9 @@ def _drop_unstepped_state(traced: _Traced, layout: _Layout) -> _Traced:
         gm.graph.erase_node(placeholders[index])
     gm.recompile()
     examples = [e for i, e in enumerate(traced.examples) if i not in dropped]
-    return dataclasses.replace(traced, graph=gm, examples=examples)
+    # The written inputs after a dropped one move down with the graph's inputs.
+    mutated = tuple(i - sum(d < i for d in dropped) for i in traced.mutated if i not in dropped)
+    return dataclasses.replace(traced, graph=gm, examples=examples, mutated=mutated)
 
 
 def _artifact_spec(
@@ -679,6 +696,7 @@ def _artifact_spec(
             layout.state,
             outputs.grad_indices,
             training=bool(outputs.grad_indices or layout.optimizers),
+            old_grads=watch.grads.old_grad,
         ),
         submodules=submodule_records(layout.modules, watch.hooks),
         inputs=tuple(
@@ -780,9 +798,13 @@ class _Trace:
     def run(self) -> torch.fx.GraphModule:
         with torch.enable_grad(), fork_rng(self.examples), differentiable_rnns():
             if not self.on_fakes:
-                return trace_with_user_lines(
-                    self.flat_fn, self.decompositions, tolerate_data_dependent_ops=True
-                )(*self.examples)
+                try:
+                    return trace_with_user_lines(
+                        self.flat_fn, self.decompositions, tolerate_data_dependent_ops=True
+                    )(*self.examples)
+                except (NotImplementedError, TypeError) as e:
+                    _raise_tracer_refusal(e)
+                    raise
             fake_mode = FakeTensorMode()
             with fake_mode:
                 fakes = [fake_mode.from_tensor(e) for e in self.examples]
@@ -898,6 +920,9 @@ def _trace_symbolic(
     try:
         with torch.enable_grad(), dynamic_inputs.fake_mode, differentiable_rnns():
             return trace_with_user_lines(flat_fn, decompositions, tracing_mode="symbolic")(*fakes)
+    except (NotImplementedError, TypeError) as e:
+        _raise_tracer_refusal(e)
+        raise
     except GuardOnDataDependentSymNode as e:
         raise PrecompileError(
             "fn branches on, or needs a fixed value of, a dim marked with mark_unbacked (or a "
@@ -907,6 +932,28 @@ def _trace_symbolic(
             "dim static or write fn without the size-dependent decision. The trace stopped at: "
             f"{str(e).splitlines()[0]}"
         ) from e
+
+
+def _raise_tracer_refusal(error: BaseException) -> None:
+    """Raise a PrecompileError for the tracer's refusal of what fn did; return on any other
+    error (fn's own ones reach the caller unchanged)."""
+    refusal = tracer_refusal(error)
+    if refusal is None:
+        return
+    where = refusal.where
+    if refusal.storage:
+        raise PrecompileError(
+            f"fn reads or writes a tensor's memory through its storage at {where} "
+            "(x.untyped_storage()[i], x.storage()), which the trace cannot record: a graph "
+            "takes tensors, not storages. Use tensor operations instead (x.flatten()[i].item() "
+            "to read a value, x.view(torch.uint8) for its bytes), or do it outside fn."
+        ) from error
+    first_line = (str(error).splitlines() or [""])[0]
+    raise PrecompileError(
+        f"the trace cannot follow fn at {where}: it hands an operator something a graph cannot "
+        f"record ({type(error).__name__}: {first_line}). Compute it with tensor operations, "
+        "or do it outside fn."
+    ) from error
 
 
 def _returned_reads(recorder: GuardRecorder, leaves: Sequence[Any]) -> list[str]:

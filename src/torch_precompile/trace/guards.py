@@ -1,12 +1,12 @@
 """Value guards: a trace that reads tensor values into Python must re-check them at every call.
 
 A non-strict trace follows the path the example took. Where ``fn`` turns a tensor into a
-Python value (``bool(t)``, ``t.item()``, ``torch.equal``, ``t.tolist()``, ``t.numpy()``) or
-calls an operator whose output size depends on values (``nonzero``, boolean-mask indexing,
-``pack_padded_sequence``), the trace bakes that decision. Each such read becomes a guard: a
-tensor the graph also returns, and the value it had at capture. The driver compares them
-after every call, so a call that would have taken another path fails loudly instead of
-returning a result computed along the captured one.
+Python value (``bool(t)``, ``t.item()``, ``torch.equal``, ``torch.allclose``, ``t.tolist()``,
+``t.numpy()``) or calls an operator whose output size depends on values (``nonzero``,
+boolean-mask indexing, ``pack_padded_sequence``), the trace bakes that decision. Each such read
+becomes a guard: a tensor the graph also returns, and the value it had at capture. The driver
+compares them after every call, so a call that would have taken another path fails loudly
+instead of returning a result computed along the captured one.
 """
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ class GuardRecorder(TorchDispatchMode):
         elif func is aten.equal.default:
             if args[0].shape == args[1].shape:
                 self._add((args[0] == args[1]).all(), out, "torch.equal")
+        elif func is aten.allclose.default:  # compares in C++, below any mode
+            self._add(aten.isclose.default(*args, **kwargs).all(), out, "torch.allclose")
         elif torch.Tag.dynamic_output_shape in getattr(func, "tags", ()):
             self._guard_output_size(func, args, kwargs, out)
         return out

@@ -8,13 +8,13 @@ class attribute of the user's ``self.factor``) and, in the user's own code (a li
 are its own), the globals it names, followed into attributes of the user's own modules and
 plain objects (``config.SCALE``), and of modules held in globals (a global ``criterion``'s
 ``self.label_smoothing``). Those holding plain values (numbers, strings, bools, None, enum
-members, dtypes, functions, tuples, lists and dicts of such) are recorded with the value they
-had; the driver compares them at every call. A path that ends on an object (``c =
-self.config``, ``helper(x, self.config)``) records every plain value the object holds, since
-what is read off it later is out of sight. Reads are found by reading each function's bytecode,
-so a name used only in a branch the trace did not take is checked too (a stricter check, never
-a missed one). Values held elsewhere (a closure cell, an object passed in) are the caller's to
-keep; see docs/CONTRACT.md.
+members, dtypes, functions, tuples, lists, dicts, sets and named tuples of such, NumPy scalars
+and small arrays) are recorded with the value they had; the driver compares them at every
+call. A path that ends on an object (``c = self.config``, ``helper(x, self.config)``) records
+every plain value the object holds, since what is read off it later is out of sight. Reads
+are found by reading each function's bytecode, so a name used only in a branch the trace did
+not take is checked too (a stricter check, never a missed one). Values held elsewhere (a
+closure cell, an object passed in) are the caller's to keep; see docs/CONTRACT.md.
 """
 
 from __future__ import annotations
@@ -468,6 +468,21 @@ def encode_read(value: Any) -> EncodedValue | None:
         pairs = [(encode_read(k), encode_read(v)) for k, v in value.items()]
         plain = all(k is not None and v is not None for k, v in pairs)
         return ("dict", tuple(pairs)) if plain else None  # compared item by item, in order
+    if type(value) in (set, frozenset) and len(value) <= _MOST_ITEMS:
+        items = [encode_read(v) for v in value]  # in a set's order, which may differ by run
+        kind = type(value).__name__
+        return None if any(i is None for i in items) else (kind, tuple(sorted(items, key=repr)))
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return _encode_named_tuple(value)
+    numpy = sys.modules.get("numpy")  # a NumPy value is one where numpy is loaded
+    if numpy is not None and isinstance(value, numpy.generic):
+        item = encode_read(value.item())  # numpy.float32(2.0): 2.0, and the type
+        return None if item is None else ("numpy", (qualified_name(type(value)), item))
+    if numpy is not None and type(value) is numpy.ndarray and value.size <= _MOST_ITEMS:
+        items = [encode_read(v) for v in value.ravel().tolist()]
+        if any(i is None for i in items):
+            return None
+        return ("ndarray", (str(value.dtype), tuple(value.shape), tuple(items)))
     if _named_callable(value):
         return ("callable", callable_name(value))
     if isinstance(value, enum.Enum | torch.dtype | torch.device) or type(value) in (
@@ -483,6 +498,17 @@ def encode_read(value: Any) -> EncodedValue | None:
         except PrecompileError:
             return None
     return None
+
+
+def _encode_named_tuple(value: tuple[Any, ...]) -> EncodedValue | None:
+    """A named tuple as a frozen record: its class by qualified name, and each field."""
+    if len(value) > _MOST_ITEMS:
+        return None
+    names: tuple[str, ...] = cast(Any, value)._fields
+    fields = [(name, encode_read(getattr(value, name))) for name in names]
+    if any(encoded is None for _, encoded in fields):
+        return None
+    return ("frozen", (qualified_name(type(value)), tuple(fields)))
 
 
 def _named_callable(value: Any) -> bool:

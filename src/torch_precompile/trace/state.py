@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,10 +65,14 @@ def intern_model_state(modules: list[torch.nn.Module]) -> ModelState:
 
 
 def model_records(
-    state: ModelState, grad_indices: list[int], training: bool
+    state: ModelState,
+    grad_indices: list[int],
+    training: bool,
+    old_grads: Callable[[int], str | None] = lambda index: None,
 ) -> tuple[ModelTensor, ...]:
     """One spec record per member name, in walk order; strides are the lowering's to set.
-    A training step's parameters carry their tensor hooks, which its backward ran."""
+    A training step's parameters carry their tensor hooks, which its backward ran, and what
+    fn does with the gradient a call finds (``old_grads``, by flat index)."""
     records = []
     for kind, name, index in state.members:
         tensor = state.tensors[index]
@@ -84,6 +88,7 @@ def model_records(
                 requires_grad=tensor.requires_grad,
                 gets_grad=index in grad_indices,
                 hooks=tensor_hooks(tensor) if training and kind == "parameter" else (),
+                old_grad=old_grads(index) if kind == "parameter" else None,
             )
         )
     return tuple(records)

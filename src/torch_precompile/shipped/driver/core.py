@@ -109,6 +109,12 @@ class Driver:
             spec, [self.arg_names[i] for i in self.model_positions], training, carried
         )
         self.grad_indices = [i for i, t in enumerate(self.model.interned) if t.gets_grad]
+        # Parameters whose .grad from before the call fn reads (a call must come without one)
+        # or drops first (the graph's gradient replaces it).
+        self.grads_read = [i for i, t in enumerate(self.model.interned) if t.old_grad == "read"]
+        self.grads_dropped = [
+            i for i, t in enumerate(self.model.interned) if t.old_grad == "replaced"
+        ]
         self.value_guards = [(g.description, g.expected) for g in spec.value_guards]
         self.num_results = self.out_spec.num_leaves
         self.guards_start = self.num_results + len(self.grad_indices)
@@ -182,6 +188,8 @@ class Driver:
             outputs = self.autograd(flat) if with_history else self.call(flat)
             if self.value_guards:
                 self.values.check_guards(outputs[self.guards_start :], kept)
+            for index in self.grads_dropped:
+                state[index].grad = None  # as fn's own zero_grad() does first
             if self.grad_indices:
                 accumulate_grads(
                     state, self.grad_indices, outputs[self.num_results : self.guards_start]
@@ -212,7 +220,12 @@ def ambient_plan(record: Any) -> AmbientPlan:
     if record is None:
         return AmbientPlan(recorded=False)
     return AmbientPlan(
-        True, record.autocast, record.default_dtype, record.deterministic, record.modes
+        True,
+        record.autocast,
+        record.default_dtype,
+        record.deterministic,
+        record.modes,
+        record.settings,
     )
 
 

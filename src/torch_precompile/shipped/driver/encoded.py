@@ -14,7 +14,8 @@ from torch_precompile.shipped.driver.refusals import PrecompileError, qualified_
 
 
 def value_matches(encoded: Any, value: Any) -> bool:
-    """Whether ``value`` is the Python value the spec encodes (the same type, and equal)."""
+    """Whether ``value`` is the Python value the spec encodes (the same type, and equal; a
+    float with the same sign, so ``-0.0`` is not ``0.0``)."""
     kind, expected = encoded
     if kind == "float":
         return type(value) is float and (
@@ -45,12 +46,52 @@ def value_matches(encoded: Any, value: Any) -> bool:
                 for (k, v), (key, item) in zip(expected, value.items(), strict=True)
             )
         )
-    if kind == "frozen":
+    if kind == "frozen":  # a frozen dataclass or a named tuple, field by field
         return _qualified(value) == expected[0] and all(
             hasattr(value, field) and value_matches(item, getattr(value, field))
             for field, item in expected[1]
         )
+    if kind in ("set", "frozenset"):
+        return _set_matches(kind, expected, value)
+    if kind == "numpy":  # a NumPy scalar (numpy.float32(2.0)): its type and its item
+        return _qualified(value) == expected[0] and value_matches(expected[1], value.item())
+    if kind == "ndarray":  # a small NumPy array: dtype, shape and every element
+        dtype, shape, items = expected
+        return (
+            _qualified(value) == "numpy.ndarray"
+            and str(value.dtype) == dtype
+            and tuple(value.shape) == tuple(shape)
+            and all(value_matches(e, v) for e, v in zip(items, value.ravel().tolist(), strict=True))
+        )
+    if type(expected) is float:
+        return (
+            type(value) is float
+            and value == expected
+            and math.copysign(1.0, value) == math.copysign(1.0, expected)
+        )
     return type(value) is type(expected) and value == expected
+
+
+_PLAIN = (bool, int, float, complex, str, bytes)
+
+
+def _plain_key(value: Any) -> tuple[Any, ...]:
+    """A plain item as a set compares it here: by type and value, a float by its sign too."""
+    return (type(value), value, math.copysign(1.0, value) if type(value) is float else 1.0)
+
+
+def _set_matches(kind: str, expected: Any, value: Any) -> bool:
+    """A set (or frozenset) of the same type and size, each encoded item matched by one of
+    its items (a plain one looked up by type and value; others compared one by one)."""
+    if type(value) is not (set if kind == "set" else frozenset) or len(value) != len(expected):
+        return False
+    plain = {_plain_key(v) for v in value if type(v) in _PLAIN}
+    return all(
+        _plain_key(item[1]) in plain
+        if item[0] == "const"
+        else any(value_matches(item, v) for v in value)
+        for item in expected
+    )
 
 
 def callable_name(value: Any) -> str:
@@ -88,7 +129,26 @@ def shown_value(encoded: Any) -> str:
     if kind == "frozen":
         fields = ", ".join(f"{field}={shown_value(item)}" for field, item in expected[1])
         return f"{expected[0]}({fields})"
+    if kind in ("set", "frozenset"):
+        items = "{" + ", ".join(map(shown_value, expected)) + "}" if expected else ""
+        return items if kind == "set" and items else f"{kind}({items})"
+    if kind == "numpy":
+        return f"{expected[0]}({shown_value(expected[1])})"
+    if kind == "ndarray":
+        dtype, shape, items = expected
+        return f"array({_nested(items, tuple(shape))}, dtype={dtype})"
     return repr(expected)
+
+
+def _nested(items: Sequence[Any], shape: tuple[int, ...]) -> str:
+    """An array's encoded elements (flat, in C order) shown as nested lists of ``shape``."""
+    if not shape:
+        return shown_value(items[0])
+    if shape[0] == 0:
+        return "[]"
+    step = len(items) // shape[0]
+    rows = (_nested(items[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0]))
+    return "[" + ", ".join(rows) + "]"
 
 
 MISSING = object()  # an attribute a call's module lacks

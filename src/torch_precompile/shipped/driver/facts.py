@@ -92,7 +92,7 @@ class GlobalReads:
                 if not isinstance(holder, dict) and holder is not os.environ:
                     holder = {}
             compare_read(read.expected, read.where, read.shown, value)
-            settled = settled and type(value) not in (list, dict)  # it can change in place
+            settled = settled and _fixed(read.expected)  # a list, set, ... changes in place
         self.dicts, self.names, self.seen = dicts, names, seen
         self.settled = settled
 
@@ -135,6 +135,19 @@ class GlobalRead:
             self.never_here = True
             return None
         return vars(module)
+
+
+def _fixed(encoded: Any) -> bool:
+    """Whether a value encoded so cannot change in place: it holds no list, dict, set or
+    NumPy array (a named tuple or tuple holding one can)."""
+    kind, value = encoded
+    if kind in ("list", "dict", "set", "ndarray"):
+        return False
+    if kind in ("tuple", "frozenset"):
+        return all(map(_fixed, value))
+    if kind == "frozen":
+        return all(_fixed(item) for _, item in value[1])
+    return True
 
 
 def _base_name(file: Any) -> str | None:

@@ -117,10 +117,18 @@ class _CheckSource:
             self.terms.append(f"'forward' not in {attributes}")
 
     def same(self, code: str, value: Any) -> None:
-        """A term: ``code`` gives the very object ``value`` (a list or dict: an equal one,
-        item by item in order, since it can change in place)."""
+        """A term: ``code`` gives the very object ``value`` (a list, dict, set or NumPy array:
+        an equal one, item by item, since it can change in place)."""
         if type(value) is list:
             self.terms.append(f"{code} == {self.hold('value', copy.deepcopy(value))}")
+            return
+        if type(value) is set:
+            held = self.hold("value", copy.deepcopy(value))
+            self.terms.append(f"type({code}) is set and {code} == {held}")
+            return
+        if type(value).__name__ == "ndarray" and type(value).__module__ == "numpy":
+            held = self.hold("value", (type(value), value.dtype, value.shape, value.tolist()))
+            self.terms.append(f"{self.hold('value', _same_array)}({code}, {held})")
             return
         if type(value) is dict:
             items = self.hold("value", copy.deepcopy(list(value.items())))
@@ -147,6 +155,18 @@ class _CheckSource:
         )
         exec(compile(source, "<remembered models>", "exec"), self.held)
         return self.held["unchanged"]
+
+
+def _same_array(value: Any, held: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is a NumPy array as ``held`` (type, dtype, shape, items) says (numpy
+    is not imported: the array's own methods compare)."""
+    cls, dtype, shape, items = held
+    return (
+        type(value) is cls
+        and value.dtype == dtype
+        and value.shape == shape
+        and value.tolist() == items
+    )
 
 
 def _attribute(code: str, name: str) -> str:

@@ -19,7 +19,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "Argument": ("name", "is_model", "is_optimizer"),
     "ModelTensor": (
         "name", "kind", "tied_to", "shape", "dtype", "device", "strides", "requires_grad",
-        "gets_grad", "hooks",
+        "gets_grad", "hooks", "old_grad",
     ),
     "Submodule": ("name", "training", "cls", "hooks", "forward"),
     "InputLeaf": (
@@ -45,7 +45,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
         "model", "module", "reshard_after_forward", "param_dtype", "reduce_dtype", "divide_factor",
     ),
     "ReadValue": ("submodule", "module", "path", "expected", "where", "file"),
-    "Ambient": ("autocast", "default_dtype", "deterministic", "modes"),
+    "Ambient": ("autocast", "default_dtype", "deterministic", "modes", "settings"),
     "Autograd": ("inputs", "outputs", "tangent_strides", "saved", "unavailable"),
 }
 SPEC_DEFAULTS: dict[str, tuple[Any, ...]] = {
@@ -54,7 +54,7 @@ SPEC_DEFAULTS: dict[str, tuple[Any, ...]] = {
         (),
     ),
     "Argument": (False,),
-    "ModelTensor": ((),),
+    "ModelTensor": ((), None),
     "Submodule": (None, (), None),
     "InputLeaf": (None, None, None, None, None, None, None),
     "OutputAlias": (None, None, None),
@@ -66,7 +66,7 @@ SPEC_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "DataParallel": (None,),
     "FullyShardedGroup": (None, None, None),
     "ReadValue": (None,),
-    "Ambient": ((), None, False, ()),
+    "Ambient": ((), None, False, (), ()),
     "Autograd": ((), (), (), (), None),
 }
 SPEC_LISTS: dict[str, str] = {

@@ -216,9 +216,25 @@ def hooks_error(what: str, captured: Any, now: Any) -> PrecompileError:
     )
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# The torch settings fn's Python may read and branch on, by the call that reads them: how to
+# read each now, and how the spec holds the value it gives.
+SETTINGS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
+    "torch.is_grad_enabled": (torch.is_grad_enabled, bool),
+    "torch.is_inference_mode_enabled": (torch.is_inference_mode_enabled, bool),
+    "torch.get_default_dtype": (torch.get_default_dtype, _dtype_name),
+    "torch.get_num_threads": (torch.get_num_threads, int),
+    "torch.get_float32_matmul_precision": (torch.get_float32_matmul_precision, str),
+}
+
+
 class AmbientPlan:
     """Thread and process state the graph was specialized to: autocast, the default dtype
-    (where fn built tensors from it), deterministic algorithms and active modes."""
+    (where fn built tensors from it), deterministic algorithms, active modes, and the torch
+    settings fn's Python read (``settings``: the reading call, its value, where it was read)."""
 
     def __init__(
         self,
@@ -227,12 +243,16 @@ class AmbientPlan:
         default_dtype: str | None = None,
         deterministic: bool = False,
         modes: Sequence[str] = (),
+        settings: Sequence[tuple[str, Any, str]] = (),
     ) -> None:
         self.recorded = recorded  # artifacts before ambient state was recorded check none
         self.autocast = tuple(autocast)
         self.default_dtype = _dtype(default_dtype) if default_dtype else None
         self.deterministic = deterministic
         self.modes = tuple(modes)
+        self.settings = tuple(
+            (*SETTINGS[name], value, name, where) for name, value, where in settings
+        )
 
     def check(self) -> None:
         """A few C calls when nothing differs; the full comparison names what does."""
@@ -248,6 +268,13 @@ class AmbientPlan:
             )
         ):
             self._compare()
+        for read, held, value, name, where in self.settings:
+            if held(read()) != value:
+                raise PrecompileError(
+                    f"{name}() gives {held(read())!r} at this call, but gave {value!r} when fn "
+                    f"read it at capture ({where}): the trace took fn's Python branch for that "
+                    "value. Call it in the same setting, or precompile again in this one."
+                )
 
     def _compare(self) -> None:
         now = ambient_now()
@@ -324,6 +351,20 @@ def accumulate_grads(
                 param.grad = torch.empty_like(param).copy_(grad)
         else:
             param.grad.add_(grad)
+
+
+def check_no_old_grads(
+    state: Sequence[torch.Tensor], indices: Sequence[int], name: Callable[[int], str]
+) -> None:
+    """Refuse a call where a parameter whose gradient fn reads comes with one already."""
+    for index in indices:
+        if state[index].grad is not None:
+            raise PrecompileError(
+                f"{name(index)} has a .grad from before the call, and fn reads that parameter's "
+                "gradient (clip_grad_norm_, a norm of it, a test of whether it is None): the "
+                "trace saw none there, where eager would see the old one. Call "
+                "model.zero_grad() before the call, or call it at the start of fn."
+            )
 
 
 def written_apart(written: Collection[int], first_buffer: int, end: int) -> list[int]:
