@@ -862,3 +862,105 @@ def test_a_numpy_array_is_checked_in_place_too() -> None:
     finally:
         MEAN[0, 0] = 0.5
     check_call(run, centre_by_global, model, x)
+
+
+# -- Reads the attribute chain alone does not show --------------------------------------
+
+
+class Settings:
+    """Settings kept as class attributes, read through the class (``Settings.SCALE``)."""
+
+    SCALE = 2.0
+
+
+class Slotted:
+    """A config object without an instance dict."""
+
+    __slots__ = ("scale",)
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+class Helper:
+    """A plain object whose method reads its own attribute."""
+
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.k
+
+
+class Indirect(torch.nn.Module):
+    """Reads values in ways an attribute chain off ``self`` does not show."""
+
+    factor = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(3, 3)
+        self.cfg = Slotted(2.0)
+        self.helper = Helper(2.0)
+        self.offset = 1.0
+
+    @classmethod
+    def class_factor(cls) -> float:
+        return cls.factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if hasattr(self, "post_scale"):
+            y = y * 3
+        y = y * getattr(self, "mult", 1.0) * type(self).factor * self.class_factor()
+        y = self.helper.apply(y) * self.cfg.scale * Settings.SCALE
+        return y + vars(self)["offset"]
+
+
+@pytest.mark.parametrize(
+    ("change", "refused"),
+    [
+        (
+            lambda m: setattr(m, "post_scale", 1.0),
+            r"attribute 'post_scale' of the model is 1\.0, "
+            r"but was missing",
+        ),
+        (
+            lambda m: setattr(m, "mult", 2.0),
+            r"attribute 'mult' of the model is 2\.0, but was "
+            r"missing",
+        ),
+        (
+            lambda m: setattr(Indirect, "factor", 3.0),
+            r"class attribute 'factor' of the model's "
+            r"class is 3\.0",
+        ),
+        (
+            lambda m: setattr(Settings, "SCALE", 3.0),
+            r"global 'Settings\.SCALE' of module "
+            r"test_value_reads is 3\.0",
+        ),
+        (lambda m: setattr(m.cfg, "scale", 3.0), r"attribute 'cfg\.scale' of the model is 3\.0"),
+        (lambda m: setattr(m.helper, "k", 3.0), r"attribute 'helper\.k' of the model is 3\.0"),
+        (lambda m: setattr(m, "offset", 2.0), r"attribute 'offset' of the model is 2\.0"),
+    ],
+    ids=["hasattr", "getattr-default", "type-self", "class-global", "slots", "helper", "vars"],
+)
+def test_values_read_past_the_attribute_chain_are_checked(
+    change: Callable[[Indirect], None], refused: str
+) -> None:
+    """An attribute absent at capture (``hasattr``, ``getattr`` with a default), a class
+    attribute read through ``type(self)`` or a classmethod's ``cls``, a user's class read as
+    settings, a slotted config, a helper object's own attribute and ``vars(self)``. Before:
+    each was baked in, and a change after capture went unseen."""
+    model, x = Indirect(), torch.randn(2, 3)
+    run = built(run_model, model, x)
+    check_call(run, run_model, model, x)
+    check_call(run, run_model, model, x)  # the remembered path
+    saved = (Indirect.factor, Settings.SCALE)
+    try:
+        change(model)
+        check_call(run, run_model, model, x, refused=refused)
+    finally:
+        Indirect.factor, Settings.SCALE = saved

@@ -34,6 +34,7 @@ from torch_precompile.internals.origin import shown_path
 
 __all__ = [
     "BAKED_READS",
+    "GRAD_ATTRIBUTE",
     "BatchNormBase",
     "DynamicOutputShapeException",
     "FakeTensor",
@@ -73,6 +74,10 @@ __all__ = [
 
 check: Callable[..., None] = torch._check
 
+
+# ``Tensor.grad`` as the C tensor type defines it, which a property on ``torch.Tensor`` can
+# wrap while a trace watches what fn does with gradients.
+GRAD_ATTRIBUTE: Any = vars(torch._C.TensorBase)["grad"]
 
 # Reads whose value the trace baked (capture guards them); nothing downstream uses the result.
 BAKED_READS = (

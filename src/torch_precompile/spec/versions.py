@@ -133,7 +133,9 @@ SCHEMA_HISTORY = (
         "Read values gain the encoded kinds set and frozenset (items sorted by repr), numpy (a "
         "NumPy scalar: its type and its .item()) and ndarray (a NumPy array of at most 256 "
         "elements: dtype, shape, elements in C order); a named tuple is encoded as frozen; a "
-        "float is compared with its sign.",
+        "float is compared with its sign. The kind absent: an attribute the module lacked "
+        "(hasattr); a read path may start at '__class__' (type(self).factor) and a global read "
+        "may go on into a class of the user's (('Settings', 'SCALE')).",
     ),
 )
 SCHEMA_VERSION: SchemaVersion = SCHEMA_HISTORY[-1].version

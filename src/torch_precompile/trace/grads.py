@@ -13,7 +13,7 @@ traced, the ``grad`` attribute of tensors is watched.
 from __future__ import annotations
 
 import contextlib
-import sys
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import CodeType
@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
+from torch_precompile.internals.tracing import GRAD_ATTRIBUTE
 from torch_precompile.trace.listening import Listeners
 
-_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the C attribute, which the property wraps
+_GRAD = GRAD_ATTRIBUTE
 # This package's code, and optimizers': an optimizer argument's step and zero_grad have
 # checks of their own (a stale .grad refused, unless fn's zero_grad() comes first).
 _NOT_FNS = (str(Path(__file__).parents[1]), str(Path(torch.optim.__file__).parent))
@@ -98,12 +99,22 @@ def _reported(tensor: torch.Tensor, writes: bool) -> Iterator[None]:
     local = GRAD_USE.local
     listener = GRAD_USE.innermost()
     if listener is not None and not getattr(local, "inside", False):
-        listener.note(tensor, sys._getframe(3).f_code, writes)
+        listener.note(tensor, _caller(3), writes)
     outer, local.inside = getattr(local, "inside", False), True
     try:
         yield
     finally:
         local.inside = outer
+
+
+def _caller(depth: int) -> CodeType:
+    """The code ``depth`` frames above the one that calls this."""
+    frame = inspect.currentframe()
+    for _ in range(depth + 1):
+        assert frame is not None and frame.f_back is not None
+        frame = frame.f_back
+    assert frame is not None
+    return frame.f_code
 
 
 GRAD_USE: Listeners[GradUse] = Listeners(_patch)

@@ -6,15 +6,19 @@ traced, every Python function entered is looked at once: the attribute paths it 
 first argument when that is one of the model's submodules (``self.p``, ``self.config.eps``, a
 class attribute of the user's ``self.factor``) and, in the user's own code (a library's globals
 are its own), the globals it names, followed into attributes of the user's own modules and
-plain objects (``config.SCALE``), and of modules held in globals (a global ``criterion``'s
-``self.label_smoothing``). Those holding plain values (numbers, strings, bools, None, enum
-members, dtypes, functions, tuples, lists, dicts, sets and named tuples of such, NumPy scalars
-and small arrays) are recorded with the value they had; the driver compares them at every
-call. A path that ends on an object (``c = self.config``, ``helper(x, self.config)``) records
-every plain value the object holds, since what is read off it later is out of sight. Reads
-are found by reading each function's bytecode, so a name used only in a branch the trace did
-not take is checked too (a stricter check, never a missed one). Values held elsewhere (a
-closure cell, an object passed in) are the caller's to keep; see docs/CONTRACT.md.
+plain objects and classes (``config.SCALE``, ``Settings.SCALE``), and of modules held in
+globals (a global ``criterion``'s ``self.label_smoothing``). Those holding plain values
+(numbers, strings, bools, None, enum members, dtypes, functions, tuples, lists, dicts, sets and
+named tuples of such, NumPy scalars and small arrays) are recorded with the value they had; the
+driver compares them at every call. A path that ends on an object (``c = self.config``,
+``helper(x, self.config)``) records every plain value the object holds, since what is read off
+it later is out of sight; so does a method called on a plain object (``self.helper.apply(x)``),
+and ``vars(self)`` records the instance's. ``hasattr(self, "x")`` or ``getattr(self, "x",
+default)`` of an attribute the module lacks records it as absent; ``type(self).x`` and a
+classmethod's ``cls.x`` read the class. Reads are found by reading each function's bytecode, so
+a name used only in a branch the trace did not take is checked too (a stricter check, never a
+missed one). Values held elsewhere (a closure cell, an object passed in) are the caller's to
+keep; see docs/CONTRACT.md.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import sys
 import sysconfig
 import time
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -83,6 +87,10 @@ class ReadRecorder:
 
     def __init__(self, submodules: Sequence[torch.nn.Module]) -> None:
         self.index = {id(m): i for i, m in enumerate(submodules)}
+        # Each model class by its first module: a classmethod's reads name that module.
+        self.class_index: dict[int, int] = {}
+        for i, m in enumerate(submodules):
+            self.class_index.setdefault(id(type(m)), i)
         self.submodules = submodules
         self.code_reads: dict[types.CodeType, _CodeReads | None] = {}
         self.reads: dict[tuple[Any, ...], ReadValue] = {}
@@ -133,6 +141,14 @@ class ReadRecorder:
         if reads.paths:
             owner = frame.f_locals.get(reads.self_name) if reads.self_name else None
             index = self.index.get(id(owner))
+            if index is None and isinstance(owner, type):  # a classmethod's ``cls``
+                index = self.class_index.get(id(owner))
+                reads = _CodeReads(
+                    reads.self_name,
+                    tuple((("__class__", *p), line) for p, line in reads.paths),
+                    reads.globals,
+                    reads.closed_over,
+                )
             held = self.global_modules.get(id(owner))
             enclosed = self.closure_modules.get(id(owner))
             for path, line in reads.paths:
@@ -161,7 +177,21 @@ class ReadRecorder:
         if key in self.reads:
             return
         module = self.submodules[index]
-        namespace = vars(module)
+        if path[0] == "__class__":  # ``type(self).factor``, ``cls.factor``: the class's value
+            own = len(path) > 1 and not path[1].startswith("__")  # not __name__, __module__
+            found = _class_value(type(module), path[1]) if own else _UNSEEN
+            encoded = None if found is _UNSEEN else encode_read(found)
+            if encoded is not None:
+                self.reads[key] = ReadValue(index, None, path[:2], encoded, where)
+            return
+        namespace: Mapping[str, Any] = vars(module)
+        if path[0] == "__dict__":  # ``self.__dict__["s"]``, ``vars(self)``: every plain value
+            for name, value in namespace.items():
+                encoded = encode_read(value)
+                if encoded is not None and name not in _NOT_READS:
+                    found = ("module", index, (name,))
+                    self.reads.setdefault(found, ReadValue(index, None, (name,), encoded, where))
+            return
         for depth, name in enumerate(path):
             if name in namespace:
                 value = namespace[name]
@@ -173,15 +203,25 @@ class ReadRecorder:
                 named: EncodedValue = ("callable", qualified_name(method))
                 self.reads[key] = ReadValue(index, None, path[:1], named, where)
                 return
-            else:
+            elif depth == 0 and _absent(module, name):
+                # ``if hasattr(self, "scale")``, ``getattr(self, "mult", 1.0)``: one set
+                # later would take the other branch.
+                self.reads[key] = ReadValue(index, None, path[:1], ("absent", None), where)
+                return
+            elif depth == 0:
                 return  # a parameter, buffer, submodule, torch's method, a property
+            else:
+                # A method or class value of a plain object (``self.helper.compute(x)``): what
+                # it reads off the object is out of sight, so the object is read whole.
+                path = path[:depth]
+                break
             encoded = encode_read(value)
             if encoded is not None:
                 self.reads[key] = ReadValue(index, None, path[: depth + 1], encoded, where)
                 return
             if not _is_plain_object(value):
                 return
-            namespace = vars(value)
+            namespace = _namespace(value)
         # The path ends on an object (``cfg = self.cfg``, ``helper(x, self.cfg)``): what is
         # read off it later is not in this code, so every plain value it holds is recorded.
         for inner, encoded in _object_values(value):
@@ -200,7 +240,10 @@ class ReadRecorder:
         for depth, name in enumerate(path):
             if depth:
                 followed = _followed(value) or id(value) in self.global_modules
-                holder = vars(value) if followed else {}
+                holder = _namespace(value) if followed else {}
+                if name not in holder and _is_plain_object(value):
+                    path = path[:depth]  # a method of a plain object: the object read whole
+                    break
                 if name not in holder:
                     return
                 value = holder[name]
@@ -270,6 +313,17 @@ def _class_value(cls: type, name: str) -> Any:
             descriptor = hasattr(type(value), "__get__")
             return value if user_class and not descriptor else _UNSEEN
     return _UNSEEN
+
+
+def _absent(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``module`` has nothing under ``name``: no attribute, member or class value."""
+    held = vars(module)
+    members = (held.get(kind, {}) for kind in ("_parameters", "_buffers", "_modules"))
+    return (
+        name not in held
+        and not any(name in m for m in members)
+        and not any(name in vars(klass) for klass in type(module).__mro__)
+    )
 
 
 def _users_method(cls: type, name: str) -> types.FunctionType | None:
@@ -371,8 +425,12 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
             name = name[1] if isinstance(name, tuple) else name
             names.setdefault((name, *_attribute_chain(instructions, i + 1)), line)
         elif _loads_last(instruction) == self_name:
-            path = tuple(_attribute_chain(instructions, i + 1))
-            if path and path[0] not in _NOT_READS:
+            path = (
+                tuple(_attribute_chain(instructions, i + 1))
+                or _named_by_call(instructions, i)
+                or _type_of(instructions, i)
+            )
+            if path and path[0] not in _NOT_READS and not (in_torch and path[0] == "__dict__"):
                 paths.setdefault(path, line)
         elif users and instruction.opname == "LOAD_DEREF" and instruction.argval in frees:
             closed_over.setdefault(instruction.argval, line)
@@ -384,6 +442,41 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
         tuple(names.items()),
         tuple(closed_over.items()),
     )
+
+
+_NAMING_CALLS = frozenset({"getattr", "hasattr"})
+
+
+def _named_by_call(instructions: Sequence[dis.Instruction], at: int) -> tuple[str, ...]:
+    """``(name,)`` where the local loaded at ``at`` is the first argument of ``getattr`` or
+    ``hasattr`` with a constant name (``getattr(self, "mult", 1.0)``); else ``()``."""
+    if at == 0 or at + 1 >= len(instructions):
+        return ()
+    before, after = instructions[at - 1], instructions[at + 1]
+    called = before.argval[1] if isinstance(before.argval, tuple) else before.argval
+    if before.opname in _GLOBAL_LOADS and called in _NAMING_CALLS and after.opname == "LOAD_CONST":
+        return (after.argval,) if isinstance(after.argval, str) else ()
+    return ()
+
+
+_CALLS = frozenset({"PRECALL", "CALL"})
+
+
+def _type_of(instructions: Sequence[dis.Instruction], at: int) -> tuple[str, ...]:
+    """``("__class__", name)`` where the local loaded at ``at`` is the argument of ``type``
+    and ``name`` is read off the result (``type(self).factor``); ``("__dict__",)`` where it is
+    the argument of ``vars``; else ``()``."""
+    before = instructions[at - 1] if at else None
+    called = before and (before.argval[1] if isinstance(before.argval, tuple) else before.argval)
+    if before is None or before.opname not in _GLOBAL_LOADS or called not in ("type", "vars"):
+        return ()
+    if called == "vars":
+        return ("__dict__",)
+    after = at + 1
+    while after < len(instructions) and instructions[after].opname in _CALLS:
+        after += 1
+    chain = tuple(_attribute_chain(instructions, after))
+    return ("__class__", *chain[:1]) if chain else ()
 
 
 def _loads_last(instruction: dis.Instruction) -> str | None:
@@ -415,12 +508,34 @@ def _followed(value: Any) -> bool:
             and not file.startswith((_TORCH_ROOT, *_STDLIB_ROOTS, _PACKAGE_ROOT))
             and not any(p in file for p in _INSTALLED)
         )
+    if isinstance(value, type):  # a class of the user's as settings (``Config.SCALE``)
+        file = getattr(sys.modules.get(value.__module__), "__file__", None)
+        return isinstance(file, str) and users_file(file)
     return _is_plain_object(value)
+
+
+def _namespace(value: Any) -> Mapping[str, Any]:
+    """What an object holds: its instance dict, and the values in its slots (``__slots__``)."""
+    held = getattr(value, "__dict__", None)
+    slots = _slots(type(value))
+    if not slots:
+        return held if held is not None else {}
+    found = {s: v for s in slots if (v := getattr(value, s, _UNSEEN)) is not _UNSEEN}
+    return {**found, **(held or {})}
+
+
+def _slots(cls: type) -> tuple[str, ...]:
+    """The slot names a class and its bases declare (not ``__dict__`` or ``__weakref__``)."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        declared = vars(klass).get("__slots__", ())
+        names += [declared] if isinstance(declared, str) else list(declared)
+    return tuple(n for n in names if n not in ("__dict__", "__weakref__"))
 
 
 def _is_plain_object(value: Any) -> bool:
     """An object whose attributes a read may follow (a config), not a module or tensor."""
-    return hasattr(value, "__dict__") and not isinstance(
+    return (hasattr(value, "__dict__") or bool(_slots(type(value)))) and not isinstance(
         value,
         torch.nn.Module
         | torch.Tensor
@@ -447,7 +562,7 @@ def _object_values(
         obj, types.SimpleNamespace
     ):
         return
-    for name, value in list(vars(obj).items()):
+    for name, value in list(_namespace(obj).items()):
         encoded = encode_read(value)
         if encoded is not None:
             yield (name,), encoded
@@ -541,6 +656,7 @@ def drop_changed_reads(recorder: ReadRecorder) -> None:
         else:
             value = recorder.submodules[read.submodule]
             for name in read.path:
-                value = getattr(value, name, None)
-        if encode_read(value) != read.expected:
+                value = getattr(value, name, _UNSEEN)
+        now = ("absent", None) if value is _UNSEEN else encode_read(value)
+        if now != read.expected:
             del recorder.reads[key]

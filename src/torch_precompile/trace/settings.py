@@ -13,7 +13,7 @@ the call's setting and are not recorded.
 
 from __future__ import annotations
 
-import sys
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -69,11 +69,11 @@ def _patch() -> Callable[[], None]:
         setattr(torch, name.removeprefix("torch."), _reader(name, original))
 
     def entering(self: Any) -> None:
-        _count_enable_grad(sys._getframe(1), 1)
+        _count_enable_grad(_caller(), 1)
         enter(self)
 
     def leaving(self: Any, *exc: Any) -> None:
-        _count_enable_grad(sys._getframe(1), -1)
+        _count_enable_grad(_caller(), -1)
         leave(self, *exc)
 
     _ENABLE_GRAD.__enter__ = entering  # type: ignore[method-assign]
@@ -93,8 +93,9 @@ def _reader(name: str, original: Callable[[], Any]) -> Callable[[], Any]:
         value = original()
         listener = SETTING_READS.innermost()
         if listener is not None:
-            frame = sys._getframe(1)
-            if _not_torchs(frame.f_code.co_filename):
+            frame = inspect.currentframe()
+            frame = frame.f_back if frame is not None else None
+            if frame is not None and _not_torchs(frame.f_code.co_filename):
                 return listener.read(name, value, frame)
         return value
 
@@ -111,6 +112,12 @@ def _count_enable_grad(frame: FrameType | None, step: int) -> None:
         frame = frame.f_back
     if listener is not None and frame is not None and _not_torchs(frame.f_code.co_filename):
         listener.enabled_by_fn += step
+
+
+def _caller() -> FrameType | None:
+    """The frame that called the function calling this."""
+    frame = inspect.currentframe()
+    return frame.f_back.f_back if frame is not None and frame.f_back is not None else None
 
 
 def _not_torchs(filename: str) -> bool:

@@ -23,6 +23,8 @@ def value_matches(encoded: Any, value: Any) -> bool:
         )
     if kind == "none":
         return value is None
+    if kind == "absent":  # an attribute the module did not have (``hasattr(self, "x")``)
+        return value is MISSING
     if kind == "dtype":
         return isinstance(value, torch.dtype) and value == getattr(torch, expected)
     if kind == "device":
@@ -114,6 +116,8 @@ def shown_value(encoded: Any) -> str:
         return repr(float(expected))
     if kind == "none":
         return "None"
+    if kind == "absent":
+        return "missing"
     if kind == "dtype":
         return f"torch.{expected}"
     if kind == "device":
@@ -176,4 +180,6 @@ def compare_read(expected: Any, where: str, shown: str, value: Any) -> None:
 def module_read_name(module: str, path: Sequence[str]) -> str:
     """How a value read off submodule ``module`` at ``path`` is named in messages."""
     owner = f"module {module!r}" if module else "the model"
+    if path[0] == "__class__":  # type(self).factor
+        return f"class attribute {'.'.join(path[1:])!r} of {owner}'s class"
     return f"attribute {'.'.join(path)!r} of {owner}"

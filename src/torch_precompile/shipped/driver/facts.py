@@ -12,6 +12,7 @@ import operator
 import os
 import sys
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 from torch_precompile.shipped.driver.core import Driver
@@ -80,17 +81,20 @@ class GlobalReads:
                 continue
             # Each step of the path (config, then config.SCALE) is remembered, so that the
             # next call sees a rebound config as surely as a changed SCALE.
+            value: Any = None
             for name in read.path:
-                if not isinstance(holder, dict):  # os.environ: None where a name is unset
+                if holder is os.environ:  # None where a variable is unset
                     value, settled = holder.get(name), False
+                elif type(holder) is not dict:  # a class's namespace, slots: not remembered
+                    value, settled = holder.get(name, MISSING), False
                 else:
                     value = holder.get(name, MISSING)
                     dicts.append(holder)
                     names.append(name)
                     seen.append(value)
                 holder = value if value is os.environ else getattr(value, "__dict__", None)
-                if not isinstance(holder, dict) and holder is not os.environ:
-                    holder = {}
+                if not isinstance(holder, dict | MappingProxyType) and holder is not os.environ:
+                    holder = _Attributes(value)  # an object with slots
             compare_read(read.expected, read.where, read.shown, value)
             settled = settled and _fixed(read.expected)  # a list, set, ... changes in place
         self.dicts, self.names, self.seen = dicts, names, seen
@@ -135,6 +139,16 @@ class GlobalRead:
             self.never_here = True
             return None
         return vars(module)
+
+
+class _Attributes:
+    """An object's attributes looked up by name, for an object without an instance dict."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def get(self, name: str, default: Any) -> Any:
+        return getattr(self.value, name, default)
 
 
 def _fixed(encoded: Any) -> bool:
