@@ -964,3 +964,37 @@ def test_values_read_past_the_attribute_chain_are_checked(
         check_call(run, run_model, model, x, refused=refused)
     finally:
         Indirect.factor, Settings.SCALE = saved
+
+
+class WithLambda(torch.nn.Module):
+    """An activation held as a lambda, as research code often does."""
+
+    def __init__(self, factor: float = 2.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(3, 3)
+        self.act = lambda y: y * factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+def test_a_lambda_attribute_is_checked_by_its_code_and_closure() -> None:
+    """A lambda is compared by its code and the plain values it closes over, so a twin model
+    (a new lambda, the same code) runs and another lambda is refused. Before: lambdas were
+    not recorded (their name says nothing), and a replaced one went unseen."""
+    model, x = WithLambda(), torch.randn(2, 3)
+    run = built(run_model, model, x)
+    check_call(run, run_model, model, x)
+    check_call(run, run_model, WithLambda(), x)  # a new lambda, same code and closure
+    check_call(
+        run,
+        run_model,
+        WithLambda(3.0),
+        x,
+        refused=r"attribute 'act' of the model is test_value_reads\.WithLambda\.__init__\."
+        r"<locals>\.<lambda>, but was test_value_reads\.WithLambda\.__init__\.<locals>\."
+        r"<lambda> \(its code and closure as at capture\)",
+    )
+    model.act = lambda y: y * 2.0
+    check_call(run, run_model, model, x, refused=r"attribute 'act' of the model is ")

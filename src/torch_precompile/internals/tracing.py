@@ -68,6 +68,7 @@ __all__ = [
     "tensor_marks",
     "trace_with_user_lines",
     "tracer_refusal",
+    "untraced",
     "version_of",
     "written_inputs",
 ]
@@ -78,6 +79,13 @@ check: Callable[..., None] = torch._check
 # ``Tensor.grad`` as the C tensor type defines it, which a property on ``torch.Tensor`` can
 # wrap while a trace watches what fn does with gradients.
 GRAD_ATTRIBUTE: Any = vars(torch._C.TensorBase)["grad"]
+
+
+def untraced() -> contextlib.AbstractContextManager[Any]:
+    """Inside, no dispatch mode sees an operator: work of capture's own on the real tensors
+    (a copy kept aside) stays out of the graph being traced."""
+    return torch.utils._python_dispatch._disable_current_modes()
+
 
 # Reads whose value the trace baked (capture guards them); nothing downstream uses the result.
 BAKED_READS = (

@@ -135,7 +135,8 @@ SCHEMA_HISTORY = (
         "elements: dtype, shape, elements in C order); a named tuple is encoded as frozen; a "
         "float is compared with its sign. The kind absent: an attribute the module lacked "
         "(hasattr); a read path may start at '__class__' (type(self).factor) and a global read "
-        "may go on into a class of the user's (('Settings', 'SCALE')).",
+        "may go on into a class of the user's (('Settings', 'SCALE')). The kind code: a lambda "
+        "or nested function, by qualified name and a digest of its code and closure values.",
     ),
 )
 SCHEMA_VERSION: SchemaVersion = SCHEMA_HISTORY[-1].version

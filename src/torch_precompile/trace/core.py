@@ -81,6 +81,7 @@ from torch_precompile.trace.optimizers import (
     read_optimizers,
     stepping,
 )
+from torch_precompile.trace.param_writes import ParamWrites
 from torch_precompile.trace.python_state import put_back, refuse_changes, take_snapshot
 from torch_precompile.trace.random_state import PythonDraws, SeedWatch
 from torch_precompile.trace.reads import ReadRecorder, drop_changed_reads
@@ -148,6 +149,8 @@ def capture(
     except BaseException:
         put_back(before)  # fn's own error is the one to report
         raise
+    finally:
+        watch.param_writes.put_back()  # fn's in-place writes to parameters
     refuse_changes(before)
     if backend == "inductor" and traced.dynamic_inputs is None:  # dynamic: sizes symbolic
         _refuse_input_layout_changes(layout, traced.examples)
@@ -274,6 +277,7 @@ class _Watch:
         self.default_dtype = DefaultDtypeUse()
         self.settings = SettingReads()
         self.grads = GradUse()
+        self.param_writes = ParamWrites()
         self.global_hooks = global_hooks()
         self.hooks = [module_hooks(m) for m in self.submodules]
         self.seeds = SeedWatch()
@@ -424,6 +428,7 @@ def _flat_function(
                 watch.default_dtype,
                 watch.settings,
                 watch.grads.watching(flat[: layout.num_params]),
+                watch.param_writes.watching(flat[: layout.num_params]),
                 watch.seeds,
                 plain_checkpoints(),
                 padded_lengths_in_python(),

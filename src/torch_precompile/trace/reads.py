@@ -41,7 +41,7 @@ from typing import Any, cast
 import torch
 
 from torch_precompile.errors import PrecompileError
-from torch_precompile.shipped.driver.encoded import callable_name
+from torch_precompile.shipped.driver.encoded import callable_name, code_digest
 from torch_precompile.shipped.driver.refusals import qualified_name
 from torch_precompile.spec import EncodedValue, ReadValue
 from torch_precompile.trace.call_watch import CallWatch
@@ -453,10 +453,17 @@ def _named_by_call(instructions: Sequence[dis.Instruction], at: int) -> tuple[st
     if at == 0 or at + 1 >= len(instructions):
         return ()
     before, after = instructions[at - 1], instructions[at + 1]
-    called = before.argval[1] if isinstance(before.argval, tuple) else before.argval
-    if before.opname in _GLOBAL_LOADS and called in _NAMING_CALLS and after.opname == "LOAD_CONST":
+    if _global_named(before) in _NAMING_CALLS and after.opname == "LOAD_CONST":
         return (after.argval,) if isinstance(after.argval, str) else ()
     return ()
+
+
+def _global_named(instruction: dis.Instruction) -> str | None:
+    """The global an instruction loads (``LOAD_GLOBAL`` may also push a NULL: a pair)."""
+    if instruction.opname not in _GLOBAL_LOADS:
+        return None
+    name = instruction.argval
+    return name[-1] if isinstance(name, tuple) and name else name if isinstance(name, str) else None
 
 
 _CALLS = frozenset({"PRECALL", "CALL"})
@@ -466,9 +473,8 @@ def _type_of(instructions: Sequence[dis.Instruction], at: int) -> tuple[str, ...
     """``("__class__", name)`` where the local loaded at ``at`` is the argument of ``type``
     and ``name`` is read off the result (``type(self).factor``); ``("__dict__",)`` where it is
     the argument of ``vars``; else ``()``."""
-    before = instructions[at - 1] if at else None
-    called = before and (before.argval[1] if isinstance(before.argval, tuple) else before.argval)
-    if before is None or before.opname not in _GLOBAL_LOADS or called not in ("type", "vars"):
+    called = _global_named(instructions[at - 1]) if at else None
+    if called not in ("type", "vars"):
         return ()
     if called == "vars":
         return ("__dict__",)
@@ -600,6 +606,8 @@ def encode_read(value: Any) -> EncodedValue | None:
         return ("ndarray", (str(value.dtype), tuple(value.shape), tuple(items)))
     if _named_callable(value):
         return ("callable", callable_name(value))
+    if isinstance(value, types.FunctionType) and (digest := code_digest(value)) is not None:
+        return ("code", (qualified_name(value), digest))  # a lambda: by what it computes
     if isinstance(value, enum.Enum | torch.dtype | torch.device) or type(value) in (
         bool,
         int,

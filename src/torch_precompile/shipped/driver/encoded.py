@@ -4,7 +4,9 @@ a call's Python values are checked (inputs, value guards, values the trace read)
 """
 
 import functools
+import hashlib
 import math
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +35,8 @@ def value_matches(encoded: Any, value: Any) -> bool:
         return _qualified(value) == expected[0] and getattr(value, "name", None) == expected[1]
     if kind == "callable":
         return callable(value) and callable_name(value) == expected
+    if kind == "code":  # a lambda or a nested function: by its code and plain closure values
+        return isinstance(value, types.FunctionType) and code_digest(value) == expected[1]
     if kind in ("tuple", "list"):
         return (
             type(value).__name__ == kind
@@ -96,6 +100,40 @@ def _set_matches(kind: str, expected: Any, value: Any) -> bool:
     )
 
 
+_PLAIN_CELLS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def code_digest(function: types.FunctionType) -> str | None:
+    """What tells a lambda or a nested function from another of the same name in any process:
+    its code (bytecode, names, constants, nested code) and the plain values it closes over;
+    None where it closes over anything else (a tensor, an object), which no digest can hold."""
+    cells = []
+    for cell in function.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            return None
+        if type(value) not in _PLAIN_CELLS:
+            return None
+        cells.append(repr(value))
+    defaults = function.__defaults__ or ()
+    if any(type(d) not in _PLAIN_CELLS for d in defaults):
+        return None
+    digest = hashlib.sha256(repr((cells, [repr(d) for d in defaults])).encode())
+    _code_into(digest, function.__code__)
+    return digest.hexdigest()[:16]
+
+
+def _code_into(digest: Any, code: types.CodeType) -> None:
+    digest.update(code.co_code)
+    digest.update(repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            _code_into(digest, constant)
+        else:
+            digest.update(repr(constant).encode())
+
+
 def callable_name(value: Any) -> str:
     """A function by its qualified name, the same in every process; a partial with the plain
     values it binds (``functools.partial(torch.clamp, min=0.0)``)."""
@@ -122,6 +160,8 @@ def shown_value(encoded: Any) -> str:
         return f"torch.{expected}"
     if kind == "device":
         return f"device({expected!r})"
+    if kind == "code":
+        return f"{expected[0]} (its code and closure as at capture)"
     if kind in ("enum", "callable"):
         return ".".join(expected) if kind == "enum" else expected
     if kind == "tuple":
@@ -166,7 +206,7 @@ def compare_read(expected: Any, where: str, shown: str, value: Any) -> None:
         "missing"
         if value is MISSING
         else callable_name(value)
-        if expected[0] == "callable" and callable(value)
+        if expected[0] in ("callable", "code") and callable(value)
         else repr(value)
     )
     raise PrecompileError(
