@@ -1663,3 +1663,22 @@ def test_parameters_fn_writes_in_place_are_left_alone_by_capture(
     for _ in range(2):
         x = new_x()
         agree(run, fn, (model, x), (twin, x))
+
+
+def data_replacing_step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = m(x).pow(2).mean()
+    loss.backward()
+    for p in m.parameters():
+        p.data = p.data - 0.1 * p.grad  # replaces the data: no operator records it
+    return loss.detach()
+
+
+def test_replacing_a_parameters_data_is_refused_and_put_back() -> None:
+    """``p.data = ...`` inside fn. Before: capture pointed the model's parameters at the
+    updated data (off by 0.013 after precompile) and the graph held no update at all; now it
+    is refused at capture, naming the parameters, with the model as it was."""
+    model = mlp(0)
+    before = snapshot(model)
+    with pytest.raises(PrecompileError, match=r"fn replaces the data of parameters '0\.weight'"):
+        precompile(data_replacing_step, model, new_x(), backend="eager")
+    assert_identical(before, snapshot(model))

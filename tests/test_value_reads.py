@@ -10,7 +10,10 @@ Python values the traced code reads (sets, named tuples, NumPy scalars and array
 from __future__ import annotations
 
 import collections
+import os
 import re
+import subprocess
+import sys
 import threading
 import typing
 from collections.abc import Callable
@@ -998,3 +1001,25 @@ def test_a_lambda_attribute_is_checked_by_its_code_and_closure() -> None:
     )
     model.act = lambda y: y * 2.0
     check_call(run, run_model, model, x, refused=r"attribute 'act' of the model is ")
+
+
+_DIGEST = """
+from torch_precompile.shipped.driver.encoded import code_digest
+print(code_digest(lambda y, tag="a": y if tag in {"relu", "gelu", "silu"} else -y))
+"""
+
+
+def test_a_lambdas_digest_is_the_same_in_every_process() -> None:
+    """A set constant's order follows string hashing, which differs by process: the digest
+    must not (else every other process would refuse the artifact)."""
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", _DIGEST],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for seed in ("1", "2", "3")
+    }
+    assert len(digests) == 1 and len(next(iter(digests))) == 16, digests

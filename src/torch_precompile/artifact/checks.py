@@ -56,7 +56,7 @@ def _steps(spec: ArtifactSpec, parts: Sequence[str]) -> list[str]:
         f"{a.name} ({'model' if a.is_model else 'optimizer' if a.is_optimizer else 'input'})"
         for a in spec.args
     )
-    steps = ["driver.ambient.check()  # autocast, default dtype, deterministic, modes: as captured"]
+    steps = [f"driver.ambient.check()  # {ambient_comment(spec)}"]
     if any(t.gets_grad for t in spec.model) or spec.optimizers:
         steps += [
             "if not torch.is_grad_enabled():  # fn runs a backward",
@@ -98,6 +98,19 @@ def _steps(spec: ArtifactSpec, parts: Sequence[str]) -> list[str]:
             f"stepped = driver.optimizers.flat_inputs(args, state)  # {names}: groups, state"
         )
     return steps
+
+
+def settings_read(spec: ArtifactSpec) -> list[str]:
+    """The torch settings fn read, as calls (``torch.is_grad_enabled()``)."""
+    return [f"{name}()" for name, _, _ in spec.ambient.settings] if spec.ambient else []
+
+
+def ambient_comment(spec: ArtifactSpec) -> str:
+    """What the ambient check's line checks, for its comment."""
+    settings = settings_read(spec)
+    return "autocast, default dtype, deterministic, modes" + (
+        f", {few(settings)}: as captured" if settings else ": as captured"
+    )
 
 
 def _shown_inputs(leaves: Sequence[InputLeaf]) -> str:

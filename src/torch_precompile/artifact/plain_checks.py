@@ -13,7 +13,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
-from torch_precompile.artifact.checks import few, global_name, tensor_type
+from torch_precompile.artifact.checks import ambient_comment, few, global_name, tensor_type
 from torch_precompile.shipped.driver.refusals import written_apart
 from torch_precompile.spec import Argument, ArtifactSpec, InputLeaf, ModelTensor, ReadValue
 
@@ -155,7 +155,7 @@ def _check_call(spec: ArtifactSpec, training: bool) -> list[str]:
     names = [a.name for a in spec.args]
     shown = ", ".join(f"{a.name} ({_argument_kind(a)})" for a in spec.args)
     inputs = [i for i, a in enumerate(spec.args) if _argument_kind(a) == "input"]
-    steps = ["AMBIENT.check()  # autocast, default dtype, deterministic, modes: as captured"]
+    steps = [f"AMBIENT.check()  # {ambient_comment(spec)}"]
     if training:
         steps += [
             "if not torch.is_grad_enabled():  # fn runs a backward",

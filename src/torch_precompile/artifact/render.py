@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch_precompile
-from torch_precompile.artifact.checks import check_function, tensor_type
+from torch_precompile.artifact.checks import check_function, few, settings_read, tensor_type
 from torch_precompile.artifact.plain_checks import is_plain, plain_binding, plain_checks
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
@@ -76,7 +76,7 @@ _HEADER = """\
 _CHECKS = (
     "Checked at every call: the number of arguments, the structure of the inputs, each input "
     "tensor's shape, dtype and device{values}{models}.{reads} Autocast, the default dtype, "
-    "deterministic algorithms and active modes must be as at capture.{optimizers}"
+    "deterministic algorithms and active modes must be as at capture{settings}.{optimizers}"
     "{subclasses}{data_parallel}{layout} "
     "Yours to keep: control flow and data-dependent decisions follow the example the "
     "computation was captured with. Mutations of inputs{buffers} land on what you pass in{grads}."
@@ -94,6 +94,11 @@ _READS_NOTE = (
 _GRADS_NOTE = (
     "; gradients of the backward inside fn are added to the parameters' .grad, as eager "
     "backward does"
+)
+_DROPPED_GRADS_NOTE = ", or replace it where fn drops it first (zero_grad)"
+_READ_GRADS_NOTE = (
+    " A call that comes with a .grad on a parameter whose gradient fn reads (clip_grad_norm_) "
+    "is refused."
 )
 _INDUCTOR_LAYOUT = (
     " The kernels also assume the memory layout (strides) of every tensor they read; another "
@@ -572,18 +577,25 @@ def _checks(specs: Sequence[ArtifactSpec]) -> str:
     def note(applies: bool, text: str) -> str:
         return text if applies else ""
 
+    settings = list(dict.fromkeys(name for spec in specs for name in settings_read(spec)))
     text = _CHECKS.format(
         values=note(any(leaf.kind == "value" for s in specs for leaf in s.inputs), _VALUES_NOTE),
         models=note(bool(specs[0].model_names), _MODELS_NOTE),
         reads=note(anywhere("read_values"), _READS_NOTE),
         buffers=note(bool(specs[0].model_names), " and buffers"),
-        grads=note(any(t.gets_grad for s in specs for t in s.model), _GRADS_NOTE),
+        settings=note(
+            bool(settings), f", and so must the torch settings fn read ({few(settings)})"
+        ),
+        grads=note(any(t.gets_grad for s in specs for t in s.model), _GRADS_NOTE)
+        + note(any(t.old_grad == "replaced" for s in specs for t in s.model), _DROPPED_GRADS_NOTE),
         optimizers=note(anywhere("optimizers"), _OPTIMIZER_NOTE),
         subclasses=note(anywhere("wrapped"), _SUBCLASS_NOTE),
         data_parallel=note(anywhere("data_parallel"), _DATA_PARALLEL_NOTE)
         + note(anywhere("fully_sharded"), _FULLY_SHARDED_NOTE),
         layout=note(specs[0].backend == "inductor", _INDUCTOR_LAYOUT),
     )
+    if any(t.old_grad == "read" for s in specs for t in s.model):
+        text += _READ_GRADS_NOTE
     if any(spec.autograd is not None and spec.autograd.outputs for spec in specs):
         text += _AUTOGRAD_NOTE
     if len(specs) > 1:

@@ -151,6 +151,7 @@ def capture(
         raise
     finally:
         watch.param_writes.put_back()  # fn's in-place writes to parameters
+    _refuse_swapped_data(layout, watch.param_writes.swapped, before)
     refuse_changes(before)
     if backend == "inductor" and traced.dynamic_inputs is None:  # dynamic: sizes symbolic
         _refuse_input_layout_changes(layout, traced.examples)
@@ -428,7 +429,9 @@ def _flat_function(
                 watch.default_dtype,
                 watch.settings,
                 watch.grads.watching(flat[: layout.num_params]),
-                watch.param_writes.watching(flat[: layout.num_params]),
+                watch.param_writes.watching(
+                    flat[: layout.num_params], copied=bool(layout.optimizers)
+                ),
                 watch.seeds,
                 plain_checkpoints(),
                 padded_lengths_in_python(),
@@ -537,6 +540,23 @@ def _trace(
         for t in buffers:
             if t.grad_fn is not None:  # an in-place write of a value with history
                 t.detach_()
+
+
+def _refuse_swapped_data(layout: _Layout, swapped: Sequence[int], before: Any) -> None:
+    """Refuse fn's ``p.data = ...`` on a parameter (put back already): a graph records
+    operators, and replacing a tensor's data is none, so the artifact would never update it."""
+    if not swapped:
+        return
+    put_back(before)
+    names = ", ".join(repr(layout.state.param_names[i]) for i in swapped[:4])
+    more = f" and {len(swapped) - 4} more" if len(swapped) > 4 else ""
+    raise PrecompileError(
+        f"fn replaces the data of parameter{'s' if len(swapped) > 1 else ''} {names}{more} "
+        "(p.data = ...), which no graph can "
+        "record: the artifact would leave the parameter as it was. Write it in place instead "
+        "(with torch.no_grad(): p -= lr * p.grad, or p.data.copy_(new)); the model is as it "
+        "was before precompile."
+    )
 
 
 def _refuse_grad_flags_set(layout: _Layout, examples: Sequence[torch.Tensor]) -> None:

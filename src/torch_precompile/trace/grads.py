@@ -23,11 +23,12 @@ import torch
 
 from torch_precompile.internals.tracing import GRAD_ATTRIBUTE
 from torch_precompile.trace.listening import Listeners
+from torch_precompile.trace.reads import PACKAGE_ROOT
 
 _GRAD = GRAD_ATTRIBUTE
 # This package's code, and optimizers': an optimizer argument's step and zero_grad have
 # checks of their own (a stale .grad refused, unless fn's zero_grad() comes first).
-_NOT_FNS = (str(Path(__file__).parents[1]), str(Path(torch.optim.__file__).parent))
+_NOT_FNS = (PACKAGE_ROOT, str(Path(torch.optim.__file__).parent))
 # zero_grad reads each .grad only to drop it: that read is a drop, not a read.
 _ZERO_GRAD = torch.nn.Module.zero_grad.__code__
 

@@ -4,7 +4,9 @@ The trace runs fn on the model's own parameters (their ``.grad`` is what a backw
 so a write fn makes to one (an EMA update, a hand-written SGD step ``p -= lr * p.grad``,
 ``p.data.mul_(...)``) would change the caller's model at capture. Parameters are not copied
 up front, which would double their memory: each is copied just before the first operator
-that writes its storage, and copied back after the trace.
+that writes its storage, and copied back after the trace. A parameter whose data fn replaces
+(``p.data = p.data - lr * p.grad``) is pointed back at its own; no operator records that
+replacement, so capture refuses it (``swapped``).
 """
 
 from __future__ import annotations
@@ -33,11 +35,21 @@ class ParamWrites(TorchDispatchMode):
         super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.params: dict[int, torch.Tensor] = {}
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Each parameter, by flat index, with an alias of the data it had before the trace.
+        self.data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.swapped: list[int] = []  # flat indices of parameters whose data fn replaced
 
-    def watching(self, params: Sequence[torch.Tensor]) -> ParamWrites:
-        """Watch ``params`` (the trace's parameters) in the next ``with``."""
+    def watching(self, params: Sequence[torch.Tensor], copied: bool = False) -> ParamWrites:
+        """Watch ``params`` (the trace's parameters) in the next ``with``; ``copied``: capture
+        copies their values itself (as with an optimizer argument), so only a replacement of
+        their data is watched."""
         real = [p for p in params if not p.is_meta and not isinstance(p, FakeTensor)]
-        self.params = {storage_id(p): p for p in real}  # a trace on fakes writes nothing real
+        if not copied:  # a trace on fakes writes nothing real
+            self.params = {storage_id(p): p for p in real}
+        with untraced():  # an alias kept aside, not an operator of fn's
+            for index, param in enumerate(params):
+                if any(param is p for p in real) and index not in self.data:
+                    self.data[index] = (param, param.detach())
         return self
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -64,8 +76,14 @@ class ParamWrites(TorchDispatchMode):
                     self.saved[key] = (param, param.detach().clone())
 
     def put_back(self) -> None:
-        """Copy back every parameter the trace wrote."""
+        """Point every parameter whose data fn replaced back at its own, then copy back every
+        parameter the trace wrote."""
         with torch.no_grad():
+            for index, (param, data) in self.data.items():
+                if storage_id(param) != storage_id(data):
+                    param.data = data
+                    self.swapped.append(index)
             for param, value in self.saved.values():
                 param.detach().copy_(value)
         self.saved.clear()
+        self.data.clear()

@@ -49,6 +49,7 @@ from torch_precompile.trace.environment import ENVIRONMENT_READS
 from torch_precompile.trace.inputs import encode_value
 
 _TORCH_ROOT = str(Path(torch.__file__).parent)
+TORCH_ROOT = _TORCH_ROOT  # torch's own code, for the other watchers of the trace
 # The standard library's globals are its own (and some modules pose under another name). In a
 # virtual environment "platstdlib" is the environment's lib/, which holds site-packages: take
 # the base installation's, and never count installed packages as standard library.
@@ -56,6 +57,7 @@ _BASE_PATHS = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys
 _STDLIB_ROOTS = tuple({_BASE_PATHS["stdlib"], _BASE_PATHS["platstdlib"]})
 _INSTALLED = ("site-packages", "dist-packages")
 _PACKAGE_ROOT = str(Path(__file__).parents[1])
+PACKAGE_ROOT = _PACKAGE_ROOT  # this package's code
 # torch's own module classes read their options (Dropout.p, LayerNorm.eps) in forward.
 _TORCH_MODULES = str(Path(torch.__file__).parent / "nn" / "modules")
 _SELF_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW", "LOAD_DEREF"})
@@ -420,9 +422,7 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
     instructions = list(dis.get_instructions(code))
     for i, instruction in enumerate(instructions):
         line = (instruction.positions and instruction.positions.lineno) or line
-        if instruction.opname in _GLOBAL_LOADS and users:  # a library's globals are its own
-            name = instruction.argval
-            name = name[1] if isinstance(name, tuple) else name
+        if (name := _global_named(instruction)) is not None and users:  # a library's are its own
             names.setdefault((name, *_attribute_chain(instructions, i + 1)), line)
         elif _loads_last(instruction) == self_name:
             path = (

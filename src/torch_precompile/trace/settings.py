@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 
 from torch_precompile.shipped.driver.refusals import SETTINGS
 from torch_precompile.trace.listening import Listeners
+from torch_precompile.trace.reads import PACKAGE_ROOT, TORCH_ROOT
 
 _GRAD = "torch.is_grad_enabled"
 _ENABLE_GRAD = torch.autograd.grad_mode.enable_grad
@@ -108,7 +108,7 @@ def _count_enable_grad(frame: FrameType | None, step: int) -> None:
     for it, as a decorator or a checkpoint does); the trace's own is entered before any
     listener."""
     listener = SETTING_READS.innermost()
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_ROOT):
+    while frame is not None and frame.f_code.co_filename.startswith(TORCH_ROOT):
         frame = frame.f_back
     if listener is not None and frame is not None and _not_torchs(frame.f_code.co_filename):
         listener.enabled_by_fn += step
@@ -123,11 +123,8 @@ def _caller() -> FrameType | None:
 def _not_torchs(filename: str) -> bool:
     """Whether code in ``filename`` is fn's: the user's or a library's (a model's library
     branches on these settings as fn's own code does), not torch's or this package's."""
-    return not filename.startswith((_TORCH_ROOT, _PACKAGE_ROOT))
+    return not filename.startswith((TORCH_ROOT, PACKAGE_ROOT))
 
-
-_TORCH_ROOT = str(Path(torch.__file__).parent)
-_PACKAGE_ROOT = str(Path(__file__).parents[1])
 
 SETTING_READS: Listeners[SettingReads] = Listeners(_patch)
 """The readers are wrapped while any thread traces; each reports to its thread's innermost

@@ -131,7 +131,17 @@ def _code_into(digest: Any, code: types.CodeType) -> None:
         if isinstance(constant, types.CodeType):
             _code_into(digest, constant)
         else:
-            digest.update(repr(constant).encode())
+            digest.update(_constant(constant).encode())
+
+
+def _constant(value: Any) -> str:
+    """A code constant as text that is the same in every process (a frozenset's order follows
+    string hashing, which differs from process to process)."""
+    if isinstance(value, frozenset):
+        return "frozenset(" + repr(sorted(map(_constant, value))) + ")"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(_constant, value)) + ",)"
+    return repr(value)
 
 
 def callable_name(value: Any) -> str:
