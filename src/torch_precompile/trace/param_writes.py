@@ -18,11 +18,12 @@ import torch
 
 from torch_precompile.internals import storage_id
 from torch_precompile.internals.tracing import (
-    FakeTensor,
     TorchDispatchMode,
     operator_schema,
     untraced,
 )
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class ParamWrites(TorchDispatchMode):
@@ -43,7 +44,9 @@ class ParamWrites(TorchDispatchMode):
         """Watch ``params`` (the trace's parameters) in the next ``with``; ``copied``: capture
         copies their values itself (as with an optimizer argument), so only a replacement of
         their data is watched."""
-        real = [p for p in params if not p.is_meta and not isinstance(p, FakeTensor)]
+        # Plain tensors only: a subclass's storage is its inner tensors', which the trace lays
+        # out itself; a fake or meta one holds no data to write.
+        real = [p for p in params if type(p) in _PLAIN and not p.is_meta]
         if not copied:  # a trace on fakes writes nothing real
             self.params = {storage_id(p): p for p in real}
         with untraced():  # an alias kept aside, not an operator of fn's
