@@ -342,3 +342,26 @@ def test_a_float_input_is_compared_with_its_sign(captured: float, other: float) 
         rf"{re.escape(repr(other))}\.",
     ):
         run(model, x, other)
+
+
+def test_negative_and_conjugate_views_are_refused_by_compiled_kernels(
+    backend: str, artifacts
+) -> None:
+    """A negative view (``x.conj().imag`` makes one) keeps its memory as it was, with a bit
+    that ATen's kernels honour. Before: the inductor artifact read the memory as it is and
+    gave the negated input's result with no error. The eager backend runs ATen's kernels, so
+    it agrees with eager; inductor refuses, also after a call that passed (the remembered
+    path), and writes nothing."""
+    run, model, x, t = artifacts.load("mlp_train", backend), *WORKLOADS["mlp_train"].args()
+    negative = (-x)._neg_view()  # the same values as x, held negated
+    assert negative.is_neg() and torch.equal(negative, x)
+    expected = WORKLOADS["mlp_train"].fn(copy.deepcopy(model), x, t)
+    run(model, x, t)  # remembered
+    before = model_state(model)
+    if backend == "eager":
+        assert_same(run(copy.deepcopy(model), negative, t), expected)
+        return
+    with pytest.raises(PrecompileError, match=r"input x is a negative view: .*\.resolve_neg\(\)"):
+        run(model, negative, t)
+    assert_same(model_state(model), before)
+    assert_same(run(copy.deepcopy(model), negative.resolve_neg(), t), expected)

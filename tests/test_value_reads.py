@@ -1023,3 +1023,112 @@ def test_a_lambdas_digest_is_the_same_in_every_process() -> None:
         for seed in ("1", "2", "3")
     }
     assert len(digests) == 1 and len(next(iter(digests))) == 16, digests
+
+
+# -- Values out of the attribute chain's sight: objects in containers, loops, hooks ------
+
+
+class Gate(torch.nn.Module):
+    """A layer with a flag and a scale that its parent reads in a loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+        self.on = True
+        self.scale = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class HookSettings:
+    """A forward hook object whose setting sits one object down (``self.inner.scale``)."""
+
+    def __init__(self) -> None:
+        self.inner = Helper(2.0)
+
+    def __call__(self, module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out * self.inner.k
+
+
+class Looped(torch.nn.Module):
+    """Reads values through objects in lists, dicts and tuples, and off the layers a loop
+    takes from a ModuleList (``layer.scale``, ``getattr(layer, "skip", False)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(Gate() for _ in range(2))
+        self.specs = [Helper(2.0)]
+        self.named = {"out": Helper(1.5)}
+        self.pair = (Helper(1.0),)
+        self.hook_settings = HookSettings()
+        self.layers[1].register_forward_hook(self.hook_settings)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if getattr(layer, "skip", False) or not getattr(layer, "on", True):
+                continue
+            x = layer(x) * layer.scale
+        for spec in self.pair:
+            x = spec.apply(x)
+        return self.specs[0].apply(x) * self.named["out"].k
+
+
+LOOPED_CHANGES = {
+    "list-object": (
+        lambda m: setattr(m.specs[0], "k", 3.0),
+        r"attribute 'specs' of the model is \[test_value_reads\.Helper\(k=3\.0\)\], but was "
+        r"\[test_value_reads\.Helper\(k=2\.0\)\]",
+    ),
+    "dict-object": (
+        lambda m: setattr(m.named["out"], "k", 3.0),
+        r"attribute 'named' of the model is \{'out': test_value_reads\.Helper\(k=3\.0\)\}",
+    ),
+    "tuple-object": (lambda m: setattr(m.pair[0], "k", 3.0), r"attribute 'pair' of the model"),
+    "loop-attribute": (
+        lambda m: setattr(m.layers[0], "scale", 3.0),
+        r"attribute 'scale' of module 'layers\.0' is 3\.0, but was 2\.0",
+    ),
+    "loop-getattr": (
+        lambda m: setattr(m.layers[1], "on", False),
+        r"attribute 'on' of module 'layers\.1' is False, but was True",
+    ),
+    "loop-getattr-absent": (
+        lambda m: setattr(m.layers[1], "skip", True),
+        r"attribute 'skip' of module 'layers\.1' is True, but was missing",
+    ),
+    "hook-object": (
+        lambda m: setattr(m.hook_settings.inner, "k", 3.0),
+        r"module 'layers\.1' has hooks forward: test_value_reads\.HookSettings "
+        r"inner=Helper\(k=3\.0\), but had forward: test_value_reads\.HookSettings "
+        r"inner=Helper\(k=2\.0\)",
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def looped_run(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    with torch.no_grad():
+        return precompile.load(
+            *precompile(run_model, Looped(), torch.randn(2, 3), backend=request.param)
+        )
+
+
+@pytest.mark.parametrize("case", list(LOOPED_CHANGES))
+def test_values_out_of_the_attribute_chains_sight_are_checked(
+    looped_run: Callable[..., Any], case: str
+) -> None:
+    """An object's value read through a list, dict or tuple attribute, a layer's value read
+    off the loop variable of ``for layer in self.layers`` (present or absent at capture), and
+    a hook object's setting one object down: each changed in place after a passing call is
+    refused, with nothing written, and set back the call agrees with eager again. Before:
+    each gave the capture's result with no error."""
+    change, refused = LOOPED_CHANGES[case]
+    model, x = Looped(), torch.randn(2, 3)
+    check_call(looped_run, run_model, model, x)
+    check_call(looped_run, run_model, model, x)  # the remembered path
+    change(model)
+    check_call(looped_run, run_model, model, x, refused=refused)
+    fresh = Looped()  # the same values in other objects: they pass
+    check_call(looped_run, run_model, fresh, x)

@@ -21,7 +21,8 @@ from torch_precompile.spec.versions import SchemaVersion, since
 # ("dict", ((key, value), ...)), ("size", (2, 3)) and ("dataclass", like "frozen"). Schema 3
 # and older also wrote ("repr", (type name, repr)). Read values also hold ("set", (items
 # sorted by repr...)), ("frozenset", (...)), named tuples as "frozen", ("numpy",
-# ("numpy.float32", ("const", 2.0))) and ("ndarray", ("float32", (2,), (items...))).
+# ("numpy.float32", ("const", 2.0))), ("ndarray", ("float32", (2,), (items...))) and, in a
+# list, tuple or dict, ("object", ("pkg.Spec", (("s", ("const", 2.0)),))).
 EncodedValue = tuple[str, Any]
 Shape = tuple[int | None, ...]
 Layout = tuple[int, ...] | str | None

@@ -138,6 +138,15 @@ SCHEMA_HISTORY = (
         "may go on into a class of the user's (('Settings', 'SCALE')). The kind code: a lambda "
         "or nested function, by qualified name and a digest of its code and closure values.",
     ),
+    SchemaChange(
+        (10, 3),
+        "2026-12-05",
+        "Read values gain the encoded kind object: an object of the user's held in a list, "
+        "tuple or dict that was read, by its class's qualified name and the plain values it "
+        "holds, two objects deep (('object', ('pkg.Spec', (('s', ('const', 2.0)),)))). A read "
+        "may name an attribute of a submodule that the code read off a loop variable "
+        "(layer.scale in for layer in self.layers).",
+    ),
 )
 SCHEMA_VERSION: SchemaVersion = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""

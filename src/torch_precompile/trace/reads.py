@@ -13,7 +13,10 @@ named tuples of such, NumPy scalars and small arrays) are recorded with the valu
 driver compares them at every call. A path that ends on an object (``c = self.config``,
 ``helper(x, self.config)``) records every plain value the object holds, since what is read off
 it later is out of sight; so does a method called on a plain object (``self.helper.apply(x)``),
-and ``vars(self)`` records the instance's. ``hasattr(self, "x")`` or ``getattr(self, "x",
+and ``vars(self)`` records the instance's; an object of the user's in a list, tuple or dict
+read is recorded in it by its class and values. A name read off a loop variable (``layer.scale``
+in ``for layer in self.layers``) is recorded on every submodule below the module whose code
+reads it. ``hasattr(self, "x")`` or ``getattr(self, "x",
 default)`` of an attribute the module lacks records it as absent; ``type(self).x`` and a
 classmethod's ``cls.x`` read the class. Reads are found by reading each function's bytecode, so
 a name used only in a branch the trace did not take is checked too (a stricter check, never a
@@ -78,6 +81,9 @@ class _CodeReads:
     paths: tuple[tuple[tuple[str, ...], int], ...]
     globals: tuple[tuple[tuple[str, ...], int], ...]
     closed_over: tuple[tuple[str, int], ...] = ()  # free variables it loads
+    # Names read off other locals (``layer.scale``, ``getattr(layer, "on", True)``): whether
+    # by getattr or hasattr with a default, and the line.
+    off_locals: tuple[tuple[str, bool, int], ...] = ()
 
 
 class ReadRecorder:
@@ -140,8 +146,10 @@ class ReadRecorder:
         if reads is None:
             return
         where = f"{Path(code.co_filename).name}:{{}} ({code.co_name})"
+        owner = frame.f_locals.get(reads.self_name) if reads.self_name else None
+        if reads.off_locals and isinstance(owner, torch.nn.Module) and id(owner) in self.index:
+            self._read_off_submodules(owner, reads.off_locals, where)
         if reads.paths:
-            owner = frame.f_locals.get(reads.self_name) if reads.self_name else None
             index = self.index.get(id(owner))
             if index is None and isinstance(owner, type):  # a classmethod's ``cls``
                 index = self.class_index.get(id(owner))
@@ -173,6 +181,21 @@ class ReadRecorder:
                 self.closure_modules.setdefault(id(value), name)  # its reads are named too
             elif (code, name) not in self.closed_over and _closure_value(value):
                 self.closed_over[code, name] = f"{name}={value!r} ({where.format(line)})"
+
+    def _read_off_submodules(
+        self, owner: torch.nn.Module, reads: Sequence[tuple[str, bool, int]], where: str
+    ) -> None:
+        """Names read off a local in a method of ``owner`` (``for layer in self.layers:``
+        then ``layer.scale`` or ``getattr(layer, "on", True)``): which submodule the local
+        held is out of sight, so each submodule below ``owner`` holding a value under the name
+        has it read (and, for getattr and hasattr, each lacking one has it read as absent)."""
+        for module in owner.modules():
+            index = self.index.get(id(module))
+            if module is owner or index is None:
+                continue
+            for name, by_call, line in reads:
+                if by_call or name in vars(module):
+                    self._module_read(index, (name,), where.format(line))
 
     def _module_read(self, index: int, path: tuple[str, ...], where: str) -> None:
         key = ("module", index, path)
@@ -418,6 +441,7 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
     paths: dict[tuple[str, ...], int] = {}
     names: dict[tuple[str, ...], int] = {}
     closed_over: dict[str, int] = {}
+    off_locals: dict[tuple[str, bool], int] = {}
     line = code.co_firstlineno
     instructions = list(dis.get_instructions(code))
     for i, instruction in enumerate(instructions):
@@ -434,13 +458,19 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
                 paths.setdefault(path, line)
         elif users and instruction.opname == "LOAD_DEREF" and instruction.argval in frees:
             closed_over.setdefault(instruction.argval, line)
-    if not paths and not names and not closed_over:
+        elif users and _loads_last(instruction) is not None:
+            chain = tuple(_attribute_chain(instructions, i + 1))[:1]
+            for name in chain or _named_by_call(instructions, i):
+                if name not in _NOT_READS:
+                    off_locals.setdefault((name, not chain), line)
+    if not paths and not names and not closed_over and not off_locals:
         return None
     return _CodeReads(
         self_name,
         tuple(paths.items()),
         tuple(names.items()),
         tuple(closed_over.items()),
+        tuple((name, by_call, line) for (name, by_call), line in off_locals.items()),
     )
 
 
@@ -563,10 +593,7 @@ def _object_values(
     """The plain values ``obj`` holds (and the objects it holds, ``depth`` deep), each with
     its attribute path off ``obj``. Objects of the standard library and of torch are not
     followed: their state is theirs (a logger's level), not a setting of the user's."""
-    module = getattr(type(obj), "__module__", "") or ""
-    if module.split(".")[0] in ("torch", "builtins", *sys.stdlib_module_names) and not isinstance(
-        obj, types.SimpleNamespace
-    ):
+    if _library_object(obj):
         return
     for name, value in list(_namespace(obj).items()):
         encoded = encode_read(value)
@@ -577,16 +604,51 @@ def _object_values(
                 yield (name, *inner), deeper
 
 
-def encode_read(value: Any) -> EncodedValue | None:
-    """A read value as the spec holds it; None for a value that is not a plain one."""
+def _library_object(obj: Any) -> bool:
+    """An object of the standard library or of torch: its state is its own (a logger's level),
+    not a setting of the user's."""
+    module = getattr(type(obj), "__module__", "") or ""
+    return module.split(".")[0] in (
+        "torch",
+        "builtins",
+        *sys.stdlib_module_names,
+    ) and not isinstance(obj, types.SimpleNamespace)
+
+
+def _encode_item(value: Any, depth: int) -> EncodedValue | None:
+    """An item of a list, tuple or dict read: a plain value, or an object of the user's
+    (``self.specs[0].s``: what is read off it is out of the trace's sight, so it is compared
+    whole)."""
+    encoded = encode_read(value, depth)
+    return encoded if encoded is not None or depth <= 0 else _encode_object(value, depth)
+
+
+def _encode_object(value: Any, depth: int) -> EncodedValue | None:
+    """An object of the user's as its class and the plain values it holds (objects it holds
+    ``depth`` deep); None for anything else."""
+    if not _is_plain_object(value) or _library_object(value):
+        return None
+    fields = []
+    for name, held in list(_namespace(value).items()):
+        encoded = encode_read(held, depth - 1)
+        if encoded is None and depth > 1:
+            encoded = _encode_object(held, depth - 1)
+        if encoded is not None:  # a tensor or a module it holds is not a Python value
+            fields.append((name, encoded))
+    return ("object", (qualified_name(type(value)), tuple(fields)))
+
+
+def encode_read(value: Any, depth: int = _OBJECT_DEPTH) -> EncodedValue | None:
+    """A read value as the spec holds it; None for a value that is not a plain one. Objects
+    of the user's inside lists, tuples and dicts are followed ``depth`` deep."""
     if value is None:
         return ("none", None)
     if type(value) in (tuple, list) and len(value) <= _MOST_ITEMS:
-        items = [encode_read(v) for v in value]  # a list: compared by value at every call
+        items = [_encode_item(v, depth) for v in value]  # a list: compared by value each call
         kind = type(value).__name__
         return None if any(i is None for i in items) else (kind, tuple(items))
     if type(value) is dict and len(value) <= _MOST_ITEMS:
-        pairs = [(encode_read(k), encode_read(v)) for k, v in value.items()]
+        pairs = [(encode_read(k), _encode_item(v, depth)) for k, v in value.items()]
         plain = all(k is not None and v is not None for k, v in pairs)
         return ("dict", tuple(pairs)) if plain else None  # compared item by item, in order
     if type(value) in (set, frozenset) and len(value) <= _MOST_ITEMS:

@@ -57,6 +57,10 @@ def value_matches(encoded: Any, value: Any) -> bool:
             hasattr(value, field) and value_matches(item, getattr(value, field))
             for field, item in expected[1]
         )
+    if kind == "object":  # an object of the user's in a list or dict: class and values
+        return _qualified(value) == expected[0] and all(
+            value_matches(item, getattr(value, field, MISSING)) for field, item in expected[1]
+        )
     if kind in ("set", "frozenset"):
         return _set_matches(kind, expected, value)
     if kind == "numpy":  # a NumPy scalar (numpy.float32(2.0)): its type and its item
@@ -180,7 +184,7 @@ def shown_value(encoded: Any) -> str:
         return "[" + ", ".join(map(shown_value, expected)) + "]"
     if kind == "dict":
         return "{" + ", ".join(f"{shown_value(k)}: {shown_value(v)}" for k, v in expected) + "}"
-    if kind == "frozen":
+    if kind in ("frozen", "object"):
         fields = ", ".join(f"{field}={shown_value(item)}" for field, item in expected[1])
         return f"{expected[0]}({fields})"
     if kind in ("set", "frozenset"):
@@ -217,7 +221,7 @@ def compare_read(expected: Any, where: str, shown: str, value: Any) -> None:
         if value is MISSING
         else callable_name(value)
         if expected[0] in ("callable", "code") and callable(value)
-        else repr(value)
+        else shown_now(value)
     )
     raise PrecompileError(
         f"{shown} is {now}, but was {shown_value(expected)} when the trace read it "
@@ -225,6 +229,22 @@ def compare_read(expected: Any, where: str, shown: str, value: Any) -> None:
         "the new value (a value that changes between calls belongs in a tensor: a buffer or "
         "an input)."
     )
+
+
+def shown_now(value: Any, depth: int = 2) -> str:
+    """A value found at a call as messages show it: an object of the user's (in a list, say)
+    by its class and values, as ``shown_value`` shows the captured one."""
+    if type(value) in (list, tuple):
+        items = ", ".join(shown_now(v, depth) for v in value)
+        return f"[{items}]" if type(value) is list else f"({items}{',' * (len(value) == 1)})"
+    if type(value) is dict:
+        return "{" + ", ".join(f"{k!r}: {shown_now(v, depth)}" for k, v in value.items()) + "}"
+    attributes = getattr(value, "__dict__", None)
+    own_repr = vars(object)["__repr__"]  # an object that says nothing of its values
+    if depth and type(attributes) is dict and getattr(type(value), "__repr__", None) is own_repr:
+        fields = ", ".join(f"{k}={shown_now(v, depth - 1)}" for k, v in attributes.items())
+        return f"{_qualified(value)}({fields})"
+    return repr(value)
 
 
 def module_read_name(module: str, path: Sequence[str]) -> str:

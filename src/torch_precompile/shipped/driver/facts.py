@@ -155,7 +155,7 @@ def _fixed(encoded: Any) -> bool:
     """Whether a value encoded so cannot change in place: it holds no list, dict, set or
     NumPy array (a named tuple or tuple holding one can)."""
     kind, value = encoded
-    if kind in ("list", "dict", "set", "ndarray"):
+    if kind in ("list", "dict", "set", "ndarray", "object"):
         return False
     if kind in ("tuple", "frozenset"):
         return all(map(_fixed, value))

@@ -119,6 +119,10 @@ class _CheckSource:
     def same(self, code: str, value: Any) -> None:
         """A term: ``code`` gives the very object ``value`` (a list, dict, set or NumPy array:
         an equal one, item by item, since it can change in place)."""
+        if _holds_objects(value) and (type(value) in (list, tuple, dict) or _is_object(value)):
+            held = self.hold("value", state(value))
+            self.terms.append(f"{self.hold('value', state)}({code}) == {held}")
+            return
         if type(value) is list:
             self.terms.append(f"{code} == {self.hold('value', copy.deepcopy(value))}")
             return
@@ -155,6 +159,58 @@ class _CheckSource:
         )
         exec(compile(source, "<remembered models>", "exec"), self.held)
         return self.held["unchanged"]
+
+
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _holds_objects(value: Any) -> bool:
+    """Whether a list, tuple or dict holds (at any depth) more than plain values."""
+    if type(value) in (list, tuple):
+        return any(map(_holds_objects, value))
+    if type(value) is dict:
+        return any(map(_holds_objects, value.values()))
+    return type(value) not in _PLAIN_VALUES
+
+
+def _is_object(value: Any) -> bool:
+    """An object holding values in its instance dict (a hook's settings), not a tensor."""
+    return (
+        type(getattr(value, "__dict__", None)) is dict
+        and not callable(value)
+        and not isinstance(value, torch.Tensor)
+    )
+
+
+def state(value: Any, depth: int = 3) -> Any:
+    """``value`` as data equal only to the same contents: lists, tuples and dicts item by
+    item, an object by its class and attributes (``depth`` deep), a float by its text (its
+    sign, nan), anything else by identity. An object a list attribute holds can change in
+    place where the list stays the same."""
+    kind = type(value)
+    if kind in (list, tuple):
+        return kind, [state(v, depth) for v in value]
+    if kind is dict:
+        return kind, [(k, state(v, depth)) for k, v in value.items()]
+    if kind in _PLAIN_VALUES:
+        return kind, repr(value) if kind is float else value
+    if depth and _is_object(value):
+        return kind, [(k, state(v, depth - 1)) for k, v in vars(value).items()]
+    return _Same(value)
+
+
+class _Same:
+    """An object compared by identity (held, so no other object can take its id)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, held: Any) -> None:
+        self.held = held
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Same and other.held is self.held
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def _same_array(value: Any, held: tuple[Any, ...]) -> bool:

@@ -55,7 +55,12 @@ def _plain(value: Any, depth: int = 0) -> str:
     those); "" for anything else, which a hook's label leaves out."""
     if value is None or type(value) in (bool, int, float, complex, str, torch.dtype):
         return repr(value)
-    if type(value) not in (tuple, list, dict) or len(value) > 256 or depth > 3:
+    if depth > 3:
+        return ""
+    if _holds_settings(value) and not callable(value):  # settings the hook reads off it
+        fields = ((k, _plain(v, depth + 1)) for k, v in vars(value).items())
+        return f"{type(value).__qualname__}({', '.join(f'{k}={v}' for k, v in fields if v)})"
+    if type(value) not in (tuple, list, dict) or len(value) > 256:
         return ""
     if type(value) is dict:
         pairs = [(_plain(k, depth + 1), _plain(v, depth + 1)) for k, v in value.items()]

@@ -91,6 +91,16 @@ def check_layout(
     """The graph assumes a layout; anything else is refused before it runs."""
     if tensor.layout is not torch.strided:
         raise dense_error(name, tensor)
+    if backend != "eager" and (tensor.is_neg() or tensor.is_conj()):
+        # A negative or conjugate view (x.conj().imag is one) keeps its memory as it was and
+        # a bit saying so: ATen's kernels honour the bit, the compiled ones read the memory.
+        neg = tensor.is_neg()
+        kind, done = ("negative", "negation") if neg else ("conjugate", "conjugation")
+        raise PrecompileError(
+            f"{name} is a {kind} view: its memory holds the values before {done}, which "
+            "ATen's kernels apply as they read; the compiled kernels would read the memory as "
+            f"it is. Pass it resolved (.{'resolve_neg' if neg else 'resolve_conj'}())."
+        )
     if not layout_differs(tensor, strides):
         return
     if backend == "eager":  # an input the graph writes, or returns a view of
