@@ -44,6 +44,7 @@ def is_plain(spec: ArtifactSpec, positional: bool) -> bool:
         and not any(getattr(spec, name) for name in _GENERIC_FIELDS)
         and all(not t.hooks and t.old_grad is None for t in spec.model)
         and all(not s.hooks for s in spec.submodules)
+        and all(not leaf.read for leaf in spec.inputs)
     )
 
 

@@ -93,7 +93,9 @@ class InputLeaf:
 
     ``shape`` has None for a dynamic dim; ``bounds`` maps such a dim to its declared (min,
     max); ``strides`` is the layout the kernels assume (a memory-format name for an input
-    with dynamic dims; None: any layout).
+    with dynamic dims; None: any layout). ``read`` (from 10.4): the properties fn's Python read
+    of the tensor, each as (``"stride"``, ``"storage_offset"``, ``"is_inference"``, ``"is_neg"``
+    or ``"is_conj"``, the value it had, the line that read it).
     """
 
     path: str
@@ -105,6 +107,9 @@ class InputLeaf:
     requires_grad: bool | None = None
     bounds: dict[int, tuple[int | None, int | None]] | None = None
     value: EncodedValue | None = None
+    read: tuple[tuple[str, tuple[int, ...] | int | bool, str], ...] = field(
+        default=(), metadata=since(10, 4)
+    )
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,14 @@ SCHEMA_HISTORY = (
         "may name an attribute of a submodule that the code read off a loop variable "
         "(layer.scale in for layer in self.layers).",
     ),
+    SchemaChange(
+        (10, 4),
+        "2026-12-05",
+        "InputLeaf.read: the properties fn's Python read of an input tensor (its strides, "
+        "through x.stride() or x.is_contiguous(); x.storage_offset(); x.is_inference(); "
+        "x.is_neg(); x.is_conj()), each "
+        "with the value it had and the line that read it.",
+    ),
 )
 SCHEMA_VERSION: SchemaVersion = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""

@@ -93,6 +93,7 @@ from torch_precompile.trace.state import (
     submodule_records,
 )
 from torch_precompile.trace.subclasses import Wrapping, find_wrapped, refuse_mixed
+from torch_precompile.trace.tensor_reads import TensorReads
 
 log = logging.getLogger("torch_precompile")
 
@@ -156,6 +157,7 @@ def capture(
     if backend == "inductor" and traced.dynamic_inputs is None:  # dynamic: sizes symbolic
         _refuse_input_layout_changes(layout, traced.examples)
     watch.draws.refuse()
+    watch.tensor_reads.refuse_addresses(layout.inputs.names)
     drop_changed_reads(watch.reads)
     reports = (
         watch.reads.closure_report(),
@@ -279,6 +281,7 @@ class _Watch:
         self.settings = SettingReads()
         self.grads = GradUse()
         self.param_writes = ParamWrites()
+        self.tensor_reads = TensorReads()
         self.global_hooks = global_hooks()
         self.hooks = [module_hooks(m) for m in self.submodules]
         self.seeds = SeedWatch()
@@ -399,9 +402,8 @@ def _flat_function(
         flat = flat if sharding is None else sharding.rebuild(flat)
         leaves = list(inputs.leaves)
         start, lrs = layout.optimizer_start, layout.optimizer_start + layout.num_optimizer_state
-        for position, tensor in zip(
-            layout.tensor_positions, flat[layout.num_state : start], strict=True
-        ):
+        placed = list(zip(layout.tensor_positions, flat[layout.num_state : start], strict=True))
+        for position, tensor in placed:
             leaves[position] = tensor
         user_args = iter(pytree.tree_unflatten(leaves, inputs.spec))
         passed = {*layout.module_positions, *layout.optimizer_positions}
@@ -433,6 +435,7 @@ def _flat_function(
                     flat[: layout.num_params], copied=bool(layout.optimizers)
                 ),
                 watch.seeds,
+                watch.tensor_reads.watching(placed),
                 plain_checkpoints(),
                 padded_lengths_in_python(),
             ):
@@ -725,14 +728,16 @@ def _artifact_spec(
         ),
         submodules=submodule_records(layout.modules, watch.hooks),
         inputs=tuple(
-            _input_record(leaf, name, value, shape, bound)
-            for leaf, name, value, shape, bound in zip(
-                inputs.leaves,
-                inputs.names,
-                inputs.values,
-                shapes.shapes,
-                shapes.bounds,
-                strict=True,
+            _input_record(leaf, name, value, shape, bound, watch.tensor_reads.records(i))
+            for i, (leaf, name, value, shape, bound) in enumerate(
+                zip(
+                    inputs.leaves,
+                    inputs.names,
+                    inputs.values,
+                    shapes.shapes,
+                    shapes.bounds,
+                    strict=True,
+                )
             )
         ),
         in_spec=_dump_in_spec(inputs.spec),
@@ -922,7 +927,9 @@ def _refuse_sharding_wrappers(modules: list[torch.nn.Module], names: list[str]) 
         )
 
 
-def _input_record(leaf: Any, name: str, value: Any, shape: Any, bounds: Any) -> InputLeaf:
+def _input_record(
+    leaf: Any, name: str, value: Any, shape: Any, bounds: Any, read: Any
+) -> InputLeaf:
     if not isinstance(leaf, torch.Tensor):
         return InputLeaf(path=name, kind="value", value=value)
     return InputLeaf(
@@ -933,6 +940,7 @@ def _input_record(leaf: Any, name: str, value: Any, shape: Any, bounds: Any) -> 
         device=str(leaf.device),
         requires_grad=leaf.requires_grad,
         bounds=bounds,
+        read=read,
     )
 
 

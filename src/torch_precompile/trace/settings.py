@@ -117,7 +117,10 @@ def _count_enable_grad(frame: FrameType | None, step: int) -> None:
 def _caller() -> FrameType | None:
     """The frame that called the function calling this."""
     frame = inspect.currentframe()
-    return frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+    try:
+        return frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+    finally:
+        del frame  # a frame held by a local of its own would keep every local alive till GC
 
 
 def _not_torchs(filename: str) -> bool:

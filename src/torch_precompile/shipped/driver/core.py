@@ -33,6 +33,7 @@ from torch_precompile.shipped.driver.refusals import (
     check_is_model,
     check_model_tensor,
     check_module,
+    check_reads,
     hook_sets,
     hooks_error,
     members_differ,
@@ -98,6 +99,7 @@ class Driver:
         # Flat inputs a driver part unwraps; every other one must be a plain tensor.
         carried = {d.index for d in (*spec.distributed, *spec.wrapped) if d.role == "input"}
         self.leaves = [leaf_plan(leaf, training) for leaf in spec.inputs]
+        self.reading = [(i, plan) for i, plan in enumerate(self.leaves) if plan.read]
         num_model = len([t for t in spec.model if t.tied_to is None])
         # The eager graph runs on any layout but its views' own: an input it neither writes
         # nor returns a view of is copied into the example's layout where a call differs.
@@ -242,6 +244,7 @@ def leaf_plan(leaf: Any, training: bool) -> LeafPlan:
         leaf.requires_grad if training else None,
         leaf.value,
         leaf.bounds,
+        read=leaf.read,
     )
 
 
@@ -249,6 +252,8 @@ def checked_inputs(driver: Driver, leaves: Sequence[Any]) -> list[torch.Tensor]:
     """The tensor leaves, each checked against its plan (Python values by ``values``)."""
     remembers = driver.memo is not None and driver.plain_inputs
     if remembers and driver.memo.inputs_unchanged(leaves):
+        for index, plan in driver.reading:  # offsets and flags no tensor guard compares
+            check_reads(plan, leaves[index])
         return list(leaves)
     tensors = []
     for leaf_plan, leaf in zip(driver.leaves, leaves, strict=True):

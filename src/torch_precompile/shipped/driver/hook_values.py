@@ -57,7 +57,8 @@ def _plain(value: Any, depth: int = 0) -> str:
         return repr(value)
     if depth > 3:
         return ""
-    if _holds_settings(value) and not callable(value):  # settings the hook reads off it
+    users = (type(value).__module__ or "").split(".")[0] != "torch"
+    if users and _holds_settings(value) and not callable(value):  # settings it reads off it
         fields = ((k, _plain(v, depth + 1)) for k, v in vars(value).items())
         return f"{type(value).__qualname__}({', '.join(f'{k}={v}' for k, v in fields if v)})"
     if type(value) not in (tuple, list, dict) or len(value) > 256:

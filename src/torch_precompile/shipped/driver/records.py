@@ -24,6 +24,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
     "Submodule": ("name", "training", "cls", "hooks", "forward"),
     "InputLeaf": (
         "path", "kind", "shape", "dtype", "device", "strides", "requires_grad", "bounds", "value",
+        "read",
     ),
     "ValueGuard": ("description", "expected"),
     "DynamicDim": ("shape_id", "places"),
@@ -56,7 +57,7 @@ SPEC_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "Argument": (False,),
     "ModelTensor": ((), None),
     "Submodule": (None, (), None),
-    "InputLeaf": (None, None, None, None, None, None, None),
+    "InputLeaf": (None, None, None, None, None, None, None, ()),
     "OutputAlias": (None, None, None),
     "DistributedTensor": (None,),
     "Optimizer": (False,),

@@ -447,8 +447,10 @@ class LeafPlan:
         value: Any = None,
         bounds: Any = None,
         relayout: bool = False,
+        read: Sequence[tuple[str, Any, str]] = (),
     ) -> None:
         self.name = name
+        self.read = read  # properties fn's Python read: (property, value at capture, where)
         self.is_tensor = kind == "tensor"
         self.value = value
         self.static = None not in shape
@@ -503,6 +505,8 @@ def check_input(plan: LeafPlan, leaf: Any, backend: str, sizes: Any = None) -> t
         raise dense_error(f"input {name}", leaf)
     if plan.requires_grad is not None and leaf.requires_grad != plan.requires_grad:
         raise PrecompileError(_requires_grad_message(f"input {name}", plan.requires_grad))
+    if plan.read:
+        check_reads(plan, leaf)
     if isinstance(plan.strides, str):  # an input with dynamic dims: its memory format
         sizes.check_memory_format(leaf, plan.strides, f"input {name}")
     elif plan.strides is not None:
@@ -512,6 +516,47 @@ def check_input(plan: LeafPlan, leaf: Any, backend: str, sizes: Any = None) -> t
             ).copy_(leaf)
         check_layout(leaf, plan.strides, f"input {name}", backend)
     return leaf
+
+
+# What fn's Python read of an input: how to read it now, how to say it, how to match it.
+READ_PROPERTIES: dict[str, tuple[Callable[[torch.Tensor], Any], str, str]] = {
+    "stride": (
+        lambda t: tuple(t.stride()),
+        "strides",
+        "laid out as at capture (.contiguous() for a contiguous example)",
+    ),
+    "storage_offset": (
+        lambda t: t.storage_offset(),
+        "storage offset",
+        "starting where the example did in its storage (a .clone() starts at 0)",
+    ),
+    "is_inference": (
+        lambda t: t.is_inference(),
+        "is_inference()",
+        "made as at capture (under torch.inference_mode() or not; .clone() outside it makes "
+        "a normal tensor)",
+    ),
+    "is_neg": (lambda t: t.is_neg(), "is_neg()", "as at capture (.resolve_neg() resolves a view)"),
+    "is_conj": (
+        lambda t: t.is_conj(),
+        "is_conj()",
+        "as at capture (.resolve_conj() resolves a view)",
+    ),
+}
+
+
+def check_reads(plan: LeafPlan, leaf: torch.Tensor) -> None:
+    """Each property of an input that fn's Python read (and branched on, maybe) as it was at
+    capture."""
+    for name, expected, where in plan.read:
+        read, shown, fix = READ_PROPERTIES[name]
+        now = read(leaf)
+        if now != (tuple(expected) if name == "stride" else expected):
+            raise PrecompileError(
+                f"input {plan.name}: fn read its {shown} at {where}, {expected!r} at capture, "
+                f"and this call's is {now!r}; the artifact decides as the capture's did. Pass "
+                f"it {fix}, or precompile again with one like it."
+            )
 
 
 def check_model_tensor(
