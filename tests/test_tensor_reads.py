@@ -92,6 +92,8 @@ def test_a_property_fn_reads_of_an_input_is_checked(backend: str, read: str) -> 
         for _ in range(2):  # the second call takes the remembered path
             torch.testing.assert_close(run(model, example), fn(model, example))
         copy = other.clone() if read != "is_neg" else other
+        if backend == "inductor" and read in ("is_contiguous", "stride", "is_neg"):
+            refused = r"the compiled kernels"  # inductor's layout check comes first
         with pytest.raises(PrecompileError, match=refused):
             run(model, other)
         torch.testing.assert_close(other, copy, rtol=0, atol=0)  # nothing written

@@ -76,7 +76,8 @@ def plain_binding(spec: ArtifactSpec, history: Sequence[str] = ()) -> list[str]:
         arguments += [f"autograd={part}", 'autograd_record=ARTIFACT_SPEC["autograd"]']
     if spec.optimizers:
         arguments.append("optimizers=OPTIMIZERS")
-    checked = "check_models, READS" if spec.model_names else "None"
+    reads = ", READS, read_facts" if _module_reads(spec) else ""
+    checked = f"check_models{reads}" if spec.model_names else "None"
     return [
         "# What the checks compare with, and forward: the checks, then the graph.",
         *_constants(spec, training),
@@ -118,6 +119,9 @@ def _constants(spec: ArtifactSpec, training: bool) -> list[str]:
             "# Each parameter and buffer: (kind, name, the one it is tied to or None).",
             'MEMBERS = [(t["kind"], t["name"], t["tied_to"]) for t in ARTIFACT_SPEC["model"]]',
             'SUBMODULES = [s["name"] for s in ARTIFACT_SPEC["submodules"]]',
+        ]
+    if _module_reads(spec):
+        lines += [
             "# Where the trace read each value off a submodule: (its index, attribute path).",
             f"READS = {_module_reads(spec)!r}",
         ]

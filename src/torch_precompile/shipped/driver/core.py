@@ -270,7 +270,10 @@ def checked_inputs(driver: Driver, leaves: Sequence[Any]) -> list[torch.Tensor]:
 
 def check_tensor_leaf(driver: Driver, plan: LeafPlan, leaf: Any) -> torch.Tensor:
     """The tensor the graph gets for one input leaf, after checking it."""
-    return check_input(plan, leaf, driver.spec.backend, driver.sizes)
+    checked = check_input(plan, leaf, driver.spec.backend, driver.sizes)
+    if plan.read:  # what fn read of the caller's tensor, before any copy into a layout
+        check_reads(plan, leaf)
+    return checked
 
 
 def _argument_kind(arg: Any) -> str:

@@ -119,10 +119,6 @@ class _CheckSource:
     def same(self, code: str, value: Any) -> None:
         """A term: ``code`` gives the very object ``value`` (a list, dict, set or NumPy array:
         an equal one, item by item, since it can change in place)."""
-        if _holds_objects(value) and (type(value) in (list, tuple, dict) or _is_object(value)):
-            held = self.hold("value", state(value))
-            self.terms.append(f"{self.hold('value', state)}({code}) == {held}")
-            return
         if type(value) is list:
             self.terms.append(f"{code} == {self.hold('value', copy.deepcopy(value))}")
             return
@@ -182,20 +178,20 @@ def _is_object(value: Any) -> bool:
     )
 
 
-def state(value: Any, depth: int = 3) -> Any:
+def contents_of(value: Any, depth: int = 3) -> Any:
     """``value`` as data equal only to the same contents: lists, tuples and dicts item by
     item, an object by its class and attributes (``depth`` deep), a float by its text (its
     sign, nan), anything else by identity. An object a list attribute holds can change in
     place where the list stays the same."""
     kind = type(value)
     if kind in (list, tuple):
-        return kind, [state(v, depth) for v in value]
+        return kind, [contents_of(v, depth) for v in value]
     if kind is dict:
-        return kind, [(k, state(v, depth)) for k, v in value.items()]
+        return kind, [(k, contents_of(v, depth)) for k, v in value.items()]
     if kind in _PLAIN_VALUES:
         return kind, repr(value) if kind is float else value
     if depth and _is_object(value):
-        return kind, [(k, state(v, depth - 1)) for k, v in vars(value).items()]
+        return kind, [(k, contents_of(v, depth - 1)) for k, v in vars(value).items()]
     return _Same(value)
 
 
@@ -242,27 +238,42 @@ def _value_at(module: Any, path: Sequence[str]) -> Any:
 _GONE = object()  # an attribute the walk found missing: no later read can be this object
 
 
-def module_facts(
-    check: "_CheckSource", modules: Sequence[Any], paths: Sequence[tuple[int, Sequence[str]]]
-) -> None:
+def module_facts(check: "_CheckSource", modules: Sequence[Any]) -> None:
     """Terms of ``check`` for what a full walk checked in Python about ``modules``: each one's
     class, training flag and forward (none set on the instance since, none patched into its
-    class), the values at ``paths`` (submodule index, attribute path) the trace read, and the
-    size of each member dict that was not empty (an empty one gains a member only by a
-    registration, which the count sees)."""
+    class), and the size of each member dict that was not empty (an empty one gains a member
+    only by a registration, which the count sees)."""
     for module in modules:
         check.same(f"type({check.module(module)})", type(module))
         check.same(check.read(module, ("training",)), module.training)
         check.no_other_forward(module)
     for cls in dict.fromkeys(map(type, modules)):  # a forward patched into a class
         check.same(f"{check.hold('value', cls)}.forward", getattr(cls, "forward", None))
+    members = [d for m in modules for d in (m._parameters, m._buffers, m._modules) if d]
+    for d in members:
+        check.terms.append(f"len({check.hold('members', d)}) == {len(d)}")
+
+
+def read_facts(
+    check: "_CheckSource", modules: Sequence[Any], paths: Sequence[tuple[int, Sequence[str]]]
+) -> None:
+    """Terms of ``check`` for the values at ``paths`` (submodule index, attribute path) that
+    the trace read off ``modules``."""
     for index, path in paths:
         module = modules[index]
         value = _value_at(module, path)
         if value is _GONE and len(path) == 1:  # read as absent: set on the instance later
             check.terms.append(f"{path[0]!r} not in {check.hold('attributes', vars(module))}")
         else:
-            check.same(check.read(module, path), value)
-    members = [d for m in modules for d in (m._parameters, m._buffers, m._modules) if d]
-    for d in members:
-        check.terms.append(f"len({check.hold('members', d)}) == {len(d)}")
+            same_value(check, check.read(module, path), value)
+
+
+def same_value(check: "_CheckSource", code: str, value: Any) -> None:
+    """A term for a value the trace read, as ``same``; a list, tuple or dict holding objects,
+    or an object (a hook's settings), compared by its contents (``contents_of``), since an object
+    can change in place where its holder stays the same."""
+    if _holds_objects(value) and (type(value) in (list, tuple, dict) or _is_object(value)):
+        held = check.hold("value", contents_of(value))
+        check.terms.append(f"{check.hold('value', contents_of)}({code}) == {held}")
+    else:
+        check.same(code, value)

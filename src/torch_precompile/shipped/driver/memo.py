@@ -30,7 +30,9 @@ from torch_precompile.shipped.driver.guards import (
     _HANDLES,
     _CheckSource,
     module_facts,
+    read_facts,
     registration_counter,
+    same_value,
     tensor_guard,
 )
 from torch_precompile.shipped.driver.refusals import GLOBAL_HOOKS, MODULE_HOOKS, TENSOR_HOOKS
@@ -65,7 +67,8 @@ def module_check(
     globals (submodules included); the models themselves are its arguments, so it does not
     keep them alive."""
     check = _CheckSource(models)
-    module_facts(check, walked.submodules, paths)
+    module_facts(check, walked.submodules)
+    read_facts(check, walked.submodules, paths)
     hooks = [d for m in walked.submodules for _, a in MODULE_HOOKS if (d := getattr(m, a))]
     hooks += [d for _, a in GLOBAL_HOOKS if (d := getattr(torch.nn.modules.module, a))]
     hooks += [
@@ -80,7 +83,7 @@ def module_check(
         check.terms.append(f"len({now}) == {len(d)}")
         check.terms.append(f"all(map({same_objects}, {now}.values(), {held}))")
         for _, _, read in (v for hook in d.values() for v in model.hook_values(hook)):
-            check.same(f"{check.hold('read', read)}()", read())
+            same_value(check, f"{check.hold('read', read)}()", read())
     return check.compiled()
 
 

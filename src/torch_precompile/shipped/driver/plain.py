@@ -196,9 +196,11 @@ class RememberedCall:
         self,
         check_models: Callable[..., tuple[list[Any], list[Any]]] | None,
         reads: Sequence[tuple[int, Sequence[str]]] = (),
+        terms: Callable[..., None] | None = None,
     ) -> None:
         self.check_models: Any = check_models
         self.reads = reads  # (submodule index, attribute path) of each value the trace read
+        self.read_terms = terms  # the terms of the remembered check for them (read_facts)
         self.entries: dict[tuple[int, ...], _CheckedModels] = {}
         self.lock = threading.Lock()
         self.registrations = registration_counter()
@@ -217,7 +219,11 @@ class RememberedCall:
         if entry is not None and entry.unchanged(models, self.registrations[0]):
             return entry.tensors
         tensors, modules = self.check_models(*models)
-        entry = _CheckedModels(models, tensors, modules, self.registrations[0], self.reads)
+        check = _CheckSource(models)
+        module_facts(check, modules)
+        if self.read_terms is not None:
+            self.read_terms(check, modules, self.reads)
+        entry = _CheckedModels(models, tensors, check.compiled(), self.registrations[0])
         if entry.guard is not None:
             with self.lock:
                 if len(self.entries) >= self.SIZE:
@@ -235,17 +241,14 @@ class _CheckedModels:
         self,
         models: Sequence[Any],
         tensors: list[Any],
-        modules: list[Any],
+        facts_hold: Callable[..., bool],
         registrations: int,
-        reads: Sequence[tuple[int, Sequence[str]]],
     ) -> None:
         self.models = [weakref.ref(m) for m in models]
         self.registrations = registrations
         self.hook_handles = _HANDLES.next_id
         self.tensors = tensors  # handed out as is: no call mutates it
-        check = _CheckSource(models)
-        module_facts(check, modules, reads)
-        self.facts_hold = check.compiled()
+        self.facts_hold = facts_hold
         self.guard = tensor_guard(tensors)
 
     def unchanged(self, models: Sequence[Any], registrations: int) -> bool:

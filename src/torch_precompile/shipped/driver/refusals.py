@@ -505,8 +505,6 @@ def check_input(plan: LeafPlan, leaf: Any, backend: str, sizes: Any = None) -> t
         raise dense_error(f"input {name}", leaf)
     if plan.requires_grad is not None and leaf.requires_grad != plan.requires_grad:
         raise PrecompileError(_requires_grad_message(f"input {name}", plan.requires_grad))
-    if plan.read:
-        check_reads(plan, leaf)
     if isinstance(plan.strides, str):  # an input with dynamic dims: its memory format
         sizes.check_memory_format(leaf, plan.strides, f"input {name}")
     elif plan.strides is not None:
