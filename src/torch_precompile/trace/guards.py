@@ -25,7 +25,7 @@ import torch
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.tracing import FakeTensor, TorchDispatchMode
 from torch_precompile.trace.checks import MAX_LITERAL_ELEMENTS
-from torch_precompile.trace.listening import Listeners
+from torch_precompile.trace.listening import Listeners, wrap_tensor_methods
 
 aten = torch.ops.aten
 _SKIPPED_ROOTS = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
@@ -263,20 +263,7 @@ _VALUE_METHODS = ("tolist", "numpy")
 def _patch_value_reads() -> Callable[[], None]:
     """Wrap ``Tensor.tolist`` and ``Tensor.numpy`` so that a read reports to this thread's
     innermost recorder; return what undoes it."""
-    saved = {
-        name: (name in vars(torch.Tensor), getattr(torch.Tensor, name)) for name in _VALUE_METHODS
-    }
-    for name, (_, original) in saved.items():
-        setattr(torch.Tensor, name, _reporting(name, original))
-
-    def undo() -> None:
-        for name, (own, original) in saved.items():
-            if own:
-                setattr(torch.Tensor, name, original)
-            else:
-                delattr(torch.Tensor, name)
-
-    return undo
+    return wrap_tensor_methods(_VALUE_METHODS, _reporting)
 
 
 def _reporting(name: str, original: Callable[..., Any]) -> Callable[..., Any]:

@@ -9,8 +9,10 @@ reports to its own thread's innermost listener, so other threads only pay a look
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
+
+import torch
 
 Listener = TypeVar("Listener")
 
@@ -52,3 +54,23 @@ class Listeners(Generic[Listener]):
             self.local.stack = []
         stack: list[Listener] = self.local.stack
         return stack
+
+
+def wrap_tensor_methods(
+    names: Iterable[str], wrapped: Callable[[str, Callable[..., Any]], Callable[..., Any]]
+) -> Callable[[], None]:
+    """Set ``wrapped(name, original)`` as each method ``name`` of ``torch.Tensor`` (a patch
+    for ``Listeners``); return what puts the originals back (a method torch.Tensor inherits
+    is deleted again rather than set)."""
+    saved = {name: (name in vars(torch.Tensor), getattr(torch.Tensor, name)) for name in names}
+    for name, (_, original) in saved.items():
+        setattr(torch.Tensor, name, wrapped(name, original))
+
+    def undo() -> None:
+        for name, (own, original) in saved.items():
+            if own:
+                setattr(torch.Tensor, name, original)
+            else:
+                delattr(torch.Tensor, name)
+
+    return undo

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from torch_precompile.errors import PrecompileError
-from torch_precompile.trace.listening import Listeners
+from torch_precompile.trace.listening import Listeners, wrap_tensor_methods
 from torch_precompile.trace.reads import PACKAGE_ROOT, TORCH_ROOT
 
 # Each method fn may read, and the property of the call's tensor the artifact compares.
@@ -90,20 +90,7 @@ class TensorReads:
 
 def _patch() -> Callable[[], None]:
     """Wrap the methods of ``_PROPERTIES`` on ``torch.Tensor``; return what undoes it."""
-    saved = {
-        name: (name in vars(torch.Tensor), getattr(torch.Tensor, name)) for name in _PROPERTIES
-    }
-    for name, (_, original) in saved.items():
-        setattr(torch.Tensor, name, _reporting(name, original))
-
-    def undo() -> None:
-        for name, (own, original) in saved.items():
-            if own:
-                setattr(torch.Tensor, name, original)
-            else:
-                delattr(torch.Tensor, name)
-
-    return undo
+    return wrap_tensor_methods(_PROPERTIES, _reporting)
 
 
 def _reporting(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
