@@ -15,7 +15,7 @@ import torch
 
 from torch_precompile import PrecompileError, precompile
 
-from conftest import BACKENDS
+from conftest import BACKENDS, run_python
 
 
 def _scaled(flag: bool, out: torch.Tensor) -> torch.Tensor:
@@ -124,3 +124,34 @@ def test_an_address_fn_reads_is_refused_at_capture() -> None:
         precompile(lambda m, x: m(x) * (2 if x.data_ptr() % 64 == 0 else 3), model, x)
     for t, saved in zip((model.weight, model.bias, x), before, strict=True):
         torch.testing.assert_close(t, saved, rtol=0, atol=0)
+
+
+_FRESH = """
+    import torch
+    namespace = {{}}
+    exec(open({code!r}).read(), namespace)
+    forward = namespace["forward"]
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(4, 4), torch.randn(4, 4)
+    with torch.no_grad():
+        expected = model(x) * 2.0
+        torch.testing.assert_close(forward(model, x), expected)
+        try:
+            forward(model, x.t().contiguous().t())
+        except Exception as error:
+            print(type(error).__name__, error)
+"""
+
+
+def test_a_fresh_process_with_torch_alone_checks_the_read(tmp_path: Any) -> None:
+    """The check is the artifact's own: a process with only torch, running the emitted
+    source, refuses the transposed input as the package's load does."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        code, _ = precompile(by_contiguous, model, torch.randn(4, 4), backend="eager")
+    path = tmp_path / "artifact.py"
+    path.write_text(code)
+    done = run_python(_FRESH.format(code=str(path)), block_package=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("PrecompileError input x: fn read its strides at "), done.stdout
