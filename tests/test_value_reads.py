@@ -1036,6 +1036,7 @@ class Gate(torch.nn.Module):
         self.fc = torch.nn.Linear(3, 3)
         self.on = True
         self.scale = 2.0
+        self.gain = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(x)
@@ -1052,13 +1053,15 @@ class HookSettings:
 
 
 class Looped(torch.nn.Module):
-    """Reads values through objects in lists, dicts and tuples, and off the layers a loop
-    takes from a ModuleList (``layer.scale``, ``getattr(layer, "skip", False)``)."""
+    """Reads values through objects in lists, dicts and tuples, off the layers a loop takes
+    from a ModuleList (``layer.scale``, ``getattr(layer, "skip", False)``), and off a
+    submodule named or indexed (``self.head.gain``, ``self.layers[1].gain``)."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layers = torch.nn.ModuleList(Gate() for _ in range(2))
+        self.head = Gate()
         self.specs = [Helper(2.0)]
         self.named = {"out": Helper(1.5)}
         self.pair = (Helper(1.0),)
@@ -1072,6 +1075,7 @@ class Looped(torch.nn.Module):
             x = layer(x) * layer.scale
         for spec in self.pair:
             x = spec.apply(x)
+        x = self.head(x) * self.head.gain * self.layers[1].gain
         return self.specs[0].apply(x) * self.named["out"].k
 
 
@@ -1098,6 +1102,14 @@ LOOPED_CHANGES = {
         lambda m: setattr(m.layers[1], "skip", True),
         r"attribute 'skip' of module 'layers\.1' is True, but was missing",
     ),
+    "submodule-attribute": (
+        lambda m: setattr(m.head, "gain", 3.0),
+        r"attribute 'gain' of module 'head' is 3\.0, but was 1\.0",
+    ),
+    "indexed-submodule-attribute": (
+        lambda m: setattr(m.layers[1], "gain", 3.0),
+        r"attribute 'gain' of module 'layers\.1' is 3\.0, but was 1\.0",
+    ),
     "hook-object": (
         lambda m: setattr(m.hook_settings.inner, "k", 3.0),
         r"module 'layers\.1' has hooks forward: test_value_reads\.HookSettings "
@@ -1120,8 +1132,9 @@ def test_values_out_of_the_attribute_chains_sight_are_checked(
     looped_run: Callable[..., Any], case: str
 ) -> None:
     """An object's value read through a list, dict or tuple attribute, a layer's value read
-    off the loop variable of ``for layer in self.layers`` (present or absent at capture), and
-    a hook object's setting one object down: each changed in place after a passing call is
+    off the loop variable of ``for layer in self.layers`` (present or absent at capture) or
+    off a submodule (``self.head.gain``, ``self.layers[1].gain``), and a hook object's
+    setting one object down: each changed in place after a passing call is
     refused, with nothing written, and set back the call agrees with eager again. Before:
     each gave the capture's result with no error."""
     change, refused = LOOPED_CHANGES[case]

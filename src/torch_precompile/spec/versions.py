@@ -144,8 +144,8 @@ SCHEMA_HISTORY = (
         "Read values gain the encoded kind object: an object of the user's held in a list, "
         "tuple or dict that was read, by its class's qualified name and the plain values it "
         "holds, two objects deep (('object', ('pkg.Spec', (('s', ('const', 2.0)),)))). A read "
-        "may name an attribute of a submodule that the code read off a loop variable "
-        "(layer.scale in for layer in self.layers).",
+        "may name an attribute of a submodule that the code read through it (self.block.scale), "
+        "through an index or off a loop variable (layer.scale in for layer in self.layers).",
     ),
     SchemaChange(
         (10, 4),

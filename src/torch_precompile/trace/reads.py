@@ -14,14 +14,14 @@ driver compares them at every call. A path that ends on an object (``c = self.co
 ``helper(x, self.config)``) records every plain value the object holds, since what is read off
 it later is out of sight; so does a method called on a plain object (``self.helper.apply(x)``),
 and ``vars(self)`` records the instance's; an object of the user's in a list, tuple or dict
-read is recorded in it by its class and values. A name read off a loop variable (``layer.scale``
-in ``for layer in self.layers``) is recorded on every submodule below the module whose code
-reads it. ``hasattr(self, "x")`` or ``getattr(self, "x",
-default)`` of an attribute the module lacks records it as absent; ``type(self).x`` and a
-classmethod's ``cls.x`` read the class. Reads are found by reading each function's bytecode, so
-a name used only in a branch the trace did not take is checked too (a stricter check, never a
-missed one). Values held elsewhere (a closure cell, an object passed in) are the caller's to
-keep; see docs/CONTRACT.md.
+read is recorded in it by its class and values. An attribute name read off anything but
+``self`` (``layer.scale`` in ``for layer in self.layers``, ``self.block.scale``) is recorded
+on every submodule below the module whose code reads it that holds a value under it.
+``hasattr(self, "x")`` or ``getattr(self, "x", default)`` of an attribute the module lacks
+records it as absent; ``type(self).x`` and a classmethod's ``cls.x`` read the class. Reads
+are found by reading each function's bytecode, so a name used only in a branch the trace did
+not take is checked too (a stricter check, never a missed one). Values held elsewhere (a
+closure cell, an object passed in) are the caller's to keep; see docs/CONTRACT.md.
 """
 
 from __future__ import annotations
@@ -81,9 +81,10 @@ class _CodeReads:
     paths: tuple[tuple[tuple[str, ...], int], ...]
     globals: tuple[tuple[tuple[str, ...], int], ...]
     closed_over: tuple[tuple[str, int], ...] = ()  # free variables it loads
-    # Names read off other locals (``layer.scale``, ``getattr(layer, "on", True)``): whether
-    # by getattr or hasattr with a default, and the line.
-    off_locals: tuple[tuple[str, bool, int], ...] = ()
+    # Attribute names the code reads off anything (``layer.scale`` in a loop,
+    # ``self.layers[0].scale``, ``self.block.scale``, ``getattr(layer, "on", True)``): whether
+    # by getattr or hasattr with a constant name, and the line.
+    off_others: tuple[tuple[str, bool, int], ...] = ()
 
 
 class ReadRecorder:
@@ -147,8 +148,8 @@ class ReadRecorder:
             return
         where = f"{Path(code.co_filename).name}:{{}} ({code.co_name})"
         owner = frame.f_locals.get(reads.self_name) if reads.self_name else None
-        if reads.off_locals and isinstance(owner, torch.nn.Module) and id(owner) in self.index:
-            self._read_off_submodules(owner, reads.off_locals, where)
+        if reads.off_others and isinstance(owner, torch.nn.Module) and id(owner) in self.index:
+            self._read_off_submodules(owner, reads.off_others, where)
         if reads.paths:
             index = self.index.get(id(owner))
             if index is None and isinstance(owner, type):  # a classmethod's ``cls``
@@ -185,16 +186,19 @@ class ReadRecorder:
     def _read_off_submodules(
         self, owner: torch.nn.Module, reads: Sequence[tuple[str, bool, int]], where: str
     ) -> None:
-        """Names read off a local in a method of ``owner`` (``for layer in self.layers:``
-        then ``layer.scale`` or ``getattr(layer, "on", True)``): which submodule the local
-        held is out of sight, so each submodule below ``owner`` holding a value under the name
-        has it read (and, for getattr and hasattr, each lacking one has it read as absent)."""
+        """Attribute names read in a method of ``owner`` off something other than ``self``
+        (``for layer in self.layers:`` then ``layer.scale`` or ``getattr(layer, "on", True)``;
+        ``self.layers[0].scale``; ``self.block.scale``): which submodule that was is out of
+        sight, so each submodule below ``owner`` holding a value under the name has it read
+        (and, for getattr and hasattr, each lacking one has it read as absent)."""
         for module in owner.modules():
             index = self.index.get(id(module))
             if module is owner or index is None:
                 continue
             for name, by_call, line in reads:
-                if by_call or name in vars(module):
+                held = vars(module).get(name, _UNSEEN)
+                # A plain value only: an object or a tensor under a common name is no setting.
+                if (by_call and held is _UNSEEN) or encode_read(held) is not None:
                     self._module_read(index, (name,), where.format(line))
 
     def _module_read(self, index: int, path: tuple[str, ...], where: str) -> None:
@@ -227,6 +231,10 @@ class ReadRecorder:
                 # on the instance or patched into the class later would go unseen.
                 named: EncodedValue = ("callable", qualified_name(method))
                 self.reads[key] = ReadValue(index, None, path[:1], named, where)
+                return
+            elif depth == 0 and len(path) > 1 and (child := _child(module, name)) is not None:
+                if id(child) in self.index:  # ``self.block.scale``: the submodule's own value
+                    self._module_read(self.index[id(child)], path[1:], where)
                 return
             elif depth == 0 and _absent(module, name):
                 # ``if hasattr(self, "scale")``, ``getattr(self, "mult", 1.0)``: one set
@@ -340,6 +348,11 @@ def _class_value(cls: type, name: str) -> Any:
     return _UNSEEN
 
 
+def _child(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    """The submodule ``module`` registered as ``name``, if any (no property is run)."""
+    return dict(module.named_children()).get(name)
+
+
 def _absent(module: torch.nn.Module, name: str) -> bool:
     """Whether ``module`` has nothing under ``name``: no attribute, member or class value."""
     held = vars(module)
@@ -441,36 +454,40 @@ def _code_reads(code: types.CodeType) -> _CodeReads | None:
     paths: dict[tuple[str, ...], int] = {}
     names: dict[tuple[str, ...], int] = {}
     closed_over: dict[str, int] = {}
-    off_locals: dict[tuple[str, bool], int] = {}
+    off_others: dict[tuple[str, bool], int] = {}
     line = code.co_firstlineno
     instructions = list(dis.get_instructions(code))
+    chained: set[int] = set()  # attribute loads that a path off self or a global holds
     for i, instruction in enumerate(instructions):
         line = (instruction.positions and instruction.positions.lineno) or line
         if (name := _global_named(instruction)) is not None and users:  # a library's are its own
-            names.setdefault((name, *_attribute_chain(instructions, i + 1)), line)
+            chain = tuple(_attribute_chain(instructions, i + 1))
+            chained.update(range(i + 1, i + 1 + len(chain)))
+            names.setdefault((name, *chain), line)
         elif _loads_last(instruction) == self_name:
-            path = (
-                tuple(_attribute_chain(instructions, i + 1))
-                or _named_by_call(instructions, i)
-                or _type_of(instructions, i)
-            )
+            chain = tuple(_attribute_chain(instructions, i + 1))
+            chained.update(range(i + 1, i + 1 + len(chain)))
+            path = chain or _named_by_call(instructions, i) or _type_of(instructions, i)
             if path and path[0] not in _NOT_READS and not (in_torch and path[0] == "__dict__"):
                 paths.setdefault(path, line)
         elif users and instruction.opname == "LOAD_DEREF" and instruction.argval in frees:
             closed_over.setdefault(instruction.argval, line)
         elif users and _loads_last(instruction) is not None:
-            chain = tuple(_attribute_chain(instructions, i + 1))[:1]
-            for name in chain or _named_by_call(instructions, i):
-                if name not in _NOT_READS:
-                    off_locals.setdefault((name, not chain), line)
-    if not paths and not names and not closed_over and not off_locals:
+            for name in _named_by_call(instructions, i):  # getattr(layer, "on", True)
+                off_others.setdefault((name, True), line)
+        elif users and instruction.opname in _ATTR_LOADS and i not in chained:
+            name = instruction.argval  # .scale off a loop variable, an item, a call's result
+            name = name[1] if isinstance(name, tuple) else name
+            if isinstance(name, str) and name not in _NOT_READS:
+                off_others.setdefault((name, False), line)
+    if not paths and not names and not closed_over and not off_others:
         return None
     return _CodeReads(
         self_name,
         tuple(paths.items()),
         tuple(names.items()),
         tuple(closed_over.items()),
-        tuple((name, by_call, line) for (name, by_call), line in off_locals.items()),
+        tuple((name, by_call, line) for (name, by_call), line in off_others.items()),
     )
 
 
