@@ -155,3 +155,21 @@ def test_a_fresh_process_with_torch_alone_checks_the_read(tmp_path: Any) -> None
     done = run_python(_FRESH.format(code=str(path)), block_package=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("PrecompileError input x: fn read its strides at "), done.stdout
+
+
+def test_a_flag_the_traced_copy_lacks_is_refused_at_capture() -> None:
+    """fn is traced on a copy of each input, laid out as the example but without its
+    inference bit: a branch on ``is_inference()`` would be decided for the copy, not for the
+    example, so capture refuses it and says how to pass the example."""
+    model = torch.nn.Linear(4, 4)
+    example = _inference(torch.randn(4, 4))
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            PrecompileError,
+            match=r"fn reads is_inference\(\) of an input at test_tensor_reads\.py:\d+ "
+            r"\(by_inference\), and the trace runs fn on a copy of the example, where it "
+            r"gives False, not True",
+        ),
+    ):
+        precompile(by_inference, model, example, backend="eager")

@@ -435,7 +435,7 @@ def _flat_function(
                     flat[: layout.num_params], copied=bool(layout.optimizers)
                 ),
                 watch.seeds,
-                watch.tensor_reads.watching(placed),
+                watch.tensor_reads.watching(placed, inputs.leaves),
                 plain_checkpoints(),
                 padded_lengths_in_python(),
             ):

@@ -50,11 +50,17 @@ class TensorReads:
 
     def __init__(self) -> None:
         self.watched: dict[int, int] = {}  # id of a tensor fn gets: its position
+        self.examples: Sequence[Any] = ()  # the caller's examples, by position
         self.found: dict[int, dict[str, tuple[Any, str]]] = {}
 
     @contextmanager
-    def watching(self, tensors: Sequence[tuple[int, torch.Tensor]]) -> Iterator[None]:
+    def watching(
+        self, tensors: Sequence[tuple[int, torch.Tensor]], examples: Sequence[Any]
+    ) -> Iterator[None]:
+        """Watch ``tensors`` (position, the tensor fn gets: a copy of the one in
+        ``examples``, laid out alike, but without an inference or negative bit it may have)."""
         self.watched = {id(t): position for position, t in tensors}
+        self.examples = examples
         TENSOR_READS.enter(self)
         try:
             yield
@@ -63,12 +69,20 @@ class TensorReads:
             self.watched = {}
 
     def read(self, tensor: torch.Tensor, method: str, where: str) -> None:
-        name = _PROPERTIES[method]
-        value = property_of(tensor, name)
-        if not all(type(v) in (int, bool) for v in (value if name == "stride" else (value,))):
+        name, position = _PROPERTIES[method], self.watched[id(tensor)]
+        traced = property_of(tensor, name)
+        if not all(type(v) in (int, bool) for v in (traced if name == "stride" else (traced,))):
             return  # symbolic strides (dims marked dynamic): the shape environment's guards
-        reads = self.found.setdefault(self.watched[id(tensor)], {})
-        reads.setdefault(name, (value, where))
+        reads = self.found.setdefault(position, {})
+        flag = name in ("is_inference", "is_neg", "is_conj")  # what a copy does not keep
+        if flag and name not in reads and traced != property_of(self.examples[position], name):
+            raise PrecompileError(
+                f"fn reads {method}() of an input at {where}, and the trace runs fn on a copy "
+                f"of the example, where it gives {traced!r}, not {not traced!r}: the artifact "
+                "would decide as for the copy. Pass the example as a normal tensor (.clone() "
+                "outside torch.inference_mode(), .resolve_neg(), .resolve_conj())."
+            )
+        reads.setdefault(name, (traced, where))
 
     def records(self, position: int) -> tuple[tuple[str, Any, str], ...]:
         """The reads of the tensor at ``position``: (property, value, where)."""
