@@ -100,6 +100,8 @@ def test_a_property_fn_reads_of_an_input_is_checked(backend: str, read: str) -> 
         torch.testing.assert_close(run(model, example.clone()), fn(model, example))
     expected = "stride" if read == "is_contiguous" else read
     assert [r[0] for r in precompile.inspect(code).inputs[0].read] == [expected]
+    header = " ".join(line.removeprefix("# ") for line in code.splitlines()[:30])
+    assert f"what fn's code read of one (x: {expected})" in header  # what a reader is told
 
 
 def test_reads_torchs_own_code_makes_are_not_recorded() -> None:

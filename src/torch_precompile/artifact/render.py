@@ -75,7 +75,8 @@ _HEADER = """\
 
 _CHECKS = (
     "Checked at every call: the number of arguments, the structure of the inputs, each input "
-    "tensor's shape, dtype and device{values}{models}.{reads} Autocast, the default dtype, "
+    "tensor's shape, dtype and device{inputs_read}{values}{models}.{reads} Autocast, the "
+    "default dtype, "
     "deterministic algorithms and active modes must be as at capture{settings}.{optimizers}"
     "{subclasses}{data_parallel}{layout} "
     "Yours to keep: control flow and data-dependent decisions follow the example the "
@@ -578,7 +579,10 @@ def _checks(specs: Sequence[ArtifactSpec]) -> str:
         return text if applies else ""
 
     settings = list(dict.fromkeys(name for spec in specs for name in settings_read(spec)))
+    leaves = [leaf for spec in specs for leaf in spec.inputs]
+    inputs_read = list(dict.fromkeys(f"{t.path}: {r[0]}" for t in leaves for r in t.read))
     text = _CHECKS.format(
+        inputs_read=note(bool(inputs_read), f", what fn's code read of one ({few(inputs_read)})"),
         values=note(any(leaf.kind == "value" for s in specs for leaf in s.inputs), _VALUES_NOTE),
         models=note(bool(specs[0].model_names), _MODELS_NOTE),
         reads=note(anywhere("read_values"), _READS_NOTE),

@@ -70,6 +70,8 @@ class TensorReads:
 
     def read(self, tensor: torch.Tensor, method: str, where: str) -> None:
         name, position = _PROPERTIES[method], self.watched[id(tensor)]
+        if tensor.layout is not torch.strided or tensor.is_nested:
+            return  # no strides to read (every call's input is checked dense, as at capture)
         traced = property_of(tensor, name)
         if not all(type(v) in (int, bool) for v in (traced if name == "stride" else (traced,))):
             return  # symbolic strides (dims marked dynamic): the shape environment's guards

@@ -200,7 +200,7 @@ class RememberedCall:
     ) -> None:
         self.check_models: Any = check_models
         self.reads = reads  # (submodule index, attribute path) of each value the trace read
-        self.read_terms = terms  # the terms of the remembered check for them (read_facts)
+        self.read_terms = terms  # what adds their terms to the remembered check, if any
         self.entries: dict[tuple[int, ...], _CheckedModels] = {}
         self.lock = threading.Lock()
         self.registrations = registration_counter()
