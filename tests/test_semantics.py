@@ -136,6 +136,18 @@ def test_several_models_get_qualified_names(backend: str, artifacts) -> None:
     assert [t.name for t in spec.buffers] == ["m1.scale"]
 
 
+def test_refusals_name_the_model_argument_by_its_name(backend: str, artifacts) -> None:
+    run = artifacts.load("two_models", backend)
+    encoder, x, head = WORKLOADS["two_models"].args()
+    head.eval()
+    with pytest.raises(PrecompileError, match=r"^model argument head is in eval mode"):
+        run(encoder, x, head)
+    head.train()
+    head.out.register_forward_hook(lambda *_: None)
+    with pytest.raises(PrecompileError, match=r"^module 'out' of model argument head has hooks"):
+        run(encoder, x, head)
+
+
 def test_frozen_and_unused_parameters_keep_no_grad(backend: str, artifacts) -> None:
     spec = precompile.inspect(artifacts.pair("frozen", backend)[0])
     assert [t.name for t in spec.model if t.gets_grad] == ["fc2.weight", "fc2.bias"]

@@ -412,7 +412,7 @@ def _checked_modes(model: ModelPlan, models: Sequence[torch.nn.Module]) -> list[
     for (name, module), (_, training), cls, forward in zip(
         found, model.submodules, model.classes, model.forwards, strict=True
     ):
-        check_module(module, name, cls, forward, training)
+        check_module(module, name, cls, forward, training, model.names)
     return [module for _, module in found]
 
 
@@ -423,7 +423,7 @@ def check_hooks(model: ModelPlan, walked: WalkedModels) -> None:
     ):
         now = hook_sets(module, MODULE_HOOKS, model.hook_values)
         if now != captured:
-            raise hooks_error(_shown_module(name), captured, now)
+            raise hooks_error(_shown_module(name, model.names), captured, now)
     now = hook_sets(torch.nn.modules.module, GLOBAL_HOOKS, model.hook_values)
     if now != model.global_hooks:
         raise hooks_error(GLOBAL_HOOKS_OWNER, model.global_hooks, now)

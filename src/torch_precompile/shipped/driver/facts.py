@@ -26,7 +26,7 @@ class PythonFacts:
         spec = driver.spec
         names = [s.name for s in spec.submodules]
         self.module_reads = [
-            (r, module_read_name(names[r.submodule], r.path))
+            (r, module_read_name(names[r.submodule], r.path, driver.model.names))
             for r in spec.read_values
             if r.submodule is not None
         ]

@@ -118,7 +118,17 @@ def check_layout(
     )
 
 
-def _shown_module(name: str) -> str:
+def _shown_module(name: str, arguments: Sequence[str] = ()) -> str:
+    """A submodule by its walk name. With several model arguments (``arguments``, their names)
+    the walk names a submodule ``m<index>.<name>``: shown by the argument's own name."""
+    if len(arguments) > 1:
+        head, _, name = name.partition(".")
+        argument = arguments[int(head[1:])]
+        return (
+            f"module {name!r} of model argument {argument}"
+            if name
+            else f"model argument {argument}"
+        )
     return f"module {name!r}" if name else "the model"
 
 
@@ -650,21 +660,28 @@ def submodules_differ(names: Sequence[str], captured: Sequence[str]) -> Precompi
 
 
 def check_module(
-    module: Any, name: str, cls: str | None, forward: str | None = None, training: bool = True
+    module: Any,
+    name: str,
+    cls: str | None,
+    forward: str | None = None,
+    training: bool = True,
+    arguments: Sequence[str] = (),
 ) -> None:
-    """One submodule (``name`` in the walk) against its captured class, forward and mode."""
+    """One submodule (``name`` in the walk of the model ``arguments``) against its captured
+    class, forward and mode."""
+    shown = _shown_module(name, arguments)
     if cls is not None and qualified_name(type(module)) != cls:
         raise PrecompileError(
-            f"{_shown_module(name)} is a {qualified_name(type(module))}, but was a {cls} at "
+            f"{shown} is a {qualified_name(type(module))}, but was a {cls} at "
             "capture: the artifact runs the code the captured class ran. Pass a model "
             "built like the example, or precompile again with this one."
         )
     if cls is not None and forward_name(module) != forward:
-        raise forward_error(_shown_module(name), forward, forward_name(module))
+        raise forward_error(shown, forward, forward_name(module))
     if module.training != training:
         mode, fix = ("training", ".train()") if training else ("eval", ".eval()")
         raise PrecompileError(
-            f"{_shown_module(name)} is in {'training' if module.training else 'eval'} mode, "
+            f"{shown} is in {'training' if module.training else 'eval'} mode, "
             f"but was captured in {mode} mode (dropout and BatchNorm behave differently). Call "
             f"{fix} on the model before calling the artifact, or precompile again in this "
             "mode."
