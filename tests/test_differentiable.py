@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -486,6 +488,26 @@ def test_module_backward_hooks_leave_results_without_history_and_say_so() -> Non
     run = precompile.load(code, None)
     with pytest.warns(UserWarning, match="backward hooks"):
         assert run(model, torch.randn(6, 4)).grad_fn is None
+
+
+def test_results_that_need_no_history_build_no_backward_and_warn_of_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def detached(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).detach() * 2
+
+    model = Net()
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        code = precompile(detached, model, torch.randn(6, 4), backend="eager").code
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    record = precompile.inspect(code).autograd
+    assert record.unavailable is None and record.outputs == ()
+    run = precompile.load(code, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as eager: a result without history, and no word
+        y = run(model, x := torch.randn(6, 4))
+    assert y.grad_fn is None
+    torch.testing.assert_close(y, detached(model, x))
 
 
 def test_the_module_form_refuses_bad_arguments_by_name() -> None:

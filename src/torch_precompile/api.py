@@ -409,6 +409,7 @@ def _with_backward(
 ) -> tuple[VariantGraphs, Autograd | None]:
     """The plain graph, and where fn runs no backward but its results would carry history,
     the forward and backward graphs that give them history (see ``trace.differentiable``)."""
+    from torch_precompile.internals.autograd import NoBackward
     from torch_precompile.lower import VariantGraphs
     from torch_precompile.trace import differentiable
 
@@ -435,6 +436,8 @@ def _with_backward(
         with progress.step(f"lowering the forward and backward with the {options.backend} backend"):
             forward = _lower(split.forward, options.backend, options.wrapper)
             backward = _lower(split.backward, options.backend, options.wrapper)
+    except NoBackward:  # as in eager, no result gets history: none needs a backward
+        return VariantGraphs(lowered), Autograd(inputs=tuple(inputs))
     except Exception as e:  # the plain graph serves every call that needs no history
         first = (str(e).strip().splitlines() or [""])[0][:200]
         log.warning(

@@ -22,7 +22,11 @@ if TYPE_CHECKING:
         ViewAndMutationMeta,
     )
 
-__all__ = ["SplitGraphs", "is_tangent", "returns_alias", "split_forward_backward"]
+__all__ = ["NoBackward", "SplitGraphs", "is_tangent", "returns_alias", "split_forward_backward"]
+
+
+class NoBackward(RuntimeError):
+    """No traced result depends on an input that requires grad: there is no backward."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ def split_forward_backward(
         if wanted:
             torch.autograd.backward(wanted, [torch.ones_like(o) for o in wanted])
     if "backward" not in graphs:
-        raise RuntimeError("AOTAutograd traced no backward graph")
+        raise NoBackward("no result depends on an input that requires grad")
     return SplitGraphs(graphs["forward"], graphs["backward"], outputs, written)
 
 
