@@ -557,6 +557,30 @@ def test_written_input_aliasing_another_is_refused(backend: str) -> None:
     agree(run, scale_x_read_y, (other, x, y), (other, x.clone(), y.clone()))
 
 
+def test_written_input_sharing_a_parameter_or_its_elements_is_refused(backend: str) -> None:
+    """fn writes x in place, then runs the model: x one with a weight (its .data, or the
+    parameter itself under no_grad) is refused, since eager's model would see the write
+    (before: the unwritten weight's result, no word); an expanded x is refused by name where
+    eager's in-place write fails (before: torch's own error from inside the graph)."""
+    model = mlp(0)
+    weight = model[0].weight  # (8, 4): x of its shape
+    run = build(scale_x_read_y, model, torch.randn(8, 4), new_x(), backend=backend)
+    for alias in (weight.data, weight):
+        with (
+            torch.no_grad(),
+            refused(r"input x shares memory with model parameter '0.weight' at this call", model),
+        ):
+            run(model, alias, new_x())
+    expanded = torch.randn(1, 4).expand(8, 4)
+    layout = "several of its elements" if backend == "eager" else "kernels assume strides"
+    with refused(rf"input x(: the compiled| is written in place).*{layout}", model):
+        run(model, expanded, new_x())
+    with pytest.raises(RuntimeError, match="more than one element"):  # as eager fails
+        scale_x_read_y(model, expanded, new_x())
+    x, y = torch.randn(8, 4), new_x()
+    agree(run, scale_x_read_y, (model, x, y), (model, x.clone(), y.clone()))
+
+
 def add_both(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return m(x) + m(y)
 

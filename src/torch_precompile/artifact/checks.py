@@ -89,7 +89,7 @@ def _steps(spec: ArtifactSpec, parts: Sequence[str]) -> list[str]:
     if spec.mutated:  # before an optimizer's state is installed or anything is written
         steps.append(
             "check_written_apart([*state, *inputs], driver.separate, driver.mutated, "
-            "driver.flat_name)  # written inputs apart in memory"
+            "driver.flat_name, driver.first_buffer)  # written inputs apart in memory"
         )
     steps.append("stage = 4")
     if "optimizers" in parts:

@@ -191,7 +191,10 @@ def _check_call(spec: ArtifactSpec, training: bool) -> list[str]:
         shown = few(sorted({global_name(r) for r in _global_reads(spec)}))
         steps.append(f"GLOBALS.check()  # the globals the trace read: {shown}")
     if _apart(spec):
-        steps.append("check_written_apart(flat, APART, WRITTEN, FLAT_NAMES.__getitem__)")
+        parameters = sum(t.kind == "parameter" for t in _interned(spec))
+        steps.append(
+            f"check_written_apart(flat, APART, WRITTEN, FLAT_NAMES.__getitem__, {parameters})"
+        )
     if spec.optimizers:
         optimizers = ", ".join(a.name for a in spec.args if a.is_optimizer)
         steps += [

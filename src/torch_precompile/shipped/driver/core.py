@@ -124,9 +124,9 @@ class Driver:
         # The flat inputs the graph writes, and the buffers and inputs they must not share
         # memory with (the graph takes them as separate tensors).
         self.mutated = set(spec.mutated)
-        first_buffer = len([t for t in self.model.interned if t.kind == "parameter"])
+        self.first_buffer = len([t for t in self.model.interned if t.kind == "parameter"])
         end = len(self.model.interned) + sum(p.is_tensor for p in self.leaves)
-        self.separate = written_apart(self.mutated, first_buffer, end)
+        self.separate = written_apart(self.mutated, self.first_buffer, end)
         self.rollback = sorted(self.mutated) if self.value_guards else []
         self.seed = spec.seed  # set inside fn before its first random draw
         # Optional parts: Any, since each is a class of another shipped module.

@@ -399,18 +399,61 @@ def check_written_apart(
     apart: Sequence[int],
     written: Collection[int],
     name: Callable[[int], str],
+    parameters: int = 0,
 ) -> None:
-    """Refuse a call where a tensor the graph writes shares memory with another input."""
+    """Refuse a call where a tensor the graph writes shares memory with another input, or
+    (a buffer or input written: after the first ``parameters``) with a parameter, or where
+    eager would refuse the write itself."""
     owner: dict[int, int] = {}
     for index in apart:
         tensor = flat[index]
         if not tensor.numel():
             continue
-        other = owner.setdefault(tensor.untyped_storage().data_ptr(), index)
+        storage = tensor.untyped_storage()
+        if index >= parameters and index in written:
+            _check_writable(tensor, name(index))
+            # Its storage held by no other tensor (the count is this tensor's hold and the
+            # storage object's), it cannot be a parameter's: the common case costs no walk.
+            if _STORAGE_USES(storage._cdata) > 2 or isinstance(tensor, torch.nn.Parameter):
+                _check_not_a_parameter(flat, index, storage.data_ptr(), parameters, name)
+        other = owner.setdefault(storage.data_ptr(), index)
         if other != index and (index in written or other in written):
             target, alias = (index, other) if index in written else (other, index)
             raise PrecompileError(
                 f"{name(target)} shares memory with {name(alias)} at this call, and the "
+                "artifact writes the first in place: eager fn would see the write through the "
+                "other, the graph (which takes them as separate tensors) would not. Pass "
+                "separate tensors (x.clone())."
+            )
+
+
+_STORAGE_USES = torch._C._storage_Use_Count
+
+
+def _check_writable(tensor: torch.Tensor, what: str) -> None:
+    """A tensor the graph writes in place must hold each element at an address of its own, as
+    eager's in-place operators insist (they raise before writing an expanded tensor)."""
+    if not tensor.is_contiguous() and any(
+        size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    ):
+        raise PrecompileError(
+            f"{what} is written in place by fn, and at this call several of its elements are "
+            f"one memory location (strides {tuple(tensor.stride())}, as .expand() makes): "
+            "eager fn would fail at that write. Pass a tensor of its own (x.clone())."
+        )
+
+
+def _check_not_a_parameter(
+    flat: Sequence[torch.Tensor],
+    index: int,
+    address: int,
+    parameters: int,
+    name: Callable[[int], str],
+) -> None:
+    for other in range(parameters):
+        if flat[other].numel() and flat[other].untyped_storage().data_ptr() == address:
+            raise PrecompileError(
+                f"{name(index)} shares memory with {name(other)} at this call, and the "
                 "artifact writes the first in place: eager fn would see the write through the "
                 "other, the graph (which takes them as separate tensors) would not. Pass "
                 "separate tensors (x.clone())."
