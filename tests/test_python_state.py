@@ -275,6 +275,38 @@ def test_an_attribute_of_a_global_object_fn_changes_is_refused_and_put_back(back
     assert STATS.calls == 0 and vars(STATS) == {"calls": 0}
 
 
+class Trainer:
+    """A training loop's object whose bound ``step`` is fn, counting its steps."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self, m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return m(x) * self.steps
+
+    __call__ = step
+
+
+@pytest.mark.parametrize("form", ["bound method", "callable object"])
+def test_an_attribute_of_the_object_fn_belongs_to_is_refused_and_put_back(
+    backend: str, form: str
+) -> None:
+    """Before: ``self.steps += 1`` in a trainer's bound step ran once, at capture, and stayed
+    (steps == 1); every call scaled by 1 while eager counted on."""
+    trainer = Trainer()
+    fn = trainer.step if form == "bound method" else trainer
+    shown = {
+        "bound method": r"the Trainer that fn \(Trainer\.step\) belongs to",
+        "callable object": r"fn \(Trainer\), a callable Trainer",
+    }[form]
+    with pytest.raises(
+        PrecompileError, match=rf"^fn changed attribute 'steps' of {shown}, while it was traced\."
+    ):
+        precompile(fn, torch.nn.Linear(4, 4), torch.randn(2, 4), backend=backend)
+    assert vars(trainer) == {"steps": 0}
+
+
 def test_an_object_fn_only_reads_passes_and_is_checked(backend) -> None:
     model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
     STATS.calls = 2

@@ -1462,6 +1462,51 @@ def test_values_fn_closes_over_are_named_at_capture(
     assert "act=" not in said[0] and "pass a value that may change as an argument" in said[0]
 
 
+class ScaledTrainer:
+    """A trainer whose bound step (or the object itself, called) reads a setting off self."""
+
+    def __init__(self) -> None:
+        self.scale = 2.0
+
+    def step(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x) * self.scale
+
+    __call__ = step
+
+
+class Setting:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+def step_with_setting(setting: Setting) -> Callable[..., Any]:
+    def step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x) * setting.scale
+
+    return step
+
+
+def test_values_of_objects_fn_holds_are_named_at_capture(
+    backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bound method's or a callable's own object, and an object fn closes over, are out of
+    any call's reach like a closure's values (before: nothing was said; a changed
+    ``trainer.scale`` gave the capture's result). Capture names what the graph holds."""
+    trainer = ScaledTrainer()
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        precompile(trainer.step, mlp(0), new_x(), backend=backend)
+        precompile(trainer, mlp(0), new_x(), backend=backend)
+        precompile(step_with_setting(Setting(3.0)), mlp(0), new_x(), backend=backend)
+    said = [r.getMessage() for r in caplog.records if "closes over" in r.getMessage()]
+    assert len(said) == 3, said
+    held = "fn reads values it closes over or holds (the object it is a method of): "
+    assert said[0].startswith(f"{held}ScaledTrainer.scale=2.0 (test_trace_facts.py:"), said
+    assert said[1].startswith(f"{held}ScaledTrainer.scale=2.0 (test_trace_facts.py:"), said
+    assert said[2].startswith(
+        "fn reads values it closes over: setting=test_trace_facts.Setting(scale=3.0) "
+    ), said
+
+
 def smoothed_step(label_smoothing: float) -> Callable[..., Any]:
     criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
 

@@ -132,6 +132,7 @@ def capture(
     layout = _read_layout(fn, args, backend, on_fakes)
     recorder, outputs = GuardRecorder(), _Outputs()
     watch = _Watch(layout)
+    watch.reads.hold(fn)
     refuse_unreplayable_modules(watch.named_submodules())
     flat_fn = _flat_function(fn, layout, recorder, outputs, watch)
     functions = [

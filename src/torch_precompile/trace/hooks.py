@@ -32,7 +32,7 @@ from torch_precompile.shipped.driver.refusals import (
 )
 from torch_precompile.spec import HookSet
 from torch_precompile.trace.python_state import Held, Slot
-from torch_precompile.trace.reads import users_file
+from torch_precompile.trace.reads import runs_as, users_file
 
 _SIDE_EFFECT_FIX = (
     "A hook or fn that keeps tensors or counts in Python objects would do so once, at "
@@ -138,6 +138,15 @@ def reachable_state(
     packages keep their own."""
     found: dict[int, Held] = {}
     for who, function in functions:
+        owner = runs_as(function)
+        if owner is not None:  # a trainer's ``self.steps += 1``
+            kind = type(owner).__name__
+            shown = (
+                f"attribute {{name!r}} of {who}, a callable {kind}"
+                if owner is function
+                else f"attribute {{name!r}} of the {kind} that {who} belongs to"
+            )
+            found.setdefault(id(owner), Held(vars(owner), shown))
         for current, by in _reached(function, who):
             for value, where in _named_values(current):
                 if _plain_object(value):

@@ -21,7 +21,9 @@ on every submodule below the module whose code reads it that holds a value under
 records it as absent; ``type(self).x`` and a classmethod's ``cls.x`` read the class. Reads
 are found by reading each function's bytecode, so a name used only in a branch the trace did
 not take is checked too (a stricter check, never a missed one). Values held elsewhere (a
-closure cell, an object passed in) are the caller's to keep; see docs/CONTRACT.md.
+closure cell, the object a bound method ``fn`` belongs to, an object passed in) are the
+caller's to keep: capture names those it saw read (``closure_report``); see
+docs/CONTRACT.md.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Any, cast
 import torch
 
 from torch_precompile.errors import PrecompileError
-from torch_precompile.shipped.driver.encoded import callable_name, code_digest
+from torch_precompile.shipped.driver.encoded import callable_name, code_digest, shown_now
 from torch_precompile.shipped.driver.refusals import qualified_name
 from torch_precompile.spec import EncodedValue, ReadValue
 from torch_precompile.trace.call_watch import CallWatch
@@ -111,7 +113,17 @@ class ReadRecorder:
         # capture names them (``closure_report``). Keyed by code and name; shown with where.
         self.closed_over: dict[tuple[Any, Any], str] = {}
         self.closure_modules: dict[int, str] = {}  # modules fn closes over (a criterion)
+        # Objects fn itself holds (a bound method's self, a callable object), by label: what
+        # their methods read off them is named too, as closure values are.
+        self.held_objects: dict[int, str] = {}
+        self.read_off_held = False  # whether a value read off one is named
         self.clocks: dict[str, str] = {}  # clock functions the user's code names, and where
+
+    def hold(self, fn: Callable[..., Any]) -> None:
+        """Note the object ``fn`` belongs to (``runs_as``): no call can reach it either."""
+        owner = runs_as(fn)
+        if owner is not None:
+            self.held_objects[id(owner)] = type(owner).__name__
 
     def __enter__(self) -> ReadRecorder:
         # Garbage-collection callbacks run inside any allocation; what they read is theirs.
@@ -168,10 +180,11 @@ class ReadRecorder:
                 elif held is not None:  # a global criterion's ``self.label_smoothing``
                     self._global_read(held[0], (held[1], *path), where.format(line))
                 elif enclosed is not None:  # a criterion fn closes over: only named
-                    value = _value_at(owner, path)
-                    if (id(owner), path) not in self.closed_over and _closure_value(value):
-                        shown = f"{'.'.join((enclosed, *path))}={value!r}"
-                        self.closed_over[id(owner), path] = f"{shown} ({where.format(line)})"
+                    self._name_closed_over(owner, enclosed, path, where.format(line))
+                elif id(owner) in self.held_objects:  # a trainer's ``self.scale``
+                    label = self.held_objects[id(owner)]
+                    self._name_closed_over(owner, label, path, where.format(line))
+                    self.read_off_held = True
         for path, line in reads.globals:
             self._global_read(frame.f_globals, path, where.format(line))
             if _reads_clock(frame.f_globals, path):
@@ -182,6 +195,17 @@ class ReadRecorder:
                 self.closure_modules.setdefault(id(value), name)  # its reads are named too
             elif (code, name) not in self.closed_over and _closure_value(value):
                 self.closed_over[code, name] = f"{name}={value!r} ({where.format(line)})"
+            elif (code, name) not in self.closed_over and _holds_settings(value):
+                # What fn reads off the object is out of sight: it is named whole.
+                shown = shown_now(value)
+                self.closed_over[code, name] = f"{name}={shown} ({where.format(line)})"
+
+    def _name_closed_over(self, owner: Any, label: str, path: tuple[str, ...], where: str) -> None:
+        """Name the plain value at ``path`` off ``owner`` (``label`` in the report)."""
+        value = _value_at(owner, path)
+        if (id(owner), path) not in self.closed_over and _closure_value(value):
+            shown = f"{'.'.join((label, *path))}={value!r}"
+            self.closed_over[id(owner), path] = f"{shown} ({where})"
 
     def _read_off_submodules(
         self, owner: torch.nn.Module, reads: Sequence[tuple[str, bool, int]], where: str
@@ -304,11 +328,12 @@ class ReadRecorder:
             return None
         values = list(self.closed_over.values())
         more = f" and {len(values) - 4} more" if len(values) > 4 else ""
+        held = " or holds (the object it is a method of)" if self.read_off_held else ""
         return (
-            f"fn reads values it closes over: {', '.join(values[:4])}{more}. The artifact "
-            "holds them as they are now and no call can reach them to check; pass a value "
-            "that may change as an argument of fn, or hold it (or the module that holds it, "
-            "a loss) in a global or a model argument: then every call checks it."
+            f"fn reads values it closes over{held}: {', '.join(values[:4])}{more}. The "
+            "artifact holds them as they are now and no call can reach them to check; pass a "
+            "value that may change as an argument of fn, or hold it (or the module that "
+            "holds it, a loss) in a global or a model argument: then every call checks it."
         )
 
     def clock_report(self) -> str | None:
@@ -421,6 +446,29 @@ def _value_at(owner: Any, path: Sequence[str]) -> Any:
     for name in path:
         value = getattr(value, "__dict__", {}).get(name, _UNSEEN)
     return value
+
+
+def runs_as(function: Any) -> Any:
+    """The object of the user's that ``function`` belongs to (a trainer whose bound ``step`` it
+    is, an object with ``__call__``), or None."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    owner = function.__self__ if isinstance(function, types.MethodType) else function
+    plain = not isinstance(
+        owner, types.FunctionType | types.BuiltinFunctionType | type | torch.nn.Module
+    )
+    file = getattr(sys.modules.get(type(owner).__module__), "__file__", None)
+    users = isinstance(file, str) and users_file(file)
+    return owner if plain and users and hasattr(owner, "__dict__") else None
+
+
+def _holds_settings(value: Any) -> bool:
+    """An object of the user's holding plain values (a config fn closes over)."""
+    return (
+        _is_plain_object(value)
+        and not _library_object(value)
+        and next(_object_values(value), None) is not None
+    )
 
 
 def _closure_value(value: Any) -> bool:
