@@ -1421,15 +1421,24 @@ def hooked(kind: str) -> tuple[nn.Module, Callable[[float], None], str]:
         hook = ScaleHook()
         model[0].register_forward_hook(hook)
         return model, functools.partial(setattr, hook, "k"), r"ScaleHook k=3\.0"
+    if kind == "closure-object":  # a callable object of the user's the hook closes over
+        scaler = ScaleHook()
+        model[0].register_forward_hook(lambda m, args, out: scaler(m, args, out))
+        return (
+            model,
+            functools.partial(setattr, scaler, "k"),
+            r"<lambda> scaler=ScaleHook\(k=3\.0\)",
+        )
     partial = functools.partial(scale_output, k=1.0)
     model[0].register_forward_hook(partial)
     return model, functools.partial(partial.keywords.__setitem__, "k"), r"scale_output k=3\.0"
 
 
-@pytest.mark.parametrize("kind", ["closure", "object", "partial"])
+@pytest.mark.parametrize("kind", ["closure", "object", "partial", "closure-object"])
 def test_a_value_a_hook_holds_is_checked(backend: str, kind: str) -> None:
     """Before (0.14.0): a hook's closure value, a callable hook's attribute or a partial's
-    keyword changed after capture gave the capture's numbers with no error."""
+    keyword changed after capture gave the capture's numbers with no error; until 0.16.0, so
+    did an attribute of a callable object of the user's that a hook closes over."""
     model, set_k, shown = hooked(kind)
     run = build(forward, model, new_x(), backend=backend)
     x = new_x()

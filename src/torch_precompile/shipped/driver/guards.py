@@ -8,6 +8,7 @@ strides and requires_grad.
 """
 
 import copy
+import functools
 import keyword
 import operator
 import sys
@@ -170,12 +171,21 @@ def _holds_objects(value: Any) -> bool:
 
 
 def _is_object(value: Any) -> bool:
-    """An object holding values in its instance dict (a hook's settings), not a tensor."""
-    return (
-        type(getattr(value, "__dict__", None)) is dict
-        and not callable(value)
-        and not isinstance(value, torch.Tensor)
+    """An object holding values in its instance dict (a hook's settings, a callable object
+    of the user's too), not a tensor, module, class or function."""
+    return type(getattr(value, "__dict__", None)) is dict and not isinstance(
+        value, (torch.Tensor, torch.nn.Module, type, *_CODE)
     )
+
+
+# Callables whose instance dict holds no settings of theirs.
+_CODE: tuple[type, ...] = (
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    types.ModuleType,
+    functools.partial,
+)
 
 
 def contents_of(value: Any, depth: int = 3) -> Any:

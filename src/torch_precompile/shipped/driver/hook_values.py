@@ -58,7 +58,9 @@ def _plain(value: Any, depth: int = 0) -> str:
     if depth > 3:
         return ""
     users = (type(value).__module__ or "").split(".")[0] != "torch"
-    if users and _holds_settings(value) and not callable(value):  # settings it reads off it
+    # Settings it reads off it (a callable object of the user's too: functions, methods and
+    # modules hold none of theirs).
+    if users and _holds_settings(value):
         fields = ((k, _plain(v, depth + 1)) for k, v in vars(value).items())
         return f"{type(value).__qualname__}({', '.join(f'{k}={v}' for k, v in fields if v)})"
     if type(value) not in (tuple, list, dict) or len(value) > 256:
