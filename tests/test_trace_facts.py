@@ -734,11 +734,12 @@ def test_class_reassigned_in_place_after_a_passing_call(backend: str) -> None:
         run(model, x)
 
 
-def test_legacy_weight_norm_is_refused_naming_its_replacement(backend: str) -> None:
+@pytest.mark.parametrize("legacy", ["weight_norm", "spectral_norm"])
+def test_legacy_weight_norm_is_refused_naming_its_replacement(backend: str, legacy: str) -> None:
     """Before: refused as "fn changed attribute 'weight'", which named neither the hook nor
     what to use instead."""
-    model = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 4)))
-    with pytest.raises(PrecompileError, match=r"weight_norm.*parametrizations\.weight_norm"):
+    model = nn.Sequential(getattr(torch.nn.utils, legacy)(nn.Linear(4, 4)))
+    with pytest.raises(PrecompileError, match=rf"{legacy}.*parametrizations\.{legacy}"):
         precompile(lambda m, x: m(x), model, new_x(), backend=backend)
     fixed = nn.Sequential(torch.nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)))
     run = build(lambda m, x: m(x), fixed, new_x(), backend=backend)

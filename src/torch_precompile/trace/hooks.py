@@ -335,16 +335,21 @@ def named_function(fn: Callable[..., Any]) -> tuple[str, Any]:
     return (f"fn ({getattr(fn, '__qualname__', type(fn).__name__)})", fn)
 
 
+# The legacy reparametrizations, by their hook's class: each sets ``weight`` at every call.
+_LEGACY_WEIGHT_HOOKS = {"WeightNorm": "weight_norm", "SpectralNorm": "spectral_norm"}
+
+
 def refuse_unreplayable_modules(modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
     """Modules whose forward keeps Python state a graph cannot, named before anything runs."""
     for shown, module in modules:
         for hook in forward_pre_hooks(module):
-            if type(hook).__name__ == "WeightNorm":
+            legacy = _LEGACY_WEIGHT_HOOKS.get(type(hook).__name__)
+            if legacy is not None:
                 raise PrecompileError(
-                    f"{shown} uses torch.nn.utils.weight_norm, whose forward pre-hook sets "
+                    f"{shown} uses torch.nn.utils.{legacy}, whose forward pre-hook sets "
                     "'weight' as a plain attribute at every call: an artifact computes the "
                     "weight inside its graph but would leave that attribute as it was at "
-                    "capture. Use torch.nn.utils.parametrizations.weight_norm (its weight is "
+                    f"capture. Use torch.nn.utils.parametrizations.{legacy} (its weight is "
                     "computed where it is read, which the artifact carries)."
                 )
         if (
