@@ -411,10 +411,12 @@ def check_written_apart(
             continue
         storage = tensor.untyped_storage()
         if index >= parameters and index in written:
-            _check_writable(tensor, name(index))
-            # Its storage held by no other tensor (the count is this tensor's hold and the
-            # storage object's), it cannot be a parameter's: the common case costs no walk.
-            if _STORAGE_USES(storage._cdata) > 2 or isinstance(tensor, torch.nn.Parameter):
+            if not tensor.is_contiguous():
+                _check_writable(tensor, name(index))
+            # A plain tensor whose storage no other tensor holds (the count is its hold and
+            # the storage object's) cannot be a parameter's: the common case costs no walk.
+            # (isinstance of Parameter runs Python: a type test keeps the call cheap.)
+            if _STORAGE_USES(storage._cdata) > 2 or type(tensor) is not torch.Tensor:
                 _check_not_a_parameter(flat, index, storage.data_ptr(), parameters, name)
         other = owner.setdefault(storage.data_ptr(), index)
         if other != index and (index in written or other in written):
@@ -433,7 +435,7 @@ _STORAGE_USES = torch._C._storage_Use_Count
 def _check_writable(tensor: torch.Tensor, what: str) -> None:
     """A tensor the graph writes in place must hold each element at an address of its own, as
     eager's in-place operators insist (they raise before writing an expanded tensor)."""
-    if not tensor.is_contiguous() and any(
+    if any(
         size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
     ):
         raise PrecompileError(
