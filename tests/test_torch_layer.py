@@ -51,6 +51,9 @@ SHIPPED = {
         "torch._C._len_torch_dispatch_stack",
         "torch.overrides._get_current_function_mode_stack",
         "torch.utils._python_dispatch._get_current_dispatch_mode_stack",
+        # Whether another tensor holds a written input's storage (check_written_apart).
+        "torch._C._storage_Use_Count",
+        "._cdata",
     },
     "kernel_loader": {
         "torch._inductor.async_compile.AsyncCompile",
