@@ -146,6 +146,10 @@ def test_refusals_name_the_model_argument_by_its_name(backend: str, artifacts) -
     head.out.register_forward_hook(lambda *_: None)
     with pytest.raises(PrecompileError, match=r"^module 'out' of model argument head has hooks"):
         run(encoder, x, head)
+    encoder, x, head = WORKLOADS["two_models"].args()
+    head.double()
+    with pytest.raises(PrecompileError, match=r"^parameter 'out.weight' of model argument head:"):
+        run(encoder, x, head)
 
 
 def test_frozen_and_unused_parameters_keep_no_grad(backend: str, artifacts) -> None:

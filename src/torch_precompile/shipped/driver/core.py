@@ -168,7 +168,7 @@ class Driver:
         """How flat input ``index`` (a model tensor or an input tensor) is named."""
         interned = self.model.interned
         if index < len(interned):
-            return f"model {interned[index].kind} {interned[index].name!r}"
+            return member_shown(self.model, interned[index].kind, interned[index].name)
         tensors = [p for p in self.leaves if p.is_tensor]
         return f"input {tensors[index - len(interned)].name}"
 
@@ -367,6 +367,15 @@ def _owner(model: ModelPlan, name: str) -> tuple[str, str]:
     return model.names[int(head[1:])], local
 
 
+def member_shown(model: ModelPlan, kind: str, name: str) -> str:
+    """A parameter or buffer as messages name it: with several model arguments, by its name in
+    its own model and that argument's name (the walk calls it ``m<index>.<name>``)."""
+    if len(model.names) > 1:
+        argument, local = _owner(model, name)
+        return f"{kind} {local!r} of model argument {argument}"
+    return f"model {kind} {name!r}"
+
+
 def _interned(model: ModelPlan, members: Sequence[Any]) -> list[torch.Tensor]:
     """One tensor per record not tied to an earlier one; ties must be as at capture."""
     tensors: list[torch.Tensor] = []
@@ -388,7 +397,7 @@ def _interned(model: ModelPlan, members: Sequence[Any]) -> list[torch.Tensor]:
 def _check_model_tensor(model: ModelPlan, record: Any, tensor: torch.Tensor) -> None:
     check_model_tensor(
         tensor,
-        f"model {record.kind} {record.name!r}",
+        member_shown(model, record.kind, record.name),
         record.shape,
         record.dtype,
         record.device,
@@ -430,7 +439,7 @@ def check_hooks(model: ModelPlan, walked: WalkedModels) -> None:
     for (name, captured), tensor in zip(model.parameter_hooks, walked.tensors, strict=False):
         now = hook_sets(tensor, TENSOR_HOOKS, model.hook_values)
         if now != captured:
-            raise hooks_error(f"model parameter {name!r}", captured, now)
+            raise hooks_error(member_shown(model, "parameter", name), captured, now)
 
 
 # Each record of ARTIFACT_SPEC becomes a named tuple with exactly the fields SPEC_RECORDS
