@@ -510,6 +510,26 @@ def test_results_that_need_no_history_build_no_backward_and_warn_of_nothing(
     torch.testing.assert_close(y, detached(model, x))
 
 
+def with_a_detached_copy(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = m(x)
+    return y, y.detach() * 3
+
+
+def test_a_detached_result_stops_gradients_as_in_eager() -> None:
+    """Before (torch 2.14 and 2.15, whose tracer records ``detach`` as ``alias`` unless
+    given a decomposition table): the detached result got history, and a backward through
+    it put gradients on the weights that eager's does not."""
+    run = precompile.load(*precompile(with_a_detached_copy, Net(), torch.randn(6, 4)))
+    model, twin = twins()
+    x = torch.randn(6, 4)
+    ours, eager = run(model, x), with_a_detached_copy(twin, x)
+    assert ours[1].grad_fn is None and ours[0].grad_fn is not None
+    (ours[0].sum() + ours[1].pow(2).sum()).backward()
+    (eager[0].sum() + eager[1].pow(2).sum()).backward()
+    for ours_p, eager_p in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(ours_p.grad, eager_p.grad)
+
+
 def test_the_module_form_refuses_bad_arguments_by_name() -> None:
     model = Net()
     cases = [

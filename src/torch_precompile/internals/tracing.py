@@ -198,7 +198,10 @@ def trace_with_user_lines(
     options = {"_error_on_data_dependent_ops": False} if tolerate_data_dependent_ops else {}
     traced = make_fx(
         fn,
-        decomposition_table=decomposition_table,
+        # A table, even an empty one: without, torch 2.14+ records ``detach`` as ``alias``,
+        # and the graph re-differentiated for results with history would let gradients
+        # through where fn stopped them.
+        decomposition_table=dict(decomposition_table or {}),
         tracing_mode=tracing_mode,
         record_stack_traces=True,
         **options,
