@@ -26,7 +26,6 @@ from torch_precompile.shipped.driver.refusals import (
     TENSOR_HOOKS,
     AmbientPlan,
     LeafPlan,
-    _shown_module,
     accumulate_grads,
     arguments_error,
     check_input,
@@ -40,9 +39,12 @@ from torch_precompile.shipped.driver.refusals import (
     members_missing,
     no_values,
     positional_inputs,
+    shown_member,
+    shown_module,
     submodules_differ,
     tied_apart,
     tied_since,
+    walk_owner,
     written_apart,
 )
 
@@ -168,7 +170,7 @@ class Driver:
         """How flat input ``index`` (a model tensor or an input tensor) is named."""
         interned = self.model.interned
         if index < len(interned):
-            return member_shown(self.model, interned[index].kind, interned[index].name)
+            return shown_member(interned[index].kind, interned[index].name, self.model.names)
         tensors = [p for p in self.leaves if p.is_tensor]
         return f"input {tensors[index - len(interned)].name}"
 
@@ -353,27 +355,10 @@ def _report_mismatch(model: ModelPlan, index: int, kind: str, name: str) -> None
     expected = ("", "", "")
     if index < len(model.records):
         record = model.records[index]
-        expected = (_owner(model, record.name)[0], record.kind, _owner(model, record.name)[1])
-    argument, local = _owner(model, name)
+        owner, local = walk_owner(record.name, model.names)
+        expected = (owner, record.kind, local)
+    argument, local = walk_owner(name, model.names)
     raise members_differ(expected, (argument, kind, local))
-
-
-def _owner(model: ModelPlan, name: str) -> tuple[str, str]:
-    """(argument name, name within that model) of a walk name (``m1.fc.weight`` with several
-    models)."""
-    if len(model.names) == 1:
-        return model.names[0], name
-    head, _, local = name.partition(".")
-    return model.names[int(head[1:])], local
-
-
-def member_shown(model: ModelPlan, kind: str, name: str) -> str:
-    """A parameter or buffer as messages name it: with several model arguments, by its name in
-    its own model and that argument's name (the walk calls it ``m<index>.<name>``)."""
-    if len(model.names) > 1:
-        argument, local = _owner(model, name)
-        return f"{kind} {local!r} of model argument {argument}"
-    return f"model {kind} {name!r}"
 
 
 def _interned(model: ModelPlan, members: Sequence[Any]) -> list[torch.Tensor]:
@@ -397,7 +382,7 @@ def _interned(model: ModelPlan, members: Sequence[Any]) -> list[torch.Tensor]:
 def _check_model_tensor(model: ModelPlan, record: Any, tensor: torch.Tensor) -> None:
     check_model_tensor(
         tensor,
-        member_shown(model, record.kind, record.name),
+        shown_member(record.kind, record.name, model.names),
         record.shape,
         record.dtype,
         record.device,
@@ -432,14 +417,14 @@ def check_hooks(model: ModelPlan, walked: WalkedModels) -> None:
     ):
         now = hook_sets(module, MODULE_HOOKS, model.hook_values)
         if now != captured:
-            raise hooks_error(_shown_module(name, model.names), captured, now)
+            raise hooks_error(shown_module(name, model.names), captured, now)
     now = hook_sets(torch.nn.modules.module, GLOBAL_HOOKS, model.hook_values)
     if now != model.global_hooks:
         raise hooks_error(GLOBAL_HOOKS_OWNER, model.global_hooks, now)
     for (name, captured), tensor in zip(model.parameter_hooks, walked.tensors, strict=False):
         now = hook_sets(tensor, TENSOR_HOOKS, model.hook_values)
         if now != captured:
-            raise hooks_error(member_shown(model, "parameter", name), captured, now)
+            raise hooks_error(shown_member("parameter", name, model.names), captured, now)
 
 
 # Each record of ARTIFACT_SPEC becomes a named tuple with exactly the fields SPEC_RECORDS

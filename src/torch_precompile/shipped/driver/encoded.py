@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torch_precompile.shipped.driver.refusals import PrecompileError, _shown_module, qualified_name
+from torch_precompile.shipped.driver.refusals import PrecompileError, qualified_name, shown_module
 
 
 def value_matches(encoded: Any, value: Any) -> bool:
@@ -250,7 +250,7 @@ def shown_now(value: Any, depth: int = 2) -> str:
 def module_read_name(module: str, path: Sequence[str], arguments: Sequence[str] = ()) -> str:
     """How a value read off submodule ``module`` (of the model ``arguments``) at ``path`` is
     named in messages."""
-    owner = _shown_module(module, arguments)
+    owner = shown_module(module, arguments)
     if path[0] == "__class__":  # type(self).factor
         return f"class attribute {'.'.join(path[1:])!r} of {owner}'s class"
     return f"attribute {'.'.join(path)!r} of {owner}"

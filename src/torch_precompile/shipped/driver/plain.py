@@ -31,12 +31,13 @@ from torch_precompile.shipped.driver.refusals import (
     GLOBAL_HOOKS_OWNER,
     MODULE_HOOKS,
     TENSOR_HOOKS,
-    _shown_module,
     accumulate_grads,
     hook_sets,
     hooks_error,
     members_differ,
     members_missing,
+    shown_member,
+    shown_module,
     submodules_differ,
     tied_apart,
     tied_since,
@@ -158,14 +159,14 @@ def check_no_hooks(
     for name, module in zip(names, modules, strict=True):
         now = hook_sets(module, MODULE_HOOKS)
         if now:
-            raise hooks_error(_shown_module(name), (), now)
+            raise hooks_error(shown_module(name), (), now)
     now = hook_sets(torch.nn.modules.module, GLOBAL_HOOKS)
     if now:
         raise hooks_error(GLOBAL_HOOKS_OWNER, (), now)
     for name, tensor in parameters:
         now = hook_sets(tensor, TENSOR_HOOKS)
         if now:
-            raise hooks_error(f"model parameter {name!r}", (), now)
+            raise hooks_error(shown_member("parameter", name), (), now)
 
 
 def read_value(module: Any, path: Sequence[str]) -> Any:

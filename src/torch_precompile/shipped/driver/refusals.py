@@ -118,18 +118,31 @@ def check_layout(
     )
 
 
-def _shown_module(name: str, arguments: Sequence[str] = ()) -> str:
-    """A submodule by its walk name. With several model arguments (``arguments``, their names)
-    the walk names a submodule ``m<index>.<name>``: shown by the argument's own name."""
+def walk_owner(name: str, arguments: Sequence[str]) -> tuple[str, str]:
+    """(argument, name within that model) of a walk name: with several model arguments
+    (``arguments``, their names) the walk calls a member or submodule ``m<index>.<name>``."""
+    if len(arguments) <= 1:
+        return (arguments[0] if arguments else ""), name
+    head, _, local = name.partition(".")
+    return arguments[int(head[1:])], local
+
+
+def shown_module(name: str, arguments: Sequence[str] = ()) -> str:
+    """A submodule as messages name it, by its walk name."""
+    if len(arguments) <= 1:
+        return f"module {name!r}" if name else "the model"
+    argument, local = walk_owner(name, arguments)
+    return (
+        f"module {local!r} of model argument {argument}" if local else f"model argument {argument}"
+    )
+
+
+def shown_member(kind: str, name: str, arguments: Sequence[str] = ()) -> str:
+    """A parameter or buffer as messages name it, by its walk name."""
     if len(arguments) > 1:
-        head, _, name = name.partition(".")
-        argument = arguments[int(head[1:])]
-        return (
-            f"module {name!r} of model argument {argument}"
-            if name
-            else f"model argument {argument}"
-        )
-    return f"module {name!r}" if name else "the model"
+        argument, local = walk_owner(name, arguments)
+        return f"{kind} {local!r} of model argument {argument}"
+    return f"model {kind} {name!r}"
 
 
 def qualified_name(obj: Any) -> str:
@@ -714,7 +727,7 @@ def check_module(
 ) -> None:
     """One submodule (``name`` in the walk of the model ``arguments``) against its captured
     class, forward and mode."""
-    shown = _shown_module(name, arguments)
+    shown = shown_module(name, arguments)
     if cls is not None and qualified_name(type(module)) != cls:
         raise PrecompileError(
             f"{shown} is a {qualified_name(type(module))}, but was a {cls} at "
