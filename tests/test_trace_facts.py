@@ -1512,9 +1512,7 @@ def test_values_of_objects_fn_holds_are_named_at_capture(
     held = "fn reads values it closes over or holds (the object it is a method of): "
     assert said[0].startswith(f"{held}ScaledTrainer.scale=2.0 (test_trace_facts.py:"), said
     assert said[1].startswith(f"{held}ScaledTrainer.scale=2.0 (test_trace_facts.py:"), said
-    assert said[2].startswith(
-        "fn reads values it closes over: setting=test_trace_facts.Setting(scale=3.0) "
-    ), said
+    assert said[2].startswith("fn reads values it closes over: setting.scale=3.0 (test_trace"), said
 
 
 def smoothed_step(label_smoothing: float) -> Callable[..., Any]:

@@ -46,7 +46,7 @@ from typing import Any, cast
 import torch
 
 from torch_precompile.errors import PrecompileError
-from torch_precompile.shipped.driver.encoded import callable_name, code_digest, shown_now
+from torch_precompile.shipped.driver.encoded import callable_name, code_digest, shown_value
 from torch_precompile.shipped.driver.refusals import qualified_name
 from torch_precompile.spec import EncodedValue, ReadValue
 from torch_precompile.trace.call_watch import CallWatch
@@ -111,7 +111,7 @@ class ReadRecorder:
         self.watch: CallWatch | None = None
         # Plain values read from closures (fn's own, a helper's): no call can reach them, so
         # capture names them (``closure_report``). Keyed by code and name; shown with where.
-        self.closed_over: dict[tuple[Any, Any], str] = {}
+        self.closed_over: dict[tuple[Any, ...], str] = {}
         self.closure_modules: dict[int, str] = {}  # modules fn closes over (a criterion)
         # Objects fn itself holds (a bound method's self, a callable object), by label: what
         # their methods read off them is named too, as closure values are.
@@ -195,10 +195,12 @@ class ReadRecorder:
                 self.closure_modules.setdefault(id(value), name)  # its reads are named too
             elif (code, name) not in self.closed_over and _closure_value(value):
                 self.closed_over[code, name] = f"{name}={value!r} ({where.format(line)})"
-            elif (code, name) not in self.closed_over and _holds_settings(value):
-                # What fn reads off the object is out of sight: it is named whole.
-                shown = shown_now(value)
-                self.closed_over[code, name] = f"{name}={shown} ({where.format(line)})"
+            elif (code, name) not in self.closed_over and _is_plain_object(value):
+                # What fn reads off an object of the user's is out of sight: each plain value
+                # it holds is named (``setting.scale=3.0``).
+                for inner, encoded in _object_values(value):
+                    shown = f"{'.'.join((name, *inner))}={shown_value(encoded)}"
+                    self.closed_over[code, name, inner] = f"{shown} ({where.format(line)})"
 
     def _name_closed_over(self, owner: Any, label: str, path: tuple[str, ...], where: str) -> None:
         """Name the plain value at ``path`` off ``owner`` (``label`` in the report)."""
@@ -460,15 +462,6 @@ def runs_as(function: Any) -> Any:
     file = getattr(sys.modules.get(type(owner).__module__), "__file__", None)
     users = isinstance(file, str) and users_file(file)
     return owner if plain and users and hasattr(owner, "__dict__") else None
-
-
-def _holds_settings(value: Any) -> bool:
-    """An object of the user's holding plain values (a config fn closes over)."""
-    return (
-        _is_plain_object(value)
-        and not _library_object(value)
-        and next(_object_values(value), None) is not None
-    )
 
 
 def _closure_value(value: Any) -> bool:
