@@ -109,10 +109,12 @@ def _constants(spec: ArtifactSpec, training: bool) -> list[str]:
         ")",
         f"AMBIENT = {_ambient(spec)}",
     ]
-    if _apart(spec):
+    if apart(spec):
+        parameters = sum(t.kind == "parameter" for t in _interned(spec))
         lines += [
             f"WRITTEN = {set(spec.mutated)!r}  # the flat inputs the graph writes in place",
-            f"APART = {_apart(spec)!r}  # the flat inputs that must not share memory with them",
+            f"APART = {apart(spec)!r}  # buffers and inputs that must not share memory with them",
+            f"PARAMETERS = {parameters}  # the first flat inputs, whose memory none of them shares",
         ]
     if spec.model_names:
         lines += [
@@ -184,16 +186,15 @@ def _check_call(spec: ArtifactSpec, training: bool) -> list[str]:
     ]
     models = [f"args[{i}]" for i, a in enumerate(spec.args) if a.is_model]
     flat = f"[*REMEMBERED.model_tensors([{models[0]}]), *inputs]" if models else "inputs"
-    if not _apart(spec) and not spec.optimizers and not _global_reads(spec):
+    if not apart(spec) and not spec.optimizers and not _global_reads(spec):
         return _check_call_function(names, [*steps, f"return {flat}"], "3 model")
     steps.append(f"flat = {flat}")
     if _global_reads(spec):
         shown = few(sorted({global_name(r) for r in _global_reads(spec)}))
         steps.append(f"GLOBALS.check()  # the globals the trace read: {shown}")
-    if _apart(spec):
-        parameters = sum(t.kind == "parameter" for t in _interned(spec))
+    if apart(spec):
         steps.append(
-            f"check_written_apart(flat, APART, WRITTEN, FLAT_NAMES.__getitem__, {parameters})"
+            "check_written_apart(flat, APART, WRITTEN, FLAT_NAMES.__getitem__, PARAMETERS)"
         )
     if spec.optimizers:
         optimizers = ", ".join(a.name for a in spec.args if a.is_optimizer)
@@ -280,7 +281,7 @@ def _tensor_check(index: int, tensor: ModelTensor, training: bool) -> str:
     return f"    check_model_tensor({', '.join(arguments)})"
 
 
-def _apart(spec: ArtifactSpec) -> list[int]:
+def apart(spec: ArtifactSpec) -> list[int]:
     """The flat inputs a call must pass in separate memory."""
     interned = _interned(spec)
     parameters = sum(t.kind == "parameter" for t in interned)

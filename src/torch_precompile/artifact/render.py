@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch_precompile
 from torch_precompile.artifact.checks import check_function, few, settings_read, tensor_type
-from torch_precompile.artifact.plain_checks import is_plain, plain_binding, plain_checks
+from torch_precompile.artifact.plain_checks import apart, is_plain, plain_binding, plain_checks
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
 from torch_precompile.lower import LoweredGraph, VariantGraphs
@@ -78,7 +78,7 @@ _CHECKS = (
     "tensor's shape, dtype and device{inputs_read}{values}{models}.{reads} Autocast, the "
     "default dtype, "
     "deterministic algorithms and active modes must be as at capture{settings}.{optimizers}"
-    "{subclasses}{data_parallel}{layout} "
+    "{subclasses}{data_parallel}{writes}{layout} "
     "Yours to keep: control flow and data-dependent decisions follow the example the "
     "computation was captured with. Mutations of inputs{buffers} land on what you pass in{grads}."
 )
@@ -104,6 +104,11 @@ _READ_GRADS_NOTE = (
 _INDUCTOR_LAYOUT = (
     " The kernels also assume the memory layout (strides) of every tensor they read; another "
     "layout is refused before any kernel runs."
+)
+_WRITES_NOTE = (
+    " A tensor the graph writes in place (an input or a buffer) must share no memory with "
+    "another input, a buffer or a parameter, and hold each element at an address of its own "
+    "(not expanded)."
 )
 _OPTIMIZER_NOTE = (
     " For each optimizer: its class, param groups, baked options and state tensors; its lr is "
@@ -596,6 +601,7 @@ def _checks(specs: Sequence[ArtifactSpec]) -> str:
         subclasses=note(anywhere("wrapped"), _SUBCLASS_NOTE),
         data_parallel=note(anywhere("data_parallel"), _DATA_PARALLEL_NOTE)
         + note(anywhere("fully_sharded"), _FULLY_SHARDED_NOTE),
+        writes=note(any(apart(spec) for spec in specs), _WRITES_NOTE),
         layout=note(specs[0].backend == "inductor", _INDUCTOR_LAYOUT),
     )
     if any(t.old_grad == "read" for s in specs for t in s.model):
