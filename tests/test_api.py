@@ -50,6 +50,7 @@ def test_object_identity_and_introspection() -> None:
         "progress": None,
         "compile_on_one_rank": False,
         "wrapper": "auto",
+        "require_all_guards": False,
     }
     for method in (precompile.load, precompile.save, precompile.load_file, precompile.inspect):
         assert method.__doc__ and len(method.__doc__.split()) > 8, method
@@ -74,8 +75,8 @@ def test_unknown_backend_and_tracer() -> None:
         precompile(lambda m, x: m(x), model, x, backend="tvm")
     with pytest.raises(ValueError, match="tracer must be one of"):
         precompile(lambda m, x: m(x), model, x, tracer="jit")
-    with pytest.raises(NotImplementedError, match="tracer='make_fx'"):
-        precompile(lambda m, x: m(x), model, x, tracer="dynamo")
+    with pytest.raises(PrecompileError, match="require_all_guards=True asks about the guards"):
+        precompile(lambda m, x: m(x), model, x, require_all_guards=True)
 
 
 def test_bad_fn_and_decompositions() -> None:
@@ -95,8 +96,7 @@ def test_options_are_checked_once_when_made() -> None:
         options.backend = "inductor"  # type: ignore[misc]
     with pytest.raises(ValueError, match="backend must be one of"):
         BuildOptions(backend="tvm")
-    with pytest.raises(NotImplementedError, match="tracer='make_fx'"):
-        BuildOptions(tracer="dynamo")
+    assert BuildOptions(tracer="dynamo", require_all_guards=True).require_all_guards
     with pytest.raises(PrecompileError, match="decompositions must be a mapping"):
         BuildOptions(decompositions=[1])  # type: ignore[arg-type]
 

@@ -65,7 +65,12 @@ class Precompile:
             ``"cpp"`` (the C++ wrapper, built into the cache beside the kernels; the Python one
             is used, with a warning, where it cannot be) or ``"python"``. The artifact and
             ``inspect`` say which one runs, and why.
-        tracer: ``"make_fx"``; ``"dynamo"`` is not implemented yet.
+        tracer: ``"make_fx"`` (the default: one traced run records the tensor operations) or
+            ``"dynamo"`` (Dynamo also reads fn's Python, and each guard it puts on what the
+            code read becomes a check of the artifact, or is reported dropped; see
+            docs/TRACERS.md).
+        require_all_guards: with ``tracer="dynamo"``, refuse a capture that dropped a guard
+            no call can check (a value fn closes over).
         decompositions: optional ``{OpOverload: fn}`` table applied while tracing.
         sign_key: optional bytes; the returned cache then carries an HMAC over the pair, which
             ``load(..., verify_key=...)`` checks before anything is executed.
@@ -91,8 +96,10 @@ class Precompile:
         progress: Callable[[str], None] | None = None,
         compile_on_one_rank: bool = False,
         wrapper: str = "auto",
+        require_all_guards: bool = False,
     ) -> ArtifactPair:
         options = BuildOptions(
+            require_all_guards=require_all_guards,
             backend=backend,
             tracer=tracer,
             decompositions=decompositions,
@@ -309,6 +316,7 @@ class BuildOptions:
     progress: Callable[[str], None] | None = None
     compile_on_one_rank: bool = False
     wrapper: str = "auto"
+    require_all_guards: bool = False
     # Whether precompile() was called under grad mode: where it was not, results of an fn
     # without a backward carry no history, and no backward graph is built.
     grad_mode: bool = dataclasses.field(default_factory=lambda: _grad_mode())
@@ -326,9 +334,10 @@ class BuildOptions:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
         if self.tracer not in TRACERS:
             raise ValueError(f"tracer must be one of {TRACERS}, got {self.tracer!r}.")
-        if self.tracer == "dynamo":
-            raise NotImplementedError(
-                "tracer='dynamo' is not implemented yet; use tracer='make_fx' (the default)."
+        if self.require_all_guards and self.tracer != "dynamo":
+            raise PrecompileError(
+                "require_all_guards=True asks about the guards of tracer='dynamo'; the make_fx "
+                "tracer keeps none. Pass tracer='dynamo' too, or leave require_all_guards out."
             )
         if self.decompositions is not None and not isinstance(self.decompositions, Mapping):
             raise PrecompileError(
@@ -389,8 +398,15 @@ def compile_variant(
         report("capture")
         with progress.step("tracing fn (one traced run)"):
             captured = capture(
-                fn, example_inputs, options.backend, options.decompositions, on_fakes=on_fakes
+                fn,
+                example_inputs,
+                options.backend,
+                options.decompositions,
+                on_fakes=on_fakes,
+                tracer=options.tracer,
             )
+        if options.require_all_guards:
+            _refuse_dropped_guards(captured.spec)
         report("lower")
         with progress.step(f"lowering with the {options.backend} backend"):
             lowered = _lower(captured, options.backend, options.wrapper)
@@ -402,6 +418,19 @@ def compile_variant(
         wrappers=tuple(g.wrapper for g in graphs.all if g.wrapper is not None),
     ).with_kernels(sorted(kernels.values(), key=lambda k: k.key))
     return CompiledVariant(spec, graphs, origin or describe_callable(fn))
+
+
+def _refuse_dropped_guards(spec: ArtifactSpec) -> None:
+    dropped = [g for g in spec.guards if g.outcome == "dropped"]
+    if dropped:
+        listed = "; ".join(f"{g.kind} on {g.reads}: {g.by}" for g in dropped[:6])
+        more = f" (and {len(dropped) - 6} more)" if len(dropped) > 6 else ""
+        raise PrecompileError(
+            f"require_all_guards=True: Dynamo put {len(dropped)} guard(s) on what fn read that "
+            f"no call of the artifact can check: {listed}{more}. Make those values arguments of "
+            "fn or globals of an importable module, or leave require_all_guards out (inspect "
+            "then lists them as dropped)."
+        )
 
 
 def _with_backward(
@@ -473,7 +502,9 @@ def package(variants: Sequence[CompiledVariant], options: BuildOptions) -> Artif
     spec = variants[0].spec.with_variants([v.spec for v in variants[1:]])
     with progress.step("writing the artifact source"):
         python_code, compiled = bytecode.seal(
-            render(spec, [v.graphs for v in variants], origin=variants[0].origin)
+            render(
+                spec, [v.graphs for v in variants], tracer=options.tracer, origin=variants[0].origin
+            )
         )
     payloads = [
         g.acceleration for v in variants for g in v.graphs.all if g.acceleration is not None

@@ -73,6 +73,17 @@ def _parser() -> argparse.ArgumentParser:
     compile_cmd.add_argument("-o", "--output", required=True, type=_output_path, metavar="PATH")
     compile_cmd.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
     compile_cmd.add_argument(
+        "--tracer",
+        default="make_fx",
+        choices=["make_fx", "dynamo"],
+        help="dynamo: Dynamo also reads fn's Python and its guards become checks",
+    )
+    compile_cmd.add_argument(
+        "--require-all-guards",
+        action="store_true",
+        help="with --tracer dynamo: refuse a capture that dropped a guard no call can check",
+    )
+    compile_cmd.add_argument(
         "--sign-key-file",
         type=_key_file,
         dest="sign_key",
@@ -148,7 +159,13 @@ def _compile(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.target}() must return (fn, example_inputs)")
     fn, inputs = made
     with torch.no_grad() if args.inference else contextlib.nullcontext():
-        code, cache = precompile(fn, *inputs, backend=args.backend)
+        code, cache = precompile(
+            fn,
+            *inputs,
+            backend=args.backend,
+            tracer=args.tracer,
+            require_all_guards=args.require_all_guards,
+        )
     with progress.step(f"saving {args.output}"):
         storage.save(code, cache, args.output, sign_key=args.sign_key)
     print(

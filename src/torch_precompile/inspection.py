@@ -8,8 +8,10 @@ decision, made with load's own checks.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,8 @@ def describe(path: Path) -> dict[str, Any]:
         ],
         "size_rules": [relation.readable for relation in spec.size_relations],
         "value_guards": [guard.description for guard in spec.value_guards],
+        "tracer": "dynamo" if spec.guards else "make_fx",
+        "dynamo_guards": [dataclasses.asdict(note) for note in spec.guards],
         "meshes": [
             {
                 "device_type": m.device_type,
@@ -422,6 +426,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  {label}: {', '.join(dim['dims'])}")
     lines.extend(f"  size rule : {rule}" for rule in report["size_rules"])
     lines.extend(f"  guard     : {guard}" for guard in report["value_guards"])
+    lines.extend(_render_dynamo_guards(report.get("dynamo_guards", ())))
     for index, mesh in enumerate(report["meshes"]):
         names = f" {tuple(mesh['dim_names'])}" if mesh["dim_names"] else ""
         lines.append(
@@ -472,6 +477,28 @@ def render(report: dict[str, Any]) -> str:
     shown = load["outcome"]
     lines.extend(f"  problem   : {text}" for text in load["problems"] if text not in shown)
     return "\n".join(lines)
+
+
+def _render_dynamo_guards(notes: Sequence[dict[str, Any]]) -> list[str]:
+    """Dynamo's guards (tracer="dynamo"): a count per outcome, then each guard, the dropped
+    ones first."""
+    if not notes:
+        return []
+    counts = {o: sum(n["count"] for n in notes if n["outcome"] == o) for o in _OUTCOMES}
+    lines = [
+        "  dynamo    : guards "
+        + ", ".join(f"{counts[o]} {o}" for o in _OUTCOMES)
+        + "   (tracer='dynamo')"
+    ]
+    for note in sorted(notes, key=lambda n: _OUTCOMES.index(n["outcome"])):
+        times = f" (x{note['count']})" if note["count"] > 1 else ""
+        lines.append(
+            f"    {note['outcome']:<8} {note['kind']} {note['reads']}{times}: {note['by']}"
+        )
+    return lines
+
+
+_OUTCOMES = ("dropped", "checked", "fixed")
 
 
 def _render_autograd(autograd: dict[str, Any] | None) -> list[str]:

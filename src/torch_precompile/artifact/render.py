@@ -564,6 +564,9 @@ def _origin(specs: Sequence[ArtifactSpec], call_example: str, origin: str | None
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
 
 
+_OUTCOMES = ("checked", "fixed", "dropped")
+
+
 def _provenance(spec: ArtifactSpec, tracer: str) -> str:
     text = (
         f"Made by torch-precompile {torch_precompile.__version__} on {_build_date()} with "
@@ -571,6 +574,13 @@ def _provenance(spec: ArtifactSpec, tracer: str) -> str:
         f"(git {spec.torch.git[:12]}) only. No weights are inside: pass your model at "
         "every call. Do not edit: the cache made with it is bound to these exact bytes."
     )
+    if spec.guards:
+        counts = {o: sum(g.count for g in spec.guards if g.outcome == o) for o in _OUTCOMES}
+        text += (
+            " Dynamo read fn's Python and guarded what it read: "
+            + ", ".join(f"{n} guards {o}" for o, n in counts.items())
+            + " (ARTIFACT_SPEC's guards, or inspect, say which and why)."
+        )
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
 
 

@@ -142,6 +142,22 @@ class ReadValue:
 
 
 @dataclass(frozen=True)
+class GuardNote:
+    """A guard Dynamo put on what ``fn``'s Python read (``tracer="dynamo"``, from 10.5), and
+    what became of it: ``outcome`` is ``"checked"`` (``by`` names the artifact's check that
+    holds it), ``"fixed"`` (it cannot differ at a call of this artifact; ``by`` says why) or
+    ``"dropped"`` (nothing checks it; ``by`` says why). ``kind`` is Dynamo's guard kind
+    (``CONSTANT_MATCH``), ``reads`` the place as Dynamo writes it (``G['SCALE']``), ``count``
+    how many guards of that kind on that place of that outcome it stands for."""
+
+    kind: str
+    reads: str
+    outcome: str
+    by: str
+    count: int = 1
+
+
+@dataclass(frozen=True)
 class Ambient:
     """Thread and process state that changes what the traced ops compute, as at capture:
     autocast (device type and dtype, where enabled), the default dtype (None when fn built no
@@ -405,6 +421,8 @@ class ArtifactSpec:
     autograd: Autograd | None = field(default=None, metadata=since(9))
     # inductor: the wrapper of each graph (plain, then forward and backward): cpp or python
     wrappers: tuple[str, ...] = field(default=(), metadata=since(10))
+    # tracer="dynamo": what its guards became (see GuardNote)
+    guards: tuple[GuardNote, ...] = field(default=(), metadata=since(10, 5))
     variants: tuple[ArtifactSpec, ...] = field(default=(), metadata=since(7))
 
     # What every variant has in common, held once at the top level (the first variant's).
@@ -430,6 +448,7 @@ class ArtifactSpec:
         "data_parallel": DataParallel,
         "fully_sharded": FullyShardedGroup,
         "read_values": ReadValue,
+        "guards": GuardNote,
         "ambient": Ambient,
         "autograd": Autograd,
     }

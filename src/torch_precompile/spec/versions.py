@@ -155,6 +155,13 @@ SCHEMA_HISTORY = (
         "x.is_neg(); x.is_conj()), each "
         "with the value it had and the line that read it.",
     ),
+    SchemaChange(
+        (10, 5),
+        "2026-12-05",
+        "guards (tracer='dynamo'): one GuardNote per guard Dynamo put on what fn's Python read "
+        "(its kind, the place as Dynamo writes it, and whether the artifact checks it, cannot "
+        "see it differ, or dropped it, with the check or the reason).",
+    ),
 )
 SCHEMA_VERSION: SchemaVersion = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""

@@ -17,6 +17,7 @@ import torch.fx
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree, storage_id, torch_build
 from torch_precompile.internals.distributed import pretend_coordinate, sharding_wrapper
+from torch_precompile.internals.dynamo import DynamoReading
 from torch_precompile.internals.tracing import (
     FakeTensorMode,
     GuardOnDataDependentSymNode,
@@ -42,7 +43,7 @@ from torch_precompile.spec import (
     SizeRelation,
     ValueGuard,
 )
-from torch_precompile.trace import checks, data_parallel, dynamic, fully_shard
+from torch_precompile.trace import checks, data_parallel, dynamic, dynamo_guards, fully_shard
 from torch_precompile.trace.ambient import DefaultDtypeUse, ambient_at_capture
 from torch_precompile.trace.data_parallel import DataParallelArg
 from torch_precompile.trace.distributed import (
@@ -123,11 +124,13 @@ def capture(
     backend: str,
     decompositions: Mapping[Any, Callable[..., Any]] | None = None,
     on_fakes: bool = False,
+    tracer: str = "make_fx",
 ) -> Capture:
     """Trace ``fn(*args)`` once; lift module state; harvest gradients; enforce invariants.
 
     ``on_fakes`` traces on fake tensors, so that nothing runs and no collective communicates
-    (one rank capturing for all), and checks whether the graph depends on the rank.
+    (one rank capturing for all), and checks whether the graph depends on the rank. With
+    ``tracer="dynamo"`` Dynamo reads fn's Python first (see ``trace.dynamo_guards``).
     """
     layout = _read_layout(fn, args, backend, on_fakes)
     recorder, outputs = GuardRecorder(), _Outputs()
@@ -146,6 +149,9 @@ def capture(
         [*reachable_containers(functions), *assigned_names(functions)],
         reachable_state(functions, watch.named_submodules()),
     )
+    reading = None
+    if tracer == "dynamo":
+        reading = _read_with_dynamo(fn, layout, before, on_fakes)
     try:
         traced = _trace(flat_fn, layout, recorder, decompositions, on_fakes)
     except BaseException:
@@ -187,6 +193,8 @@ def capture(
     )
     _name_placeholders(gm, layout)
     spec = _artifact_spec(backend, layout, recorder, outputs, traced, watch)
+    if reading is not None:
+        spec = _with_guards(spec, reading, fn, layout, watch)
     if traced.dynamic_inputs is None:
         return Capture(gm, literals, spec, traced.examples)
     return Capture(
@@ -544,6 +552,94 @@ def _trace(
         for t in buffers:
             if t.grad_fn is not None:  # an in-place write of a value with history
                 t.detach_()
+
+
+def _read_with_dynamo(
+    fn: Callable[..., Any], layout: _Layout, before: Any, on_fakes: bool
+) -> DynamoReading:
+    """Dynamo's reading of fn, run on the caller's own objects and everything put back:
+    tensors' values and gradients, optimizer state, Python state, random streams."""
+    if on_fakes or layout.sharding is not None or layout.wrapping.inputs:
+        raise PrecompileError(
+            "tracer='dynamo' reads fn on the caller's own tensors, and does not yet read "
+            "DTensors, tensor subclasses or a capture on one rank for all; use tracer='make_fx' "
+            "(the default)."
+        )
+    leaves = [layout.inputs.leaves[i] for i in layout.tensor_positions]
+    tensors = [*layout.state.tensors, *leaves]
+    params = layout.state.tensors[: layout.num_params]
+    grads = [p.grad for p in params]
+    values = [t.detach().clone() for t in tensors]
+    optimizers = [(o.optimizer, _optimizer_state(o.optimizer)) for o in layout.optimizers]
+    try:
+        with fork_rng(tensors):
+            reading = dynamo_guards.read_with_dynamo(fn, layout.args)
+    except BaseException:
+        put_back(before)
+        raise
+    finally:
+        with torch.no_grad():
+            for t, value in zip(tensors, values, strict=True):
+                t.copy_(value)
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+        for optimizer, (state, groups) in optimizers:
+            optimizer.state.clear()
+            optimizer.state.update(state)
+            for group, saved in zip(optimizer.param_groups, groups, strict=True):
+                group.update(saved)
+    put_back(before)
+    dynamo_guards.refuse_breaks(reading)
+    return reading
+
+
+def _optimizer_state(optimizer: Any) -> tuple[dict[Any, Any], list[dict[str, Any]]]:
+    state = {
+        p: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        for p, s in optimizer.state.items()
+    }
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return state, groups
+
+
+def _with_guards(
+    spec: ArtifactSpec,
+    reading: DynamoReading,
+    fn: Callable[..., Any],
+    layout: _Layout,
+    watch: _Watch,
+) -> ArtifactSpec:
+    """The spec with Dynamo's guards translated: new read values and the guard report."""
+    members = reversed(layout.state.members)  # a tied tensor goes by its first name
+    inputs = [
+        (f"input {layout.inputs.names[i]}", layout.inputs.leaves[i])
+        for i in layout.tensor_positions
+    ]
+    anchors = dynamo_guards.Anchors.of(
+        watch.submodules,
+        [
+            *((f"model {kind} {name!r}", layout.state.tensors[i]) for kind, name, i in members),
+            *inputs,
+        ],
+        [(o.name, o.optimizer) for o in layout.optimizers],
+        dict(zip(layout.arg_names, layout.args, strict=True)),
+    )
+    code = dynamo_guards.code_of(fn)
+    translated = dynamo_guards.translate(reading, code, anchors, spec.read_values)
+    dropped = translated.dropped
+    if dropped:
+        listed = "; ".join(f"{n.reads} ({n.by})" for n in dropped[:4])
+        more = f" and {len(dropped) - 4} more" if len(dropped) > 4 else ""
+        log.warning(
+            f"tracer='dynamo' dropped {len(dropped)} guard(s) no call can check: {listed}{more}. "
+            "precompile.inspect lists every guard; require_all_guards=True refuses such a "
+            "capture."
+        )
+    return dataclasses.replace(
+        spec,
+        read_values=spec.read_values + translated.reads,
+        guards=translated.notes,
+    )
 
 
 def _refuse_swapped_data(layout: _Layout, swapped: Sequence[int], before: Any) -> None:

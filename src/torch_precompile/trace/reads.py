@@ -696,6 +696,12 @@ def _encode_object(value: Any, depth: int) -> EncodedValue | None:
     return ("object", (qualified_name(type(value)), tuple(fields)))
 
 
+def encode_object(value: Any) -> EncodedValue | None:
+    """An object of the user's as its class and the plain values it holds; None for any
+    other value."""
+    return _encode_object(value, _OBJECT_DEPTH)
+
+
 def encode_read(value: Any, depth: int = _OBJECT_DEPTH) -> EncodedValue | None:
     """A read value as the spec holds it; None for a value that is not a plain one. Objects
     of the user's inside lists, tuples and dicts are followed ``depth`` deep."""

@@ -13,7 +13,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
         "out_spec", "value_guards", "dynamic_dims", "size_relations", "output_aliases", "meshes",
         "distributed", "kernels", "optimizers", "param_groups", "optimizer_state", "wrapped",
         "wrapped_inner", "data_parallel", "fully_sharded", "global_hooks", "read_values", "ambient",
-        "mutated", "seed", "autograd", "wrappers", "variants",
+        "mutated", "seed", "autograd", "wrappers", "guards", "variants",
     ),
     "TorchBuild": ("version", "git"),
     "Argument": ("name", "is_model", "is_optimizer"),
@@ -46,13 +46,14 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
         "model", "module", "reshard_after_forward", "param_dtype", "reduce_dtype", "divide_factor",
     ),
     "ReadValue": ("submodule", "module", "path", "expected", "where", "file"),
+    "GuardNote": ("kind", "reads", "outcome", "by", "count"),
     "Ambient": ("autocast", "default_dtype", "deterministic", "modes", "settings"),
     "Autograd": ("inputs", "outputs", "tangent_strides", "saved", "unavailable"),
 }
 SPEC_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "ArtifactSpec": (
         (), (), (), (), (), (), (), (), (), (), (), (), (), (), (), (), None, (), None, None, (),
-        (),
+        (), (),
     ),
     "Argument": (False,),
     "ModelTensor": ((), None),
@@ -67,6 +68,7 @@ SPEC_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "DataParallel": (None,),
     "FullyShardedGroup": (None, None, None),
     "ReadValue": (None,),
+    "GuardNote": (1,),
     "Ambient": ((), None, False, (), ()),
     "Autograd": ((), (), (), (), None),
 }
@@ -77,8 +79,8 @@ SPEC_LISTS: dict[str, str] = {
     "distributed": "DistributedTensor", "kernels": "KernelObject", "optimizers": "Optimizer",
     "param_groups": "ParamGroup", "optimizer_state": "OptimizerState", "wrapped": "WrappedTensor",
     "wrapped_inner": "InnerTensor", "data_parallel": "DataParallel",
-    "fully_sharded": "FullyShardedGroup", "read_values": "ReadValue", "ambient": "Ambient",
-    "autograd": "Autograd",
+    "fully_sharded": "FullyShardedGroup", "read_values": "ReadValue", "guards": "GuardNote",
+    "ambient": "Ambient", "autograd": "Autograd",
 }
 SPEC_SHARED: tuple[str, ...] = ("schema_version", "backend", "torch", "args", "kernels")
 # fmt: on

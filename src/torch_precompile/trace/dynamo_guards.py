@@ -1,0 +1,454 @@
+"""``tracer="dynamo"``: what Dynamo read of ``fn``'s Python, made into the artifact's checks.
+
+Dynamo reads ``fn``'s bytecode (and that of every function it calls) and guards each fact the
+code depended on. The graph still comes from the make_fx trace (a whole step, backward and
+optimizer included); Dynamo is a second reader beside it. Each guard becomes one of:
+
+- **checked**: a check the artifact runs at every call holds it. A global, or an attribute
+  of a submodule, that the make_fx trace did not record becomes a read value of its own.
+- **fixed**: it cannot differ at a call of this artifact (torch's own code, pinned by the
+  torch build the artifact insists on; a value fn computed before a graph break).
+- **dropped**: no call can reach it (a value ``fn`` closes over, the object ``fn`` is a
+  method of); said at capture, listed by ``inspect``, refused under
+  ``require_all_guards=True``.
+
+A graph break is carried where the make_fx trace covers what Dynamo could not read
+(``loss.backward()``, a value read off a tensor, which the trace checks at every call) and
+refused otherwise, naming the user's line and Dynamo's reason.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import logging
+import os
+import sys
+import types
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from torch_precompile.errors import PrecompileError
+from torch_precompile.internals import dynamo
+from torch_precompile.internals.origin import shown_path
+from torch_precompile.spec import GuardNote, ReadValue
+from torch_precompile.trace.reads import TORCH_ROOT, encode_object, encode_read, users_file
+
+log = logging.getLogger("torch_precompile")
+
+CHECKED, FIXED, DROPPED = "checked", "fixed", "dropped"
+
+# Torch's thread state, and the artifact's check that insists on the capture's.
+_STATE_CHECKS = {
+    "GRAD_MODE": (CHECKED, "grad mode (a variant per mode; results' history)"),
+    "GLOBAL_STATE": (CHECKED, "ambient state (grad mode, autocast)"),
+    "DETERMINISTIC_ALGORITHMS": (CHECKED, "ambient state (deterministic algorithms)"),
+    "DEFAULT_DEVICE": (CHECKED, "ambient state (torch function modes: a default device)"),
+    "TORCH_FUNCTION_STATE": (CHECKED, "ambient state (torch function modes)"),
+    "TORCH_FUNCTION_MODE_STACK": (CHECKED, "ambient state (torch function modes)"),
+    "SHAPE_ENV": (CHECKED, "input shapes (static sizes; dynamic dims and their relations)"),
+    "AUTOGRAD_SAVED_TENSORS_HOOKS": (
+        FIXED,
+        "the artifact's graphs save their own tensors; saved-tensor hooks change where they "
+        "live, not the values computed",
+    ),
+}
+_HOOK_DICTS = frozenset(
+    {
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+        "_state_dict_hooks",
+        "_load_state_dict_pre_hooks",
+    }
+)
+_STRUCTURE = frozenset({"_parameters", "_buffers", "_modules", "__dict__", "forward"})
+# Reasons of graph breaks the make_fx trace carries (matched in Dynamo's text, lowercased).
+_CARRIED_BREAKS = (
+    ("backward()", "the make_fx trace records the backward"),
+    ("autograd.grad", "the make_fx trace records the backward"),
+    (".item()", "the make_fx trace checks the value at every call"),
+    ("tolist()", "the make_fx trace checks the values at every call"),
+    ("generic_jump", "the make_fx trace checks the value the branch read at every call"),
+    ("data-dependent", "the make_fx trace checks the value at every call"),
+    ("output shape depends on input tensor data", "the make_fx trace checks the sizes"),
+)
+
+
+@dataclass(frozen=True)
+class Anchors:
+    """The objects of this call the artifact already checks, by identity: submodules (by walk
+    index), model tensors and input tensors (by name), optimizers and fn's other arguments."""
+
+    submodules: dict[int, int]
+    tensors: dict[int, str]
+    optimizers: dict[int, str]
+    arguments: dict[str, Any]  # fn's own arguments by name
+
+    @staticmethod
+    def of(
+        submodules: Sequence[torch.nn.Module],
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        optimizers: Sequence[tuple[str, Any]],
+        arguments: dict[str, Any],
+    ) -> Anchors:
+        return Anchors(
+            {id(m): i for i, m in reversed(list(enumerate(submodules)))},
+            {id(t): name for name, t in tensors},
+            {id(o): name for name, o in optimizers},
+            arguments,
+        )
+
+
+@dataclass(frozen=True)
+class Translated:
+    """What Dynamo's reading adds to a capture: read values beyond the make_fx trace's, and
+    the report of every guard."""
+
+    reads: tuple[ReadValue, ...]
+    notes: tuple[GuardNote, ...]
+
+    @property
+    def dropped(self) -> list[GuardNote]:
+        return [n for n in self.notes if n.outcome == DROPPED]
+
+
+def read_with_dynamo(fn: Callable[..., Any], args: tuple[Any, ...]) -> dynamo.DynamoReading:
+    """Run fn once under Dynamo (the caller puts back whatever it changed)."""
+    try:
+        reading, _ = dynamo.read(fn, args)
+    except dynamo.DynamoFailed as error:
+        raise PrecompileError(
+            f"tracer='dynamo' could not read fn: {error}. Capture with tracer='make_fx' (the "
+            "default) instead."
+        ) from None
+    return reading
+
+
+def refuse_breaks(reading: dynamo.DynamoReading) -> None:
+    """Refuse a graph break the make_fx trace does not carry, naming its line and reason."""
+    for brk in reading.breaks:
+        if _carried(brk.reason) is not None:
+            continue
+        at = (
+            f"{shown_path(brk.line.rsplit(':', 1)[0])}:{brk.line.rsplit(':', 1)[1]}"
+            if (brk.line)
+            else "an unknown line"
+        )
+        code = f" ({brk.text.strip()})" if brk.text else ""
+        raise PrecompileError(
+            f"tracer='dynamo' could not read fn past {at}{code}: {brk.reason}. Code Dynamo "
+            "cannot read would run once, at capture, and never at a call: move it out of fn, "
+            "or capture with tracer='make_fx' (the default)."
+        )
+
+
+def code_of(fn: Callable[..., Any]) -> types.CodeType:
+    """The code of the frame Dynamo enters first for ``fn``: a function's, a method's, a
+    module's ``forward``, a callable object's ``__call__``."""
+    target: Any = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    if isinstance(target, torch.nn.Module):
+        target = type(target).forward
+    target = getattr(target, "__func__", target)
+    if not isinstance(target, types.FunctionType):
+        call = type(target).__call__
+        target = getattr(call, "__func__", call)
+    return cast(types.CodeType, target.__code__)
+
+
+def _carried(reason: str) -> str | None:
+    text = reason.lower()
+    return next((why for key, why in _CARRIED_BREAKS if key.lower() in text), None)
+
+
+def translate(
+    reading: dynamo.DynamoReading,
+    fn_code: types.CodeType,
+    anchors: Anchors,
+    made: Sequence[ReadValue],
+) -> Translated:
+    """Each guard of each frame Dynamo read, as a check, a fixed fact or a dropped guard."""
+    if not any(f.code is fn_code for f in reading.frames):
+        raise PrecompileError(
+            "tracer='dynamo' read nothing of fn itself (Dynamo skips code it does not "
+            "translate); capture with tracer='make_fx' (the default)."
+        )
+    translator = _Translator(fn_code, anchors, made)
+    for frame in reading.frames:
+        for guard in frame.guards:
+            translator.add(frame, guard)
+    return Translated(tuple(translator.reads), translator.notes())
+
+
+class _Translator:
+    def __init__(
+        self, fn_code: types.CodeType, anchors: Anchors, made: Sequence[ReadValue]
+    ) -> None:
+        self.fn_code = fn_code
+        self.anchors = anchors
+        self.keys = {(r.submodule, r.module, tuple(r.path)) for r in made}
+        self.reads: list[ReadValue] = []
+        self.counts: Counter[tuple[str, str, str, str]] = Counter()
+        # Guards on an object's class or namespace, held by the values read off it (if any).
+        self.objects: list[tuple[tuple[Any, Any, tuple[str, ...]], str, str]] = []
+
+    def notes(self) -> tuple[GuardNote, ...]:
+        for key, kind, text in self.objects:
+            held = sorted(".".join(k[2]) for k in self.keys if k[:2] == key[:2] and _below(k, key))
+            outcome, by = (
+                (CHECKED, f"read values off it ({', '.join(held[:3])})")
+                if held
+                else (DROPPED, f"{'.'.join(key[2])} is an object no check compares")
+            )
+            self.counts[(kind, text, outcome, by)] += 1
+        self.objects.clear()
+        return tuple(GuardNote(*key, count=n) for key, n in self.counts.items())
+
+    def add(self, frame: dynamo.FrameRead, guard: dynamo.RawGuard) -> None:
+        outcome, by = self._outcome(frame, guard)
+        if outcome != _LATER:
+            self.counts[(guard.kind, guard.text or "(torch state)", outcome, by)] += 1
+
+    def _outcome(self, frame: dynamo.FrameRead, guard: dynamo.RawGuard) -> tuple[str, str]:
+        path = guard.path
+        if path is None:
+            if guard.kind == "WEAKREF_ALIVE":
+                return FIXED, "Dynamo's own reference to an object it read"
+            return DROPPED, f"no check of the artifact reads {guard.text}"
+        if path.root == "state":
+            return _STATE_CHECKS.get(guard.kind, (DROPPED, "torch state no check reads"))
+        chain = _walk(frame, path)
+        anchored = self._anchored(chain, path, guard)
+        if anchored is not None:
+            return anchored
+        if path.root == "global":
+            return self._global(frame, path, chain, guard)
+        return self._local(frame, path, chain[-1], guard)
+
+    def _anchored(
+        self, chain: list[Any], path: dynamo.GuardPath, guard: dynamo.RawGuard
+    ) -> tuple[str, str] | None:
+        """The deepest object on the path that the artifact checks already, if any."""
+        for depth in range(len(chain) - 1, -1, -1):
+            obj = chain[depth]
+            rest = path.steps[depth:]
+            if id(obj) in self.anchors.submodules:
+                return self._module_read(self.anchors.submodules[id(obj)], rest, chain, guard)
+            if isinstance(obj, torch.Tensor) and id(obj) in self.anchors.tensors:
+                return CHECKED, f"tensor checks of {self.anchors.tensors[id(obj)]}"
+            if id(obj) in self.anchors.optimizers:
+                name = self.anchors.optimizers[id(obj)]
+                return CHECKED, f"optimizer checks of {name} (class, param groups, options)"
+        return None
+
+    def _module_read(
+        self, index: int, rest: tuple[dynamo.Step, ...], chain: list[Any], guard: dynamo.RawGuard
+    ) -> tuple[str, str]:
+        if not rest:
+            return CHECKED, "module structure (class, forward, attributes, members)"
+        first = rest[0].key if rest[0].kind == "attr" else None
+        if first in _HOOK_DICTS or (first or "").startswith("_global_"):
+            return CHECKED, "hook checks"
+        if first in _STRUCTURE:
+            return CHECKED, "module structure (class, forward, attributes, members)"
+        names = _attribute_names(rest)
+        if names is None:
+            return DROPPED, f"no check of the artifact reads {guard.text}"
+        value = chain[-1]
+        if isinstance(value, torch.nn.Module):
+            return CHECKED, "module structure (class, forward, attributes, members)"
+        return self._value(index, None, names, value, guard)
+
+    def _global(
+        self,
+        frame: dynamo.FrameRead,
+        path: dynamo.GuardPath,
+        chain: list[Any],
+        guard: dynamo.RawGuard,
+    ) -> tuple[str, str]:
+        root, value = chain[0], chain[-1]
+        module = frame.globals.get("__name__")
+        steps: tuple[dynamo.Step, ...] = path.steps
+        names: tuple[str, ...] = (path.name,)
+        if path.name.startswith("__import_") and isinstance(root, types.ModuleType):
+            module, names = root.__name__, ()
+        if _torch_owned(root) or _torch_owned(value) or not _users_module(module):
+            return FIXED, "torch's or Python's own code, fixed by the torch build it runs on"
+        if steps[:2] == (dynamo.Step("type"), dynamo.Step("typedict")):
+            # A class attribute read through an instance: the artifact reads it off the class,
+            # where that class is a global of the same module under its own name.
+            cls: type = chain[1]
+            holder = sys.modules.get(str(module))
+            if len(names) != 1 or getattr(holder, cls.__name__, None) is not cls:
+                return DROPPED, f"{guard.text}: a class attribute of a class no check can find"
+            names = (cls.__name__,)
+            steps = (dynamo.Step("attr", steps[2].key), *steps[3:]) if len(steps) > 2 else ()
+        more = _attribute_names(steps)
+        if more is None or not (*names, *more) or not isinstance(module, str):
+            return DROPPED, f"no check of the artifact reads {guard.text}"
+        return self._value(None, module, (*names, *more), value, guard)
+
+    def _local(
+        self, frame: dynamo.FrameRead, path: dynamo.GuardPath, value: Any, guard: dynamo.RawGuard
+    ) -> tuple[str, str]:
+        code = frame.code
+        own = code is self.fn_code
+        if path.name in code.co_freevars and (own or _resumes(code, self.fn_code)):
+            shown = _shown(value)
+            return DROPPED, (
+                f"a value fn closes over ({path.name}={shown}): no call can reach it; pass it "
+                "as an argument or hold it in a global"
+            )
+        if own and path.name in self.anchors.arguments:
+            return CHECKED, f"input checks of argument {path.name} (its value or layout)"
+        if own:  # the object a bound method fn belongs to, or a callable object itself
+            return DROPPED, f"{guard.text} is held by fn, not passed to it: no call can reach it"
+        if _resumes(code, self.fn_code):
+            return FIXED, "a value fn computed before a graph break, from what it read"
+        if not users_file(code.co_filename):
+            return FIXED, "an argument torch's own code passed itself"
+        return DROPPED, (
+            f"argument {path.name!r} of {code.co_name} "
+            f"({shown_path(code.co_filename)}:{code.co_firstlineno}), which Dynamo read apart "
+            "from fn"
+        )
+
+    def _value(
+        self,
+        submodule: int | None,
+        module: str | None,
+        names: tuple[str, ...],
+        value: Any,
+        guard: dynamo.RawGuard,
+    ) -> tuple[str, str]:
+        key = (submodule, module, names)
+        shown = ".".join(names)
+        if any(_covers(k, key) for k in self.keys):
+            return CHECKED, f"read value {shown}"
+        encoded = None if value is _MISSING else encode_read(value)
+        if encoded is None and guard.kind in _OBJECT_KINDS:
+            encoded = encode_object(value)  # its class and the values it holds
+        if encoded is None:
+            if guard.kind in _OBJECT_KINDS:
+                self.objects.append((key, guard.kind, guard.text))
+                return _LATER, ""
+            return DROPPED, f"{shown} holds {type(value).__name__}, which no check compares"
+        where, script = "read by Dynamo", None
+        if guard.line:
+            file, _, line = guard.line.rpartition(":")
+            where = f"{shown_path(file)}:{line}"
+            script = os.path.basename(file) if module == "__main__" else None
+        self.reads.append(ReadValue(submodule, module, names, encoded, where, script))
+        self.keys.add(key)
+        return CHECKED, f"read value {shown} == {_shown(value)}"
+
+
+_MISSING: Any = object()
+_LATER = "later"  # an object's guard, settled once every value read off it is known
+# Guards on an object as a whole: its class, its namespace's keys, its identity.
+_OBJECT_KINDS = frozenset(
+    {"TYPE_MATCH", "ID_MATCH", "NOT_PRESENT_IN_GENERIC_DICT", "HASATTR", "DICT_KEYS_MATCH"}
+)
+
+
+def _below(
+    made: tuple[Any, Any, tuple[str, ...]], holder: tuple[Any, Any, tuple[str, ...]]
+) -> bool:
+    return len(made[2]) > len(holder[2]) and made[2][: len(holder[2])] == holder[2]
+
+
+def _walk(frame: dynamo.FrameRead, path: dynamo.GuardPath) -> list[Any]:
+    """Each object from the path's root to the guarded value (``_MISSING`` past a failed
+    step)."""
+    scope = frame.arguments if path.root == "local" else frame.globals
+    obj = scope.get(path.name, _MISSING)
+    chain = [obj]
+    for step in path.steps:
+        obj = _step(obj, step)
+        chain.append(obj)
+    return chain
+
+
+def _step(obj: Any, step: dynamo.Step) -> Any:
+    if obj is _MISSING:
+        return _MISSING
+    try:
+        if step.kind == "attr":
+            return getattr(obj, step.key)
+        if step.kind == "item":
+            return obj[step.key]
+        if step.kind == "type":
+            return type(obj)
+        if step.kind == "typedict":
+            return dict(obj.__dict__)
+    except Exception:  # a place that no longer exists: nothing to anchor on
+        return _MISSING
+    return _MISSING
+
+
+def _attribute_names(steps: Sequence[dynamo.Step]) -> tuple[str, ...] | None:
+    """The attribute names of ``steps`` where they are all plain attribute reads; a class
+    attribute read through an instance (type, class namespace, item) reads as its name."""
+    names: list[str] = []
+    kinds = [s.kind for s in steps]
+    i = 0
+    while i < len(steps):
+        step = steps[i]
+        if step.kind == "attr" and not str(step.key).startswith("__"):
+            names.append(str(step.key))
+            i += 1
+        elif kinds[i : i + 3] == ["type", "typedict", "item"] and isinstance(steps[i + 2].key, str):
+            names.append(steps[i + 2].key)
+            i += 3
+        else:
+            return None
+    return tuple(names)
+
+
+def _covers(
+    made: tuple[Any, Any, tuple[str, ...]], wanted: tuple[Any, Any, tuple[str, ...]]
+) -> bool:
+    """Whether a read the make_fx trace made holds ``wanted`` (the same place, or an object
+    on its path, whose values it all holds)."""
+    return made[:2] == wanted[:2] and wanted[2][: len(made[2])] == made[2]
+
+
+def _torch_owned(value: Any) -> bool:
+    if value is builtins.__dict__ or isinstance(value, types.BuiltinFunctionType):
+        return True
+    name = getattr(value, "__module__", None) or getattr(value, "__name__", None)
+    if isinstance(value, types.ModuleType):
+        name = value.__name__
+    return isinstance(name, str) and (name == "torch" or name.startswith("torch."))
+
+
+def _users_module(name: Any) -> bool:
+    module = sys.modules.get(name) if isinstance(name, str) else None
+    file = getattr(module, "__file__", None)
+    if name == "__main__":
+        return True
+    return isinstance(file, str) and users_file(file) and not file.startswith(TORCH_ROOT)
+
+
+def _resumes(code: types.CodeType, fn_code: types.CodeType) -> bool:
+    """Whether ``code`` is one of Dynamo's resume functions for fn (after a graph break)."""
+    return code.co_filename == fn_code.co_filename and code.co_name.startswith(
+        "torch_dynamo_resume_in_"
+    )
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    if " object at 0x" in text:  # the default repr: an address that differs per process
+        return f"a {type(value).__qualname__}"
+    return text if len(text) <= 40 else f"{type(value).__name__}(...)"

@@ -1,0 +1,271 @@
+"""``tracer="dynamo"``: Dynamo reads fn's Python, and each guard becomes a check or a report.
+
+Each test changes what fn's Python read after capture (a global, a class attribute, a
+submodule's attribute, a value fn closes over, a hook, the ambient state) and expects the
+artifact to match eager or to refuse naming the cause; graph breaks are carried (backward, an
+optimizer step, a value read off a tensor) or refused naming the line; the guard report is
+read back by ``inspect``; a saved, signed pair loads in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torch_precompile import PrecompileError, precompile
+from torch_precompile.inspection import describe, render
+
+from conftest import BACKENDS, run_python
+
+SCALE = 2.0
+
+
+class Settings:
+    factor = 3.0  # a class attribute, read through the instance below
+
+
+SETTINGS = Settings()
+
+
+class Other:
+    factor = 3.0
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = torch.nn.Linear(4, 3)
+        self.inner.gain = 1.5  # a plain attribute of a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.inner.gain
+
+
+def scaled(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x) * SCALE * SETTINGS.factor
+
+
+def make_closure(c: float) -> Any:
+    def fn(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x) * c
+
+    return fn
+
+
+@pytest.fixture
+def restore_globals() -> Any:
+    saved = (SCALE, Settings.factor, SETTINGS)
+    yield
+    globals()["SCALE"], Settings.factor, globals()["SETTINGS"] = saved
+
+
+def _pair(fn: Any, *args: Any, backend: str = "eager", **options: Any) -> tuple[str, bytes]:
+    return precompile(fn, *args, backend=backend, tracer="dynamo", **options)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_globals_read_by_fn_are_checked_at_every_call(backend: str, restore_globals: Any) -> None:
+    m, x = Scaled(), torch.randn(2, 4)
+    code, cache = _pair(scaled, m, x, backend=backend)
+    f = precompile.load(code, cache)
+    torch.testing.assert_close(f(m, x), scaled(m, x))
+    globals()["SCALE"] = 5.0
+    with pytest.raises(PrecompileError, match=r"global 'SCALE' of module test_dynamo_tracer is 5"):
+        f(m, x)
+    globals()["SCALE"] = 2.0
+    Settings.factor = 4.0  # a class attribute read through an instance: the trace missed it
+    with pytest.raises(PrecompileError, match=r"'Settings\.factor' of module test_dynamo_tracer"):
+        f(m, x)
+    Settings.factor = 3.0
+    settings = SETTINGS
+    globals()["SETTINGS"] = Other()  # another class, the same value
+    with pytest.raises(PrecompileError, match="SETTINGS"):
+        f(m, x)
+    globals()["SETTINGS"] = settings
+    torch.testing.assert_close(f(m, x), scaled(m, x))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_closure_value_is_reported_dropped_and_refused_on_request(
+    backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    m, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+    fn = make_closure(2.5)
+    with caplog.at_level(logging.WARNING, "torch_precompile"):
+        code, _ = _pair(fn, m, x, backend=backend)
+    assert "tracer='dynamo' dropped 1 guard(s)" in caplog.text and "c=2.5" in caplog.text
+    dropped = [g for g in precompile.inspect(code).guards if g.outcome == "dropped"]
+    assert [(g.kind, g.reads) for g in dropped] == [("CONSTANT_MATCH", "L['c']")]
+    with pytest.raises(PrecompileError, match=r"require_all_guards=True: .* L\['c'\]: a value fn"):
+        _pair(fn, m, x, backend=backend, require_all_guards=True)
+    # Without anything to drop, require_all_guards takes the capture.
+    code, _ = _pair(lambda m, x: m(x) * 2, m, x, backend=backend, require_all_guards=True)
+    assert not [g for g in precompile.inspect(code).guards if g.outcome == "dropped"]
+
+
+def test_a_submodule_attribute_type_and_hooks_are_checked() -> None:
+    m, x = Scaled(), torch.randn(2, 4)
+    f = precompile.load(*_pair(lambda m, x: m(x), m, x))
+    torch.testing.assert_close(f(m, x), m(x))
+    m.inner.gain = 2.0
+    with pytest.raises(PrecompileError, match="gain"):
+        f(m, x)
+    m.inner.gain = 1.5
+    handle = m.inner.register_forward_hook(lambda mod, args, out: out * 2)
+    with pytest.raises(PrecompileError, match="hook"):
+        f(m, x)
+    handle.remove()
+    torch.testing.assert_close(f(m, x), m(x))
+    guards = f.spec.guards
+    by = {(g.kind, g.reads): g for g in guards}
+    assert by[("CONSTANT_MATCH", "L['m']._modules['inner'].gain")].outcome == "checked"
+    assert any(g.by == "hook checks" for g in guards)
+
+
+def test_ambient_state_is_checked() -> None:
+    m, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+    f = precompile.load(*_pair(lambda m, x: m(x), m, x))
+    kinds = {g.kind: g for g in f.spec.guards}
+    assert kinds["GRAD_MODE"].outcome == kinds["GLOBAL_STATE"].outcome == "checked"
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(PrecompileError, match="autocast"),
+    ):
+        f(m, x)
+
+
+def _train_step(m: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    loss = m(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def test_a_training_step_is_carried_across_its_graph_breaks_and_capture_changes_nothing() -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    twin.load_state_dict(m.state_dict())
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.01)
+    x = torch.randn(5, 4)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    f = precompile.load(*_pair(_train_step, m, opt, x))
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert not opt.state and all(p.grad is None for p in m.parameters())
+    for _ in range(3):
+        torch.testing.assert_close(f(m, opt, x), _train_step(twin, twin_opt, x))
+    torch.testing.assert_close(m.state_dict(), twin.state_dict())
+    opt.param_groups[0]["weight_decay"] = 0.5
+    with pytest.raises(PrecompileError, match="weight_decay"):
+        f(m, opt, x)
+
+
+def test_a_value_read_off_a_tensor_is_carried_and_checked_per_call() -> None:
+    m = torch.nn.Linear(4, 3)
+
+    def fn(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = m(x)
+        return y * 2 if x.sum().item() > 0 else y
+
+    x = torch.ones(2, 4)
+    f = precompile.load(*_pair(fn, m, x))
+    torch.testing.assert_close(f(m, x), fn(m, x))
+    with pytest.raises(PrecompileError):
+        f(m, -x)
+
+
+def test_a_graph_break_the_trace_cannot_carry_is_refused_naming_the_line() -> None:
+    m, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+
+    def noisy(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = m(x)
+        print("step")
+        return y
+
+    with pytest.raises(
+        PrecompileError,
+        match=r"could not read fn past .*test_dynamo_tracer\.py:\d+ \(print\(\"step\"\)\): .*print",
+    ):
+        _pair(noisy, m, x)
+
+
+def test_inspect_lists_the_guard_report(tmp_path: Path) -> None:
+    m, x = Scaled(), torch.randn(2, 4)
+    path = tmp_path / "scaled.py"
+    precompile.save(*_pair(make_closure(2.0), m, x), path)
+    report = describe(path)
+    assert report["tracer"] == "dynamo"
+    outcomes = {g["outcome"] for g in report["dynamo_guards"]}
+    assert outcomes == {"checked", "fixed", "dropped"}
+    text = render(report)
+    assert "  dynamo    : guards " in text and "dropped  CONSTANT_MATCH L['c']" in text
+    cli = subprocess.run(
+        [sys.executable, "-m", "torch_precompile", "inspect", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert json.loads(cli.stdout)["dynamo_guards"] == report["dynamo_guards"]
+
+
+MODULE = """
+import torch
+SCALE = 2.0
+
+
+def fn(m, x):
+    return m(x) * SCALE
+"""
+
+
+def test_a_signed_pair_loads_in_a_fresh_process_with_and_without_its_cache(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "dyn_fn.py").write_text(MODULE)
+    script = f"""
+        import sys, torch
+        sys.path.insert(0, {str(tmp_path)!r})
+        import dyn_fn
+        from torch_precompile import precompile
+        torch.manual_seed(0)
+        m, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+        torch.save((m.state_dict(), x), {str(tmp_path / "inputs.pt")!r})
+        code, cache = precompile(dyn_fn.fn, m, x, backend="eager", tracer="dynamo", sign_key=b"k")
+        precompile.save(code, cache, {str(tmp_path / "a.py")!r}, sign_key=b"k")
+    """
+    made = run_python(script)
+    assert made.returncode == 0, made.stderr
+    for with_cache in (True, False):
+        use = f"""
+            import sys, torch
+            sys.path.insert(0, {str(tmp_path)!r})
+            import dyn_fn
+            from torch_precompile import precompile, PrecompileError
+            state, x = torch.load({str(tmp_path / "inputs.pt")!r})
+            m = torch.nn.Linear(4, 3); m.load_state_dict(state)
+            if {with_cache}:
+                f = precompile.load_file({str(tmp_path / "a.py")!r}, verify_key=b"k")
+            else:
+                f = precompile.load(open({str(tmp_path / "a.py")!r}).read(), None)
+            assert "torch._dynamo" not in sys.modules or not {with_cache}
+            torch.testing.assert_close(f(m, x), dyn_fn.fn(m, x))
+            dyn_fn.SCALE = 3.0
+            try:
+                f(m, x)
+            except PrecompileError as e:
+                print("refused:", e)
+        """
+        used = run_python(textwrap.dedent(use))
+        assert used.returncode == 0, used.stderr
+        assert "refused: global 'SCALE' of module dyn_fn is 3.0" in used.stdout
