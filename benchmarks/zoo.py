@@ -1309,7 +1309,8 @@ def capture(
 
     result["phase"] = "capture"
     start = time.perf_counter()
-    code, cache = precompile(fn, *passed, *example, backend=backend)
+    tracer = os.environ.get("ZOO_TRACER", "make_fx")  # the parent's --tracer
+    code, cache = precompile(fn, *passed, *example, backend=backend, tracer=tracer)
     result["build_s"] = time.perf_counter() - start
     result["phase"] = "save"
     precompile.save(code, cache, path)
@@ -1646,6 +1647,7 @@ def main(argv: list[str] | None = None) -> int:
         "--keep", default=None, help="copy each child's artifact pair and output into this folder"
     )
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument("--tracer", default="make_fx", choices=["make_fx", "dynamo"])
     parser.add_argument(
         "--from-kept",
         default=None,
@@ -1670,6 +1672,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"zoo: wrote {args.out} from {len(kept)} kept runs")
         return 0
+    os.environ["ZOO_TRACER"] = args.tracer  # every child inherits it
     names = split(args.cases, list(CASES), "case")
     backends = split(args.backends, BACKENDS, "backend")
     modes = split(args.modes, MODES, "mode")

@@ -30,6 +30,8 @@ TESTS_DIR = Path(__file__).parent
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("TORCH_PRECOMPILE_TEST_TRACER") == "dynamo":
+        _capture_with_dynamo()
     config.addinivalue_line(
         "markers",
         "release_independent: exercises only the package's own file handling; "
@@ -40,6 +42,19 @@ def pytest_configure(config: pytest.Config) -> None:
         "soak: a long run (many steps, loads or threads); .ci/matrix leaves it to "
         "the default release's run",
     )
+
+
+def _capture_with_dynamo() -> None:
+    """Every capture of the run reads fn with Dynamo too (``tracer="dynamo"``), to run the
+    suite's cases through that tracer: TORCH_PRECOMPILE_TEST_TRACER=dynamo pytest ..."""
+    import torch_precompile.trace as trace
+
+    plain = trace.capture
+
+    def capture(*args: Any, tracer: str = "make_fx", **kwargs: Any) -> Any:
+        return plain(*args, tracer="dynamo", **kwargs)
+
+    trace.capture = capture  # type: ignore[assignment]
 
 
 @pytest.fixture(params=BACKENDS)

@@ -258,7 +258,7 @@ def test_a_signed_pair_loads_in_a_fresh_process_with_and_without_its_cache(
                 f = precompile.load_file({str(tmp_path / "a.py")!r}, verify_key=b"k")
             else:
                 f = precompile.load(open({str(tmp_path / "a.py")!r}).read(), None)
-            assert "torch._dynamo" not in sys.modules or not {with_cache}
+            assert "torch._dynamo" not in sys.modules and "torch._inductor" not in sys.modules
             torch.testing.assert_close(f(m, x), dyn_fn.fn(m, x))
             dyn_fn.SCALE = 3.0
             try:
@@ -269,3 +269,11 @@ def test_a_signed_pair_loads_in_a_fresh_process_with_and_without_its_cache(
         used = run_python(textwrap.dedent(use))
         assert used.returncode == 0, used.stderr
         assert "refused: global 'SCALE' of module dyn_fn is 3.0" in used.stdout
+
+
+def test_what_dynamo_does_not_read_yet_is_refused_by_name() -> None:
+    from scaled_tensor import quantized_linear
+
+    model = quantized_linear(torch.nn.Sequential(torch.nn.Linear(8, 4)).eval())
+    with torch.no_grad(), pytest.raises(PrecompileError, match="does not read tensor subclasses"):
+        _pair(lambda m, x: m(x), model, torch.randn(2, 8))

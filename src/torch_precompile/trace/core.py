@@ -559,11 +559,21 @@ def _read_with_dynamo(
 ) -> DynamoReading:
     """Dynamo's reading of fn, run on the caller's own objects and everything put back:
     tensors' values and gradients, optimizer state, Python state, random streams."""
-    if on_fakes or layout.sharding is not None or layout.wrapping.inputs:
+    unread = [
+        what
+        for what, present in (
+            ("a capture on one rank for all (compile_on_one_rank)", on_fakes),
+            ("DTensors", layout.sharding is not None),
+            ("tensor subclasses", bool(layout.wrapping.inputs)),
+            ("DistributedDataParallel", bool(layout.data_parallel)),
+            ("fully_shard (FSDP2)", bool(layout.fully_sharded.modules)),
+        )
+        if present
+    ]
+    if unread:
         raise PrecompileError(
-            "tracer='dynamo' reads fn on the caller's own tensors, and does not yet read "
-            "DTensors, tensor subclasses or a capture on one rank for all; use tracer='make_fx' "
-            "(the default)."
+            f"tracer='dynamo' does not read {' or '.join(unread)} yet; capture with "
+            "tracer='make_fx' (the default), which does."
         )
     leaves = [layout.inputs.leaves[i] for i in layout.tensor_positions]
     tensors = [*layout.state.tensors, *leaves]
