@@ -9,8 +9,10 @@ read back by ``inspect``; a saved, signed pair loads in a fresh process.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -277,3 +279,52 @@ def test_what_dynamo_does_not_read_yet_is_refused_by_name() -> None:
     model = quantized_linear(torch.nn.Sequential(torch.nn.Linear(8, 4)).eval())
     with torch.no_grad(), pytest.raises(PrecompileError, match="does not read tensor subclasses"):
         _pair(lambda m, x: m(x), model, torch.randn(2, 8))
+
+
+class Stepper:
+    def __init__(self) -> None:
+        self.scale = 2.0
+
+    def __call__(self, m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x) * self.scale
+
+
+def test_a_callable_objects_own_values_are_dropped_guards() -> None:
+    m, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+    stepper = Stepper()
+    code, _ = _pair(stepper, m, x)  # a callable object: Dynamo reads its __call__
+    dropped = [g for g in precompile.inspect(code).guards if g.outcome == "dropped"]
+    assert [g.reads for g in dropped] == ["L['self']", "L['self'].scale"], dropped
+    assert all("held by fn, not passed to it" in g.by for g in dropped)
+
+
+def test_capture_puts_back_gradients_data_writes_and_leaves_no_environment() -> None:
+    m = torch.nn.Linear(4, 3)
+    m.weight.grad = torch.ones(3, 4)  # a backward at capture would add to it in place
+    m.weight.register_hook(lambda g: g * 3)
+
+    def step(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        m.bias.data.add_(0.0)  # a write through .data moves no version counter
+        scale = float(os.environ.get("TP_DYNAMO_SCALE", "1"))
+        loss = (m(x) * scale).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    os.environ["TP_DYNAMO_SCALE"], os.environ["TP_DYNAMO_SECRET"] = "2", "hunter2"
+    try:
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        x = torch.randn(5, 4)
+        code, cache = _pair(step, m, x)
+        assert torch.equal(m.weight.grad, torch.ones(3, 4)) and m.bias.grad is None
+        assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+        assert "hunter2" not in code  # the environment is never copied into the artifact
+        twin = copy.deepcopy(m)
+        twin.weight.register_hook(lambda g: g * 3)  # a copy holds no hooks, no gradients
+        twin.weight.grad = torch.ones(3, 4)
+        torch.testing.assert_close(precompile.load(code, cache)(m, x), step(twin, x))
+        torch.testing.assert_close(m.weight.grad, twin.weight.grad)
+        os.environ["TP_DYNAMO_SCALE"] = "3"
+        with pytest.raises(PrecompileError, match="environment variable 'TP_DYNAMO_SCALE'"):
+            precompile.load(code, cache)(m, x)
+    finally:
+        del os.environ["TP_DYNAMO_SCALE"], os.environ["TP_DYNAMO_SECRET"]

@@ -32,6 +32,14 @@ READ_ELSEWHERE = {
     "Autograd.saved": "a description for inspect; the backward graph takes what the forward "
     "graph returns",
     "ArtifactSpec.wrappers": "a description for inspect; each graph's source is its wrapper",
+    # The dynamo tracer's guard report: each guard it kept is a check recorded as another
+    # fact (a read value, a hook set, ...); the report says which, for inspect.
+    "ArtifactSpec.guards": "the guard report, for inspect and require_all_guards",
+    "GuardNote.kind": "the guard report, for inspect",
+    "GuardNote.reads": "the guard report, for inspect",
+    "GuardNote.outcome": "the guard report, for inspect and require_all_guards",
+    "GuardNote.by": "the guard report, for inspect",
+    "GuardNote.count": "the guard report, for inspect",
 }
 # Recorded facts a call is not yet checked against, and what that leaves to the caller.
 KNOWN_UNCHECKED = {

@@ -8,6 +8,7 @@ its reason and user line. Only capture imports this module; the artifact never d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import types
@@ -47,6 +48,7 @@ class RawGuard:
     text: str
     path: GuardPath | None
     line: str | None
+    at_read: Any = None  # what ``read``'s ``note`` said of the value when Dynamo read it
 
 
 @dataclass(frozen=True)
@@ -72,14 +74,22 @@ class GraphBreak:
 class DynamoReading:
     frames: list[FrameRead] = field(default_factory=list)
     breaks: list[GraphBreak] = field(default_factory=list)
+    # Why Dynamo gave up on a frame it then ran unread (its reasons, first lines).
+    unread: list[str] = field(default_factory=list)
 
 
 class DynamoFailed(Exception):
     """Dynamo raised while reading fn (not fn itself)."""
 
 
-def read(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[DynamoReading, Any]:
-    """Run ``fn(*args)`` once under Dynamo; what it read, and fn's result."""
+def read(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    note: Callable[[dict[str, Any], dict[str, Any], GuardPath], Any] | None = None,
+) -> tuple[DynamoReading, Any]:
+    """Run ``fn(*args)`` once under Dynamo; what it read, and fn's result. ``note(globals,
+    arguments, path)`` is told each guarded place as Dynamo reads it, before the frame runs,
+    and what it returns is kept as the guard's ``at_read``."""
     import torch._dynamo as dynamo
 
     reading = DynamoReading()
@@ -94,22 +104,28 @@ def read(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[DynamoReading, 
         frame = _frame_being_compiled()
         if frame is None:
             return
-        reading.frames.append(
-            FrameRead(
-                frame.f_code,
-                frame.f_globals,
-                dict(frame.f_locals),
-                tuple(_raw(g) for g in list(guards)),
-            )
-        )
+        arguments = dict(frame.f_locals)
+        raws = [_raw(g) for g in list(guards)]
+        if note is not None:
+            raws = [
+                dataclasses.replace(r, at_read=note(frame.f_globals, arguments, r.path))
+                if r.path is not None
+                else r
+                for r in raws
+            ]
+        reading.frames.append(FrameRead(frame.f_code, frame.f_globals, arguments, tuple(raws)))
 
     quiet = logging.getLogger("torch._dynamo")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # its graph-break hints name its own settings, not ours
+    from torch._dynamo.utils import counters
+
+    known = set(counters["unimplemented"])
     dynamo.reset()
     try:
         with _strict_config():
             result = dynamo.optimize(backend, guard_export_fn=export)(fn)(*args)
+        reading.unread = [_first_line(r) for r in counters["unimplemented"] if r not in known]
     except dynamo.exc.TorchDynamoException as error:
         raise DynamoFailed(f"{type(error).__name__}: {_first_line(str(error))}") from error
     finally:
@@ -181,9 +197,7 @@ def _path(source: Any) -> GuardPath | None:
         if isinstance(node, sources.GlobalStateSource | sources.ShapeEnvSource):
             return GuardPath("state", type(node).__name__)
         step = _step(node, sources)
-        if step is False:
-            return None
-        if isinstance(step, Step):
+        if step is not None:
             steps.append(step)
     return None
 
@@ -194,20 +208,20 @@ def _chain(source: Any) -> Iterator[Any]:
         source = getattr(source, "base", None)
 
 
-def _step(node: Any, sources: Any) -> Step | bool | None:
-    """The step ``node`` adds to its base; None for a wrapper that adds none; False for a
-    source this reader does not follow."""
+def _step(node: Any, sources: Any) -> Step | None:
+    """The step ``node`` adds to its base; None for a wrapper that adds none; an ``other``
+    step (named by the source's class) for one this reader does not follow."""
     if isinstance(node, sources.AttrSource):  # also grads, cells, parameters
         return Step("attr", node.member)
     if isinstance(node, sources.GradSource):
         return Step("attr", node.member)
     if isinstance(node, sources.GetItemSource | sources.DictGetItemSource):
         index = node.index
-        return False if isinstance(index, sources.Source) else Step("item", index)
+        return Step("other", "key") if isinstance(index, sources.Source) else Step("item", index)
     if isinstance(node, sources.TypeSource):
         return Step("type")
     if isinstance(node, sources.TypeDictSource):
         return Step("typedict")
     if isinstance(node, sources.NNModuleSource | sources.OptimizerSource):
         return None
-    return False
+    return Step("other", type(node).__name__)

@@ -149,9 +149,8 @@ def capture(
         [*reachable_containers(functions), *assigned_names(functions)],
         reachable_state(functions, watch.named_submodules()),
     )
-    reading = None
     if tracer == "dynamo":
-        reading = _read_with_dynamo(fn, layout, before, on_fakes)
+        _refuse_unread(layout, on_fakes)
     try:
         traced = _trace(flat_fn, layout, recorder, decompositions, on_fakes)
     except BaseException:
@@ -167,7 +166,8 @@ def capture(
     watch.tensor_reads.refuse_addresses(layout.inputs.names)
     drop_changed_reads(watch.reads)
     reports = (
-        watch.reads.closure_report(),
+        # Under Dynamo, each value fn closes over is a dropped guard, said with the others.
+        watch.reads.closure_report() if tracer != "dynamo" else None,
         watch.reads.clock_report(),
         outputs.returned_reads_report(),
     )
@@ -193,8 +193,8 @@ def capture(
     )
     _name_placeholders(gm, layout)
     spec = _artifact_spec(backend, layout, recorder, outputs, traced, watch)
-    if reading is not None:
-        spec = _with_guards(spec, reading, fn, layout, watch)
+    if tracer == "dynamo":  # after every refusal of the trace, judged on untouched state
+        spec = _with_guards(spec, _read_with_dynamo(fn, layout, before), fn, layout, watch, gm)
     if traced.dynamic_inputs is None:
         return Capture(gm, literals, spec, traced.examples)
     return Capture(
@@ -554,11 +554,8 @@ def _trace(
                 t.detach_()
 
 
-def _read_with_dynamo(
-    fn: Callable[..., Any], layout: _Layout, before: Any, on_fakes: bool
-) -> DynamoReading:
-    """Dynamo's reading of fn, run on the caller's own objects and everything put back:
-    tensors' values and gradients, optimizer state, Python state, random streams."""
+def _refuse_unread(layout: _Layout, on_fakes: bool) -> None:
+    """What the dynamo tracer does not read yet, refused by name before anything runs."""
     unread = [
         what
         for what, present in (
@@ -575,32 +572,64 @@ def _read_with_dynamo(
             f"tracer='dynamo' does not read {' or '.join(unread)} yet; capture with "
             "tracer='make_fx' (the default), which does."
         )
+
+
+def _read_with_dynamo(fn: Callable[..., Any], layout: _Layout, before: Any) -> DynamoReading:
+    """Dynamo's reading of fn, run on the caller's own objects and everything put back:
+    tensors' values, layouts, flags and gradients, optimizer state, Python state, random
+    streams."""
     leaves = [layout.inputs.leaves[i] for i in layout.tensor_positions]
     tensors = [*layout.state.tensors, *leaves]
-    params = layout.state.tensors[: layout.num_params]
-    grads = [p.grad for p in params]
-    values = [t.detach().clone() for t in tensors]
+    # Cleared as the trace clears them: a backward would add to them in place.
+    grads = [t.grad for t in tensors]
+    saved = [_TensorState.of(t) for t in tensors]
     optimizers = [(o.optimizer, _optimizer_state(o.optimizer)) for o in layout.optimizers]
     try:
+        for t in tensors:
+            t.grad = None
         with fork_rng(tensors):
             reading = dynamo_guards.read_with_dynamo(fn, layout.args)
     except BaseException:
         put_back(before)
         raise
     finally:
-        with torch.no_grad():
-            for t, value in zip(tensors, values, strict=True):
-                t.copy_(value)
-        for p, grad in zip(params, grads, strict=True):
-            p.grad = grad
+        for t, held in zip(tensors, saved, strict=True):
+            held.put_back(t)
+        for t, grad in zip(tensors, grads, strict=True):
+            t.grad = grad
         for optimizer, (state, groups) in optimizers:
             optimizer.state.clear()
             optimizer.state.update(state)
-            for group, saved in zip(optimizer.param_groups, groups, strict=True):
-                group.update(saved)
+            for group, options in zip(optimizer.param_groups, groups, strict=True):
+                group.update(options)
     put_back(before)
     dynamo_guards.refuse_breaks(reading)
     return reading
+
+
+@dataclass(frozen=True)
+class _TensorState:
+    """A tensor's value, layout and flags, to put back after a run of fn."""
+
+    value: torch.Tensor
+    layout: tuple[Any, ...]
+    requires_grad: bool
+
+    @staticmethod
+    def of(t: torch.Tensor) -> _TensorState:
+        return _TensorState(t.detach().clone(), _layout_of(t), t.requires_grad)
+
+    def put_back(self, t: torch.Tensor) -> None:
+        if t.requires_grad != self.requires_grad and t.is_leaf:
+            t.requires_grad_(self.requires_grad)
+        # Compared by value: a write through .data leaves the version counter as it was.
+        if _layout_of(t) == self.layout and torch.equal(t.detach(), self.value):
+            return
+        inference = torch.inference_mode() if t.is_inference() else contextlib.nullcontext()
+        with inference, torch.no_grad():
+            if _layout_of(t) != self.layout:
+                t.as_strided_(self.value.shape, self.layout[1], self.layout[2])
+            t.copy_(self.value)
 
 
 def _optimizer_state(optimizer: Any) -> tuple[dict[Any, Any], list[dict[str, Any]]]:
@@ -618,8 +647,11 @@ def _with_guards(
     fn: Callable[..., Any],
     layout: _Layout,
     watch: _Watch,
+    gm: torch.fx.GraphModule,
 ) -> ArtifactSpec:
     """The spec with Dynamo's guards translated: new read values and the guard report."""
+    if not reading.frames and not any(n.op == "call_function" for n in gm.graph.nodes):
+        return spec  # no tensor operation for Dynamo to read: nothing to compile either
     members = reversed(layout.state.members)  # a tied tensor goes by its first name
     inputs = [
         (f"input {layout.inputs.names[i]}", layout.inputs.leaves[i])

@@ -71,15 +71,30 @@ _HOOK_DICTS = frozenset(
     }
 )
 _STRUCTURE = frozenset({"_parameters", "_buffers", "_modules", "__dict__", "forward"})
-# Reasons of graph breaks the make_fx trace carries (matched in Dynamo's text, lowercased).
+# Graph breaks the make_fx trace carries, by words of Dynamo's reason (lowercased): the trace
+# records the backward, and checks at every call (or refuses by name) the values read off
+# tensors, the seeds, generators and draws, the clock and torch's settings that fn reads.
+_TENSOR_VALUE = "the make_fx trace checks the values read off tensors at every call"
+_WATCHED = "the make_fx trace watches it (checked at every call, named, or refused)"
 _CARRIED_BREAKS = (
     ("backward()", "the make_fx trace records the backward"),
     ("autograd.grad", "the make_fx trace records the backward"),
-    (".item()", "the make_fx trace checks the value at every call"),
-    ("tolist()", "the make_fx trace checks the values at every call"),
-    ("generic_jump", "the make_fx trace checks the value the branch read at every call"),
-    ("data-dependent", "the make_fx trace checks the value at every call"),
-    ("output shape depends on input tensor data", "the make_fx trace checks the sizes"),
+    (".item()", _TENSOR_VALUE),
+    ("tolist()", _TENSOR_VALUE),
+    ("generic_jump", _TENSOR_VALUE),
+    ("data-dependent", _TENSOR_VALUE),
+    ("data dependent", _TENSOR_VALUE),
+    ("dynamic shape operator", _TENSOR_VALUE),
+    ("untypedstorage", _TENSOR_VALUE),
+    ("numpy", _TENSOR_VALUE),
+    ("manual_seed", _WATCHED),
+    ("seed", _WATCHED),
+    ("rng_state", _WATCHED),
+    ("random", _WATCHED),
+    ("perf_counter", _WATCHED),
+    ("time.time", _WATCHED),
+    ("monotonic", _WATCHED),
+    ("torch.* op returned non-tensor", _WATCHED),
 )
 
 
@@ -123,8 +138,9 @@ class Translated:
 
 def read_with_dynamo(fn: Callable[..., Any], args: tuple[Any, ...]) -> dynamo.DynamoReading:
     """Run fn once under Dynamo (the caller puts back whatever it changed)."""
+    target, args = _as_function(fn, args)
     try:
-        reading, _ = dynamo.read(fn, args)
+        reading, _ = dynamo.read(target, args, _note)
     except dynamo.DynamoFailed as error:
         raise PrecompileError(
             f"tracer='dynamo' could not read fn: {error}. Capture with tracer='make_fx' (the "
@@ -133,11 +149,21 @@ def read_with_dynamo(fn: Callable[..., Any], args: tuple[Any, ...]) -> dynamo.Dy
     return reading
 
 
+def _note(globals_: dict[str, Any], arguments: dict[str, Any], path: dynamo.GuardPath) -> Any:
+    """A guarded place's plain value as Dynamo read it, before the frame ran (encoded: a list
+    fn then changes in place is seen as it was)."""
+    frame = dynamo.FrameRead(_NO_CODE, globals_, arguments, ())
+    try:
+        return encode_read(_walk(frame, path)[-1])
+    except Exception:  # a value whose encoding fails is no plain value
+        return None
+
+
 def refuse_breaks(reading: dynamo.DynamoReading) -> None:
     """Refuse a graph break the make_fx trace does not carry, naming its line and reason."""
     for brk in reading.breaks:
-        if _carried(brk.reason) is not None:
-            continue
+        if _carried(brk.reason) is not None or (brk.line or "").startswith(TORCH_ROOT):
+            continue  # torch's own code reads nothing of the user's that the checks miss
         at = (
             f"{shown_path(brk.line.rsplit(':', 1)[0])}:{brk.line.rsplit(':', 1)[1]}"
             if (brk.line)
@@ -151,19 +177,24 @@ def refuse_breaks(reading: dynamo.DynamoReading) -> None:
         )
 
 
+def _as_function(fn: Any, args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """``fn`` as a plain function or bound method and its arguments, so that the first frame
+    Dynamo translates is ``fn``'s own code (it wraps other callables in a frame of its own): a
+    partial's function with its bound arguments, a module's ``forward`` or a callable
+    object's ``__call__`` with the object as ``self``."""
+    while isinstance(fn, functools.partial) and not fn.keywords:
+        fn, args = fn.func, (*fn.args, *args)
+    if isinstance(fn, types.FunctionType | types.MethodType):
+        return fn, args
+    method = type(fn).forward if isinstance(fn, torch.nn.Module) else type(fn).__call__
+    return method, (fn, *args)
+
+
 def code_of(fn: Callable[..., Any]) -> types.CodeType:
-    """The code of the frame Dynamo enters first for ``fn``: a function's, a method's, a
-    module's ``forward``, a callable object's ``__call__``."""
-    target: Any = fn
-    while isinstance(target, functools.partial):
-        target = target.func
-    if isinstance(target, torch.nn.Module):
-        target = type(target).forward
+    """The code of the frame Dynamo enters first for ``fn`` (see ``_as_function``)."""
+    target, _ = _as_function(fn, ())
     target = getattr(target, "__func__", target)
-    if not isinstance(target, types.FunctionType):
-        call = type(target).__call__
-        target = getattr(call, "__func__", call)
-    return cast(types.CodeType, target.__code__)
+    return cast(types.CodeType, getattr(target, "__code__", None))
 
 
 def _carried(reason: str) -> str | None:
@@ -178,10 +209,11 @@ def translate(
     made: Sequence[ReadValue],
 ) -> Translated:
     """Each guard of each frame Dynamo read, as a check, a fixed fact or a dropped guard."""
-    if not any(f.code is fn_code for f in reading.frames):
+    if not any(f.code is fn_code or _resumes(f.code, fn_code) for f in reading.frames):
+        why = f": {reading.unread[0]}" if reading.unread else ""
         raise PrecompileError(
-            "tracer='dynamo' read nothing of fn itself (Dynamo skips code it does not "
-            "translate); capture with tracer='make_fx' (the default)."
+            f"tracer='dynamo' could not read fn's own code (Dynamo ran it unread{why}); "
+            "capture with tracer='make_fx' (the default)."
         )
     translator = _Translator(fn_code, anchors, made)
     for frame in reading.frames:
@@ -276,27 +308,54 @@ class _Translator:
         chain: list[Any],
         guard: dynamo.RawGuard,
     ) -> tuple[str, str]:
-        root, value = chain[0], chain[-1]
+        if path.name.startswith("__builtins_dict"):  # Dynamo's handle on Python's builtins
+            return FIXED, "Python's own builtins"
         module = frame.globals.get("__name__")
+        if path.name.startswith("__import_"):  # Dynamo's handle on a module it imported
+            root = sys.modules.get(path.name.removeprefix("__import_").replace("_dot_", "."))
+            chain = [root, *_walk_from(root, path.steps)]
+        value = chain[-1]
         steps: tuple[dynamo.Step, ...] = path.steps
         names: tuple[str, ...] = (path.name,)
-        if path.name.startswith("__import_") and isinstance(root, types.ModuleType):
-            module, names = root.__name__, ()
-        if _torch_owned(root) or _torch_owned(value) or not _users_module(module):
-            return FIXED, "torch's or Python's own code, fixed by the torch build it runs on"
+        # The last module on the path holds what is read: the read goes through it.
+        for i, obj in enumerate(chain):
+            if isinstance(obj, types.ModuleType) and all(s.kind == "attr" for s in steps[:i]):
+                module, names, steps = obj.__name__, (), path.steps[i:]
+        if not isinstance(module, str):
+            return DROPPED, f"no check of the artifact reads {guard.text}"
+        if module == "torch" or module.startswith("torch."):
+            return FIXED, "torch's own code, fixed by the torch build the artifact runs on"
+        if module.startswith("_torch_precompile"):  # a loaded artifact's process-wide count
+            return FIXED, "torch-precompile's own state (a loaded artifact's)"
+        if not _users_module(module):
+            return self._library(module, steps, value, guard)
         if steps[:2] == (dynamo.Step("type"), dynamo.Step("typedict")):
             # A class attribute read through an instance: the artifact reads it off the class,
             # where that class is a global of the same module under its own name.
             cls: type = chain[1]
-            holder = sys.modules.get(str(module))
+            holder = sys.modules.get(module)
             if len(names) != 1 or getattr(holder, cls.__name__, None) is not cls:
                 return DROPPED, f"{guard.text}: a class attribute of a class no check can find"
             names = (cls.__name__,)
             steps = (dynamo.Step("attr", steps[2].key), *steps[3:]) if len(steps) > 2 else ()
         more = _attribute_names(steps)
-        if more is None or not (*names, *more) or not isinstance(module, str):
+        if more is None or not (*names, *more):
             return DROPPED, f"no check of the artifact reads {guard.text}"
         return self._value(None, module, (*names, *more), value, guard)
+
+    def _library(
+        self, module: str, steps: tuple[dynamo.Step, ...], value: Any, guard: dynamo.RawGuard
+    ) -> tuple[str, str]:
+        """A read of the standard library's or an installed package's module state."""
+        names = _attribute_names(steps)
+        if module == "os" and steps[:1] == (dynamo.Step("attr", "environ"),):
+            return CHECKED, "environment variable checks (each variable the user's code reads)"
+        if _is_code(value):
+            package = module.split(".")[0]
+            return FIXED, f"code of {package}, as installed (not the user's to change)"
+        if not names or names is None:
+            return DROPPED, f"state of module {module} that no check reads ({guard.text})"
+        return self._value(None, module, names, value, guard)
 
     def _local(
         self, frame: dynamo.FrameRead, path: dynamo.GuardPath, value: Any, guard: dynamo.RawGuard
@@ -312,7 +371,10 @@ class _Translator:
         if own and path.name in self.anchors.arguments:
             return CHECKED, f"input checks of argument {path.name} (its value or layout)"
         if own:  # the object a bound method fn belongs to, or a callable object itself
-            return DROPPED, f"{guard.text} is held by fn, not passed to it: no call can reach it"
+            return DROPPED, (
+                f"{path.name!r} is the object fn belongs to, held by fn, not passed to it: no "
+                "call can reach it; pass what changes as an argument"
+            )
         if _resumes(code, self.fn_code):
             return FIXED, "a value fn computed before a graph break, from what it read"
         if not users_file(code.co_filename):
@@ -336,6 +398,8 @@ class _Translator:
         if any(_covers(k, key) for k in self.keys):
             return CHECKED, f"read value {shown}"
         encoded = None if value is _MISSING else encode_read(value)
+        if guard.at_read is not None and encoded != guard.at_read:
+            return DROPPED, f"{shown}: fn changes it as it runs, so no call could pass its check"
         if encoded is None and guard.kind in _OBJECT_KINDS:
             encoded = encode_object(value)  # its class and the values it holds
         if encoded is None:
@@ -354,6 +418,7 @@ class _Translator:
 
 
 _MISSING: Any = object()
+_NO_CODE = (lambda: None).__code__
 _LATER = "later"  # an object's guard, settled once every value read off it is known
 # Guards on an object as a whole: its class, its namespace's keys, its identity.
 _OBJECT_KINDS = frozenset(
@@ -371,9 +436,13 @@ def _walk(frame: dynamo.FrameRead, path: dynamo.GuardPath) -> list[Any]:
     """Each object from the path's root to the guarded value (``_MISSING`` past a failed
     step)."""
     scope = frame.arguments if path.root == "local" else frame.globals
-    obj = scope.get(path.name, _MISSING)
-    chain = [obj]
-    for step in path.steps:
+    root = scope.get(path.name, _MISSING)
+    return [root, *_walk_from(root, path.steps)]
+
+
+def _walk_from(obj: Any, steps: Sequence[dynamo.Step]) -> list[Any]:
+    chain = []
+    for step in steps:
         obj = _step(obj, step)
         chain.append(obj)
     return chain
@@ -421,6 +490,21 @@ def _covers(
     """Whether a read the make_fx trace made holds ``wanted`` (the same place, or an object
     on its path, whose values it all holds)."""
     return made[:2] == wanted[:2] and wanted[2][: len(made[2])] == made[2]
+
+
+def _is_code(value: Any) -> bool:
+    """Modules, classes, functions and methods: code, not settings."""
+    return isinstance(
+        value,
+        types.ModuleType
+        | type
+        | types.FunctionType
+        | types.BuiltinFunctionType
+        | types.MethodType
+        | types.MethodWrapperType
+        | types.WrapperDescriptorType
+        | types.MethodDescriptorType,
+    )
 
 
 def _torch_owned(value: Any) -> bool:
