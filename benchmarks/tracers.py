@@ -68,7 +68,7 @@ def _child_compile(workload: str) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - start}
 
 
-def _child_cold(workload: str, tracer: str, workdir: Path, calls: int) -> dict[str, Any]:
+def _child_cold(workload: str, tracer: str, workdir: Path) -> dict[str, Any]:
     start = time.perf_counter()
     import torch
 

@@ -328,3 +328,21 @@ def test_capture_puts_back_gradients_data_writes_and_leaves_no_environment() -> 
             precompile.load(code, cache)(m, x)
     finally:
         del os.environ["TP_DYNAMO_SCALE"], os.environ["TP_DYNAMO_SECRET"]
+
+
+def test_a_capture_block_reads_each_variant_with_dynamo(
+    tmp_path: Path, restore_globals: Any
+) -> None:
+    from torch_precompile import capture
+
+    m = Scaled()
+    with capture(scaled, artifact_path=tmp_path / "s.py", backend="eager", tracer="dynamo") as cap:
+        for batch in (2, 3):  # two shapes: two variants, each read by Dynamo
+            x = torch.randn(batch, 4)
+            torch.testing.assert_close(cap(m, x), scaled(m, x))
+    spec = precompile.inspect((tmp_path / "s.py").read_text())
+    assert len(spec.all_variants) == 2 and all(v.guards for v in spec.all_variants)
+    f = precompile.load_file(tmp_path / "s.py")
+    Settings.factor = 5.0
+    with pytest.raises(PrecompileError, match="Settings.factor"):
+        f(m, torch.randn(3, 4))

@@ -396,7 +396,7 @@ class _Translator:
         key = (submodule, module, names)
         shown = ".".join(names)
         if any(_covers(k, key) for k in self.keys):
-            return CHECKED, f"read value {shown}"
+            return CHECKED, f"read value {shown} == {_shown(value)}"
         encoded = None if value is _MISSING else encode_read(value)
         if guard.at_read is not None and encoded != guard.at_read:
             return DROPPED, f"{shown}: fn changes it as it runs, so no call could pass its check"
