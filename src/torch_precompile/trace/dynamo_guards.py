@@ -162,19 +162,31 @@ def _note(globals_: dict[str, Any], arguments: dict[str, Any], path: dynamo.Guar
 def refuse_breaks(reading: dynamo.DynamoReading) -> None:
     """Refuse a graph break the make_fx trace does not carry, naming its line and reason."""
     for brk in reading.breaks:
-        if _carried(brk.reason) is not None or (brk.line or "").startswith(TORCH_ROOT):
-            continue  # torch's own code reads nothing of the user's that the checks miss
-        at = (
-            f"{shown_path(brk.line.rsplit(':', 1)[0])}:{brk.line.rsplit(':', 1)[1]}"
-            if (brk.line)
-            else "an unknown line"
-        )
-        code = f" ({brk.text.strip()})" if brk.text else ""
-        raise PrecompileError(
-            f"tracer='dynamo' could not read fn past {at}{code}: {brk.reason}. Code Dynamo "
-            "cannot read would run once, at capture, and never at a call: move it out of fn, "
-            "or capture with tracer='make_fx' (the default)."
-        )
+        if _carried(brk) is None:
+            raise PrecompileError(
+                f"tracer='dynamo' could not read fn past {_where(brk)}: {brk.reason}. Code "
+                "Dynamo cannot read would run once, at capture, and never at a call: move it "
+                "out of fn, or capture with tracer='make_fx' (the default)."
+            )
+
+
+def _where(brk: dynamo.GraphBreak) -> str:
+    if not brk.line:
+        return "an unknown line"
+    file, _, line = brk.line.rpartition(":")
+    code = f" ({brk.text.strip()})" if brk.text else ""
+    return f"{shown_path(file)}:{line}{code}"
+
+
+def _carried(brk: dynamo.GraphBreak) -> str | None:
+    """Why the make_fx trace carries ``brk``; None where it does not."""
+    text = brk.reason.lower()
+    why = next((why for key, why in _CARRIED_BREAKS if key.lower() in text), None)
+    if why is None and brk.line and not users_file(brk.line.rpartition(":")[0]):
+        # torch's, the standard library's or an installed package's code: the trace runs it
+        # and its watchers see what it reads of the model (module attributes, hooks, ...)
+        why = "code not the user's, which the make_fx trace runs and watches"
+    return why
 
 
 def _as_function(fn: Any, args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -197,11 +209,6 @@ def code_of(fn: Callable[..., Any]) -> types.CodeType:
     return cast(types.CodeType, getattr(target, "__code__", None))
 
 
-def _carried(reason: str) -> str | None:
-    text = reason.lower()
-    return next((why for key, why in _CARRIED_BREAKS if key.lower() in text), None)
-
-
 def translate(
     reading: dynamo.DynamoReading,
     fn_code: types.CodeType,
@@ -219,6 +226,8 @@ def translate(
     for frame in reading.frames:
         for guard in frame.guards:
             translator.add(frame, guard)
+    for brk in reading.breaks:  # each carried (refuse_breaks refused the others)
+        translator.counts[("GRAPH_BREAK", _where(brk), CHECKED, str(_carried(brk)))] += 1
     return Translated(tuple(translator.reads), translator.notes())
 
 
@@ -318,9 +327,10 @@ class _Translator:
         steps: tuple[dynamo.Step, ...] = path.steps
         names: tuple[str, ...] = (path.name,)
         # The last module on the path holds what is read: the read goes through it.
+        held = chain  # the objects from the first name read off the module to the value
         for i, obj in enumerate(chain):
             if isinstance(obj, types.ModuleType) and all(s.kind == "attr" for s in steps[:i]):
-                module, names, steps = obj.__name__, (), path.steps[i:]
+                module, names, steps, held = obj.__name__, (), path.steps[i:], chain[i + 1 :]
         if not isinstance(module, str):
             return DROPPED, f"no check of the artifact reads {guard.text}"
         if module == "torch" or module.startswith("torch."):
@@ -328,7 +338,7 @@ class _Translator:
         if module.startswith("_torch_precompile"):  # a loaded artifact's process-wide count
             return FIXED, "torch-precompile's own state (a loaded artifact's)"
         if not _users_module(module):
-            return self._library(module, steps, value, guard)
+            return self._library(module, names, steps, held, guard)
         if steps[:2] == (dynamo.Step("type"), dynamo.Step("typedict")):
             # A class attribute read through an instance: the artifact reads it off the class,
             # where that class is a global of the same module under its own name.
@@ -338,24 +348,31 @@ class _Translator:
                 return DROPPED, f"{guard.text}: a class attribute of a class no check can find"
             names = (cls.__name__,)
             steps = (dynamo.Step("attr", steps[2].key), *steps[3:]) if len(steps) > 2 else ()
-        more = _attribute_names(steps)
+        more = _attribute_names(steps, through_classes=False)
         if more is None or not (*names, *more):
             return DROPPED, f"no check of the artifact reads {guard.text}"
         return self._value(None, module, (*names, *more), value, guard)
 
     def _library(
-        self, module: str, steps: tuple[dynamo.Step, ...], value: Any, guard: dynamo.RawGuard
+        self,
+        module: str,
+        names: tuple[str, ...],
+        steps: tuple[dynamo.Step, ...],
+        held: list[Any],
+        guard: dynamo.RawGuard,
     ) -> tuple[str, str]:
-        """A read of the standard library's or an installed package's module state."""
-        names = _attribute_names(steps)
-        if module == "os" and steps[:1] == (dynamo.Step("attr", "environ"),):
+        """A read of the standard library's or an installed package's module state: ``names``
+        then ``steps`` off the module, reaching the objects ``held``."""
+        if module == "os" and not names and steps[:1] == (dynamo.Step("attr", "environ"),):
             return CHECKED, "environment variable checks (each variable the user's code reads)"
-        if _is_code(value):
+        value = held[-1] if held else sys.modules.get(module)  # the module itself
+        if _is_code(value) or any(isinstance(obj, type) for obj in held[:-1]):
             package = module.split(".")[0]
             return FIXED, f"code of {package}, as installed (not the user's to change)"
-        if not names or names is None:
+        more = _attribute_names(steps, through_classes=False)
+        if more is None or not (*names, *more):
             return DROPPED, f"state of module {module} that no check reads ({guard.text})"
-        return self._value(None, module, names, value, guard)
+        return self._value(None, module, (*names, *more), value, guard)
 
     def _local(
         self, frame: dynamo.FrameRead, path: dynamo.GuardPath, value: Any, guard: dynamo.RawGuard
@@ -465,9 +482,12 @@ def _step(obj: Any, step: dynamo.Step) -> Any:
     return _MISSING
 
 
-def _attribute_names(steps: Sequence[dynamo.Step]) -> tuple[str, ...] | None:
-    """The attribute names of ``steps`` where they are all plain attribute reads; a class
-    attribute read through an instance (type, class namespace, item) reads as its name."""
+def _attribute_names(
+    steps: Sequence[dynamo.Step], through_classes: bool = True
+) -> tuple[str, ...] | None:
+    """The attribute names of ``steps`` where they are all plain attribute reads; with
+    ``through_classes``, a class attribute read through an instance (type, class namespace,
+    item) reads as its name (as ``getattr`` finds it, not a global's ``__dict__`` walk)."""
     names: list[str] = []
     kinds = [s.kind for s in steps]
     i = 0
@@ -476,7 +496,11 @@ def _attribute_names(steps: Sequence[dynamo.Step]) -> tuple[str, ...] | None:
         if step.kind == "attr" and not str(step.key).startswith("__"):
             names.append(str(step.key))
             i += 1
-        elif kinds[i : i + 3] == ["type", "typedict", "item"] and isinstance(steps[i + 2].key, str):
+        elif (
+            through_classes
+            and kinds[i : i + 3] == ["type", "typedict", "item"]
+            and isinstance(steps[i + 2].key, str)
+        ):
             names.append(steps[i + 2].key)
             i += 3
         else:
