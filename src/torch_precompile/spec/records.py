@@ -150,10 +150,12 @@ class GuardNote:
     (``CONSTANT_MATCH``), ``reads`` the place as Dynamo writes it (``G['SCALE']``), ``count``
     how many guards of that kind on that place of that outcome it stands for."""
 
-    kind: str
-    reads: str
-    outcome: str
-    by: str
+    # Defaults only because the record came in a minor version (see docs/SPEC_VERSIONS.md):
+    # capture writes every field.
+    kind: str = ""
+    reads: str = ""
+    outcome: str = ""
+    by: str = ""
     count: int = 1
 
 

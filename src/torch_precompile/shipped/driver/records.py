@@ -68,7 +68,7 @@ SPEC_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "DataParallel": (None,),
     "FullyShardedGroup": (None, None, None),
     "ReadValue": (None,),
-    "GuardNote": (1,),
+    "GuardNote": ('', '', '', '', 1),
     "Ambient": ((), None, False, (), ()),
     "Autograd": ((), (), (), (), None),
 }
