@@ -23,6 +23,7 @@ import builtins
 import functools
 import logging
 import os
+import re
 import sys
 import types
 from collections import Counter
@@ -257,8 +258,14 @@ class _Translator:
 
     def add(self, frame: dynamo.FrameRead, guard: dynamo.RawGuard) -> None:
         outcome, by = self._outcome(frame, guard)
-        if outcome != _LATER:
-            self.counts[(guard.kind, guard.text or "(torch state)", outcome, by)] += 1
+        if outcome == _LATER:
+            return
+        text = guard.text or "(torch state)"
+        if outcome == CHECKED and by.startswith(_PER_MEMBER):
+            text, by = _one_per_kind(text), _one_per_kind(by)
+        elif outcome == CHECKED and by.startswith("read value") and "._modules[" in text:
+            text = _one_per_kind(text)  # one note per attribute and value, across submodules
+        self.counts[(guard.kind, text, outcome, by)] += 1
 
     def _outcome(self, frame: dynamo.FrameRead, guard: dynamo.RawGuard) -> tuple[str, str]:
         path = guard.path
@@ -435,6 +442,24 @@ class _Translator:
 
 
 _MISSING: Any = object()
+# Checks a model holds once per member (each submodule's hooks, each tensor): their guards are
+# listed once per kind and place, with a count, not once per submodule or tensor.
+_PER_MEMBER = ("module structure", "hook checks", "tensor checks of model", "optimizer checks")
+_MEMBER_NAMES = (
+    (re.compile(r"(\._modules\['[^']*'\])+"), "._modules[...]"),  # a submodule's path
+    (re.compile(r"(\._parameters|\._buffers|\['params'\])\[[^\]]*\]"), r"\1[...]"),
+    (re.compile(r"'[\w.]+'$"), "'...'"),  # a tensor's name closing a check's description
+    (re.compile(r"\[\d+\]"), "[...]"),  # an index: a param group's, an optimizer state's
+)
+
+
+def _one_per_kind(text: str) -> str:
+    """``text`` with the names of submodules, tensors and parameter indices left out."""
+    for pattern, kept in _MEMBER_NAMES:
+        text = pattern.sub(kept, text)
+    return text
+
+
 _NO_CODE = (lambda: None).__code__
 _LATER = "later"  # an object's guard, settled once every value read off it is known
 # Guards on an object as a whole: its class, its namespace's keys, its identity.
