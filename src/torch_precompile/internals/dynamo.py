@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import sys
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,7 +124,9 @@ def read(
     known = set(counters["unimplemented"])
     dynamo.reset()
     try:
-        with _strict_config():
+        with _strict_config(), warnings.catch_warnings():
+            # About Dynamo's own guards' speed; the artifact never runs them.
+            warnings.filterwarnings("ignore", message="Guards may run slower")
             result = dynamo.optimize(backend, guard_export_fn=export)(fn)(*args)
         reading.unread = [_first_line(r) for r in counters["unimplemented"] if r not in known]
     except dynamo.exc.TorchDynamoException as error:
