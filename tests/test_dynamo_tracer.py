@@ -202,6 +202,39 @@ def test_a_graph_break_the_trace_cannot_carry_is_refused_naming_the_line() -> No
         _pair(noisy, m, x)
 
 
+def test_an_internal_error_of_dynamo_is_refused_and_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch._dynamo
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        def run(fn: Any) -> Any:
+            def call(*call_args: Any) -> Any:
+                fn(*call_args)  # fn runs, as under Dynamo, and then Dynamo fails
+                raise AssertionError("an invariant of this release's Dynamo")
+
+            return call
+
+        return run
+
+    m, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+    weight = m.weight.detach().clone()
+    monkeypatch.setattr(torch._dynamo, "optimize", broken)
+    with pytest.raises(
+        PrecompileError,
+        match=r"could not read fn: AssertionError: an invariant of this release's Dynamo\. "
+        r"Capture with tracer='make_fx'",
+    ):
+        _pair(_step, m, x)
+    assert m.weight.grad is None and torch.equal(m.weight, weight)
+
+
+def _step(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = m(x).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
 def test_inspect_lists_the_guard_report(tmp_path: Path) -> None:
     m, x = Scaled(), torch.randn(2, 4)
     path = tmp_path / "scaled.py"

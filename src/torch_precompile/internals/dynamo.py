@@ -80,7 +80,7 @@ class DynamoReading:
 
 
 class DynamoFailed(Exception):
-    """Dynamo raised while reading fn (not fn itself)."""
+    """Dynamo raised while reading fn: fn had run whole in the trace before."""
 
 
 def read(
@@ -129,7 +129,9 @@ def read(
             warnings.filterwarnings("ignore", message="Guards may run slower")
             result = dynamo.optimize(backend, guard_export_fn=export)(fn)(*args)
         reading.unread = [_first_line(r) for r in counters["unimplemented"] if r not in known]
-    except dynamo.exc.TorchDynamoException as error:
+    except Exception as error:
+        # fn ran whole in the trace before this, so what is raised here is Dynamo's: its own
+        # exceptions, or an internal error (an assertion, a KeyError) of a release's Dynamo.
         raise DynamoFailed(f"{type(error).__name__}: {_first_line(str(error))}") from error
     finally:
         dynamo.reset()
