@@ -42,6 +42,77 @@ def pytest_configure(config: pytest.Config) -> None:
         "soak: a long run (many steps, loads or threads); .ci/matrix leaves it to "
         "the default release's run",
     )
+    config.addinivalue_line(
+        "markers",
+        "default_release: set by conftest on the package's own logic (ONE_RELEASE_FILES) and "
+        "on the inductor twin of a driver check (EAGER_TWIN_FILES); .ci/matrix leaves it to "
+        "the default release's run",
+    )
+
+
+# Files that test the package's own logic (its CLI, reports, files, signing, threads, the plain
+# driver's generated code, capture blocks): torch's release changes nothing they exercise
+# beyond what the rest of the suite runs on every release.
+ONE_RELEASE_FILES = frozenset(
+    {
+        "test_cli.py",
+        "test_concurrency.py",
+        "test_reports.py",
+        "test_serving.py",
+        "test_tamper.py",
+        "test_kernel_pins.py",
+        "test_progress.py",
+        "test_provenance.py",
+        "test_spec_schema.py",
+        "test_call_watch.py",
+        "test_load_leak.py",
+        "test_fuzz.py",
+        "test_plain_artifact.py",
+        "test_capture_session.py",
+    }
+)
+# Files of the driver's checks (what fn read, refused calls, layouts): a check is the same
+# generated code for both backends, so the newer releases run each test's eager twin, and the
+# lowering itself is covered there by the files that test Inductor (artifact, models, golden,
+# kernel cache, C++ wrapper, dynamic dims, distributed).
+EAGER_TWIN_FILES = frozenset(
+    {
+        "test_trace_facts.py",
+        "test_value_reads.py",
+        "test_python_state.py",
+        "test_semantics.py",
+        "test_runtime_checks.py",
+        "test_guards.py",
+        "test_tensor_reads.py",
+        "test_layout.py",
+        "test_load.py",
+        "test_storage.py",
+        # The same small graphs as the files above, under other entry points and forms.
+        "test_api.py",
+        "test_capture.py",
+        "test_compiled_module.py",
+        "test_differentiable.py",
+        "test_dynamo_tracer.py",
+        "test_trainer.py",
+        "test_variants.py",
+    }
+)
+
+# Tests elsewhere whose inductor twin runs once: test_gpt2 lowers a transformers model with
+# Inductor on every release.
+EAGER_TWIN_TESTS = frozenset({"test_t5_inference", "test_t5_training_step"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        name = item.path.name
+        params = getattr(item, "callspec", None)
+        twin = params is not None and "inductor" in params.id.split("-")
+        twin_once = name in EAGER_TWIN_FILES or getattr(item, "originalname", "") in (
+            EAGER_TWIN_TESTS
+        )
+        if name in ONE_RELEASE_FILES or (twin and twin_once):
+            item.add_marker(pytest.mark.default_release)
 
 
 def _capture_with_dynamo() -> None:

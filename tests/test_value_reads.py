@@ -593,6 +593,7 @@ else:
 """
 
 
+@pytest.mark.default_release  # the package's own lookup, in fresh processes
 def test_a_global_of_the_main_script_is_checked_by_script_name(tmp_path) -> None:
     """A global of ``__main__`` is compared when the same script runs again (known by its base
     name: the spec holds no path of the build machine) and must be as at capture."""
@@ -1009,6 +1010,7 @@ print(code_digest(lambda y, tag="a": y if tag in {"relu", "gelu", "silu"} else -
 """
 
 
+@pytest.mark.default_release  # the package's own lookup, in fresh processes
 def test_a_lambdas_digest_is_the_same_in_every_process() -> None:
     """A set constant's order follows string hashing, which differs by process: the digest
     must not (else every other process would refuse the artifact)."""
