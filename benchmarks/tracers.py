@@ -5,8 +5,10 @@ artifact is built with ``tracer="make_fx"`` and one with ``tracer="dynamo"`` (in
 Python wrapper), each in a fresh process; ``torch.compile``'s first call is timed beside them.
 Each measurement runs in a fresh process with an empty Inductor cache of its own. Cold start
 is ``import torch`` + load + first call; per call loads both artifacts in one process and
-times their calls in alternating rounds (the median round); guard cost is the difference, what
-the checks Dynamo's guards added cost a call. Medians over ``--runs`` processes.
+times their calls in alternating rounds (the median round), then their checks alone (the
+driver's check function, run before the graph at every call, 2000 times a round); guard cost
+is the difference of the checks, what Dynamo's guards added to a call. Medians over ``--runs``
+processes.
 
     python benchmarks/tracers.py [--workloads mlp,block] [--runs 3] [--out benchmarks/TRACERS.md]
 """
@@ -114,7 +116,23 @@ def _child_steady(workload: str, workdir: Path, calls: int, rounds: int) -> dict
                 for _ in range(calls):
                     run(model, *inputs)
                 per_call[tracer].append((time.perf_counter() - start) / calls * 1e6)
-    return {t: statistics.median(v) for t, v in per_call.items()}
+        checks = _check_cost(runs, (model, *inputs), rounds)
+    return {t: statistics.median(v) for t, v in per_call.items()} | checks
+
+
+def _check_cost(runs: dict[str, Any], args: tuple[Any, ...], rounds: int) -> dict[str, float]:
+    """Each artifact's checks alone (its driver's generated check function, which runs before
+    the graph at every call), timed in alternating rounds of many calls: the guard cost, free
+    of the graph's own noise."""
+    checked = {t: run._forward.checked for t, run in runs.items()}
+    per_check: dict[str, list[float]] = {t: [] for t in TRACERS}
+    for _ in range(rounds):
+        for tracer, check in checked.items():
+            start = time.perf_counter()
+            for _ in range(2000):
+                check(args, {})
+            per_check[tracer].append((time.perf_counter() - start) / 2000 * 1e6)
+    return {f"checks_{t}": statistics.median(v) for t, v in per_check.items()}
 
 
 def _run_child(*args: str) -> dict[str, Any]:
@@ -151,6 +169,7 @@ def measure(workload: str, runs: int, calls: int) -> dict[str, Any]:
         steady = [_run_child("steady", workload, tmp, str(calls), "9") for _ in range(runs)]
         for tracer in TRACERS:
             out[f"call_{tracer}"] = statistics.median(s[tracer] for s in steady)
+            out[f"checks_{tracer}"] = statistics.median(s[f"checks_{tracer}"] for s in steady)
         compiles = [_run_child("compile", workload) for _ in range(runs)]
         out["build_compile"] = statistics.median(c["seconds"] for c in compiles)
     return out
@@ -160,17 +179,18 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     header = (
         "| workload | build make_fx (s) | build dynamo (s) | dynamo / make_fx | torch.compile "
         "first call (s) | cold start make_fx (s) | cold start dynamo (s) | dynamo / import "
-        "torch | per call make_fx (us) | per call dynamo (us) | guard cost (us) | guards | "
-        "read values make_fx / dynamo |"
+        "torch | per call make_fx (us) | per call dynamo (us) | checks make_fx (us) | checks "
+        "dynamo (us) | guard cost (us) | guards | read values make_fx / dynamo |"
     )
-    rows = [header, "|" + "---|" * 13]
+    rows = [header, "|" + "---|" * 14]
     for w, r in results.items():
         rows.append(
             f"| {w} | {r['build_make_fx']:.1f} | {r['build_dynamo']:.1f} | "
             f"{r['build_dynamo'] / r['build_make_fx']:.2f}x | {r['build_compile']:.1f} | "
             f"{r['first_make_fx']:.2f} | {r['first_dynamo']:.2f} | "
             f"{r['first_dynamo'] / r['import_dynamo']:.2f}x | {r['call_make_fx']:.1f} | "
-            f"{r['call_dynamo']:.1f} | {r['call_dynamo'] - r['call_make_fx']:+.1f} | "
+            f"{r['call_dynamo']:.1f} | {r['checks_make_fx']:.2f} | {r['checks_dynamo']:.2f} | "
+            f"{r['checks_dynamo'] - r['checks_make_fx']:+.2f} | "
             f"{r['guards_dynamo']} | {r['reads_make_fx']} / {r['reads_dynamo']} |"
         )
     return "\n".join(rows)
