@@ -71,6 +71,7 @@ def test_two_nodes_share_rank_zeros_artifact(tmp_path: Path) -> None:
     assert all(r["param"] <= TOLERANCE for r in reports)
 
 
+@pytest.mark.default_release  # the saved pair found again: the package's own files
 def test_restart_resumes_from_the_saved_pair(tmp_path: Path) -> None:
     """``torchrun --max-restarts 1``: a rank dies after 3 of 6 steps; every worker restarts,
     loads the saved pair and the last checkpoint, and the final parameters equal an
