@@ -63,6 +63,26 @@ def make_closure(c: float) -> Any:
     return fn
 
 
+class Gain:
+    def __init__(self, g: float) -> None:
+        self.g = g
+
+
+def make_helper(gain: Gain) -> Any:
+    def helper(y: torch.Tensor) -> torch.Tensor:
+        return y * gain.g
+
+    return helper
+
+
+CLOSED = make_closure(2.5)  # fn held in a global: a call finds its closure through it
+HELPER = make_helper(Gain(3.0))  # a helper fn calls, closing over an object of the user's
+
+
+def with_helper(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return HELPER(m(x))
+
+
 @pytest.fixture
 def restore_globals() -> Any:
     saved = (SCALE, Settings.factor, SETTINGS)
@@ -112,6 +132,57 @@ def test_a_closure_value_is_reported_dropped_and_refused_on_request(
     # Without anything to drop, require_all_guards takes the capture.
     code, _ = _pair(lambda m, x: m(x) * 2, m, x, backend=backend, require_all_guards=True)
     assert not [g for g in precompile.inspect(code).guards if g.outcome == "dropped"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_closure_values_of_fn_held_in_a_global_are_checked_at_every_call(
+    backend: str, restore_globals: Any
+) -> None:
+    m, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+    code, cache = _pair(CLOSED, m, x, backend=backend, require_all_guards=True)
+    checked = {g.reads: g.by for g in precompile.inspect(code).guards if g.outcome == "checked"}
+    assert checked["L['c']"] == "read value CLOSED.__closure__.c == 2.5"
+    f = precompile.load(code, cache)
+    torch.testing.assert_close(f(m, x), CLOSED(m, x))
+    cell = CLOSED.__closure__[0]
+    cell.cell_contents = 3.0  # as a nonlocal assignment would
+    refused = r"closure variable 'c' of CLOSED \(module test_dynamo_tracer\) is 3.0, but was 2.5"
+    with pytest.raises(PrecompileError, match=refused):
+        f(m, x)
+    cell.cell_contents = 2.5
+    closed = CLOSED
+    globals()["CLOSED"] = make_closure(4.0)  # fn made again with another value
+    with pytest.raises(PrecompileError, match="closure variable 'c' of CLOSED .* is 4.0"):
+        f(m, x)
+    globals()["CLOSED"] = closed
+    torch.testing.assert_close(f(m, x), CLOSED(m, x))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_helpers_closure_and_a_global_objects_values_are_checked(
+    backend: str, restore_globals: Any
+) -> None:
+    m, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
+    code, cache = _pair(with_helper, m, x, backend=backend)
+    notes = {g.reads: g for g in precompile.inspect(code).guards}
+    assert notes["G['HELPER'].__closure__[0].cell_contents.g"].outcome == "checked"
+    assert notes["G['HELPER']"].outcome == "dropped"  # its code: a function no check compares
+    f = precompile.load(code, cache)
+    torch.testing.assert_close(f(m, x), with_helper(m, x))
+    gain = HELPER.__closure__[0].cell_contents
+    gain.g = 5.0  # changed in place, inside the object the helper closes over
+    refused = r"closure variable 'gain' of HELPER .* is .*Gain\(g=5.0\)"
+    with pytest.raises(PrecompileError, match=refused):
+        f(m, x)
+    gain.g = 3.0
+    stepper = STEPPER  # a method of an object held in a global reads its values there
+    g = precompile.load(*_pair(stepper.step, m, x, backend=backend, require_all_guards=True))
+    torch.testing.assert_close(g(m, x), stepper.step(m, x))
+    stepper.scale = 4.0
+    with pytest.raises(PrecompileError, match="global 'STEPPER.scale' of module .* is 4.0"):
+        g(m, x)
+    stepper.scale = 2.0
+    torch.testing.assert_close(g(m, x), stepper.step(m, x))
 
 
 def test_a_submodule_attribute_type_and_hooks_are_checked() -> None:
@@ -259,8 +330,14 @@ import torch
 SCALE = 2.0
 
 
-def fn(m, x):
-    return m(x) * SCALE
+def make(c):
+    def fn(m, x):
+        return m(x) * SCALE * c
+
+    return fn
+
+
+fn = make(1.5)
 """
 
 
@@ -295,15 +372,19 @@ def test_a_signed_pair_loads_in_a_fresh_process_with_and_without_its_cache(
                 f = precompile.load(open({str(tmp_path / "a.py")!r}).read(), None)
             assert "torch._dynamo" not in sys.modules and "torch._inductor" not in sys.modules
             torch.testing.assert_close(f(m, x), dyn_fn.fn(m, x))
-            dyn_fn.SCALE = 3.0
-            try:
-                f(m, x)
-            except PrecompileError as e:
-                print("refused:", e)
+            for name, value in (("SCALE", 3.0), ("fn", dyn_fn.make(2.5))):
+                kept = getattr(dyn_fn, name)
+                setattr(dyn_fn, name, value)
+                try:
+                    f(m, x)
+                except PrecompileError as e:
+                    print("refused:", e)
+                setattr(dyn_fn, name, kept)
         """
         used = run_python(textwrap.dedent(use))
         assert used.returncode == 0, used.stderr
         assert "refused: global 'SCALE' of module dyn_fn is 3.0" in used.stdout
+        assert "refused: closure variable 'c' of fn (module dyn_fn) is 2.5" in used.stdout
 
 
 def test_what_dynamo_does_not_read_yet_is_refused_by_name() -> None:
@@ -320,6 +401,12 @@ class Stepper:
 
     def __call__(self, m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return m(x) * self.scale
+
+    def step(self, m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x) * self.scale
+
+
+STEPPER = Stepper()
 
 
 def test_a_callable_objects_own_values_are_dropped_guards() -> None:

@@ -223,6 +223,8 @@ def _step(node: Any, sources: Any) -> Step | None:
     if isinstance(node, sources.GetItemSource | sources.DictGetItemSource):
         index = node.index
         return Step("other", "key") if isinstance(index, sources.Source) else Step("item", index)
+    if isinstance(node, sources.ClosureSource):  # a function's cells: then [i].cell_contents
+        return Step("attr", "__closure__")
     if isinstance(node, sources.TypeSource):
         return Step("type")
     if isinstance(node, sources.TypeDictSource):

@@ -128,9 +128,11 @@ class ReadValue:
     With ``submodule`` set it is the attribute ``path`` of ``submodules[submodule]``
     (``("scaling",)``, ``("config", "eps")``); otherwise the global ``path[0]`` of the Python
     module named ``module``, then the attributes ``path[1:]`` off it (from 10.1), or, for
-    ``os``'s ``environ``, the variable ``path[1]`` (expected None where it was unset); for
-    ``__main__``, ``file`` is the base name of the script it was at capture (no path of the
-    build machine). ``where`` is the line that read it.
+    ``os``'s ``environ``, the variable ``path[1]`` (expected None where it was unset); a step
+    ``__closure__`` of a global read takes the function reached so far into its closure: the
+    next step names the closure variable (``("step", "__closure__", "scale")``, from 10.5);
+    for ``__main__``, ``file`` is the base name of the script it was at capture (no path of
+    the build machine). ``where`` is the line that read it.
     """
 
     submodule: int | None

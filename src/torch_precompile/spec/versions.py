@@ -160,7 +160,9 @@ SCHEMA_HISTORY = (
         "2026-12-05",
         "guards (tracer='dynamo'): one GuardNote per guard Dynamo put on what fn's Python read "
         "(its kind, the place as Dynamo writes it, and whether the artifact checks it, cannot "
-        "see it differ, or dropped it, with the check or the reason).",
+        "see it differ, or dropped it, with the check or the reason). A global read's path may "
+        "step into a function's closure: '__closure__', then the name of the closure variable "
+        "(('step', '__closure__', 'scale'), then attributes off its value).",
     ),
 )
 SCHEMA_VERSION: SchemaVersion = SCHEMA_HISTORY[-1].version

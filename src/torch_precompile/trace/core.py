@@ -666,8 +666,7 @@ def _with_guards(
         [(o.name, o.optimizer) for o in layout.optimizers],
         dict(zip(layout.arg_names, layout.args, strict=True)),
     )
-    code = dynamo_guards.code_of(fn)
-    translated = dynamo_guards.translate(reading, code, anchors, spec.read_values)
+    translated = dynamo_guards.translate(reading, fn, anchors, spec.read_values)
     dropped = translated.dropped
     if dropped:
         listed = "; ".join(f"{n.reads} ({n.by})" for n in dropped[:4])

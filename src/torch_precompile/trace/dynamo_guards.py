@@ -9,8 +9,10 @@ optimizer included); Dynamo is a second reader beside it. Each guard becomes one
 - **fixed**: it cannot differ at a call of this artifact (torch's own code, pinned by the
   torch build the artifact insists on; a value fn computed before a graph break).
 - **dropped**: no call can reach it (a value ``fn`` closes over, the object ``fn`` is a
-  method of); said at capture, listed by ``inspect``, refused under
-  ``require_all_guards=True``.
+  method of, where no global of the user's module holds ``fn`` or that object); said at
+  capture, listed by ``inspect``, refused under ``require_all_guards=True``. Where a global
+  holds them, a call finds them by that name: ``fn``'s closure values (and those of the
+  functions it calls) and the object's attributes are read values of that global.
 
 A graph break is carried where the make_fx trace covers what Dynamo could not read
 (``loss.backward()``, a value read off a tensor, which the trace checks at every call) and
@@ -19,10 +21,8 @@ refused otherwise, naming the user's line and Dynamo's reason.
 
 from __future__ import annotations
 
-import builtins
 import functools
 import logging
-import os
 import re
 import sys
 import types
@@ -37,7 +37,13 @@ from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import dynamo
 from torch_precompile.internals.origin import shown_path
 from torch_precompile.spec import GuardNote, ReadValue
-from torch_precompile.trace.reads import TORCH_ROOT, encode_object, encode_read, users_file
+from torch_precompile.trace.reads import (
+    TORCH_ROOT,
+    encode_object,
+    encode_read,
+    script_name,
+    users_file,
+)
 
 log = logging.getLogger("torch_precompile")
 
@@ -212,18 +218,19 @@ def code_of(fn: Callable[..., Any]) -> types.CodeType:
 
 def translate(
     reading: dynamo.DynamoReading,
-    fn_code: types.CodeType,
+    fn: Callable[..., Any],
     anchors: Anchors,
     made: Sequence[ReadValue],
 ) -> Translated:
     """Each guard of each frame Dynamo read, as a check, a fixed fact or a dropped guard."""
+    fn_code = code_of(fn)
     if not any(f.code is fn_code or _resumes(f.code, fn_code) for f in reading.frames):
         why = f": {reading.unread[0]}" if reading.unread else ""
         raise PrecompileError(
             f"tracer='dynamo' could not read fn's own code (Dynamo ran it unread{why}); "
             "capture with tracer='make_fx' (the default)."
         )
-    translator = _Translator(fn_code, anchors, made)
+    translator = _Translator(fn_code, anchors, made, _Home.of(fn))
     for frame in reading.frames:
         for guard in frame.guards:
             translator.add(frame, guard)
@@ -232,11 +239,40 @@ def translate(
     return Translated(tuple(translator.reads), translator.notes())
 
 
+@dataclass(frozen=True)
+class _Home:
+    """Where a call finds again what ``fn`` holds: ``module`` is the user's module of ``fn``'s
+    code, ``function`` the global there that holds ``fn``'s function (whose closure values a
+    call reads through it), ``globals`` the global holding each other object, by id (the
+    object a method ``fn`` belongs to, a partial's bound argument)."""
+
+    module: str
+    function: str | None
+    globals: dict[int, str]
+
+    @staticmethod
+    def of(fn: Callable[..., Any]) -> _Home | None:
+        target, _ = _as_function(fn, ())
+        function = getattr(target, "__func__", target)
+        name = getattr(function, "__module__", None)
+        module = sys.modules.get(name) if isinstance(name, str) else None
+        if module is None or not _users_module(name):
+            return None
+        # The first global of a name holds an object (an alias defined later reads the same).
+        held = {id(v): k for k, v in reversed(vars(module).items()) if not k.startswith("__")}
+        return _Home(module.__name__, held.get(id(function)), held)
+
+
 class _Translator:
     def __init__(
-        self, fn_code: types.CodeType, anchors: Anchors, made: Sequence[ReadValue]
+        self,
+        fn_code: types.CodeType,
+        anchors: Anchors,
+        made: Sequence[ReadValue],
+        home: _Home | None,
     ) -> None:
         self.fn_code = fn_code
+        self.home = home
         self.anchors = anchors
         self.keys = {(r.submodule, r.module, tuple(r.path)) for r in made}
         self.reads: list[ReadValue] = []
@@ -330,6 +366,7 @@ class _Translator:
         if path.name.startswith("__import_"):  # Dynamo's handle on a module it imported
             root = sys.modules.get(path.name.removeprefix("__import_").replace("_dot_", "."))
             chain = [root, *_walk_from(root, path.steps)]
+        chain, path = _cells_named(chain, path)
         value = chain[-1]
         steps: tuple[dynamo.Step, ...] = path.steps
         names: tuple[str, ...] = (path.name,)
@@ -355,7 +392,7 @@ class _Translator:
                 return DROPPED, f"{guard.text}: a class attribute of a class no check can find"
             names = (cls.__name__,)
             steps = (dynamo.Step("attr", steps[2].key), *steps[3:]) if len(steps) > 2 else ()
-        more = _attribute_names(steps, through_classes=False)
+        more = _attribute_names(steps, through_classes=False, cells=True)
         if more is None or not (*names, *more):
             return DROPPED, f"no check of the artifact reads {guard.text}"
         return self._value(None, module, (*names, *more), value, guard)
@@ -376,7 +413,7 @@ class _Translator:
         if _is_code(value) or any(isinstance(obj, type) for obj in held[:-1]):
             package = module.split(".")[0]
             return FIXED, f"code of {package}, as installed (not the user's to change)"
-        more = _attribute_names(steps, through_classes=False)
+        more = _attribute_names(steps, through_classes=False, cells=True)
         if more is None or not (*names, *more):
             return DROPPED, f"state of module {module} that no check reads ({guard.text})"
         return self._value(None, module, (*names, *more), value, guard)
@@ -387,17 +424,26 @@ class _Translator:
         code = frame.code
         own = code is self.fn_code
         if path.name in code.co_freevars and (own or _resumes(code, self.fn_code)):
+            if self.home is not None and self.home.function is not None:
+                held = (self.home.function, "__closure__", path.name)
+                return self._through(held, path, value, guard)
             shown = _shown(value)
             return DROPPED, (
                 f"a value fn closes over ({path.name}={shown}): no call can reach it; pass it "
-                "as an argument or hold it in a global"
+                "as an argument, or hold fn in a global of its module (a call then reads it "
+                "there)"
             )
         if own and path.name in self.anchors.arguments:
             return CHECKED, f"input checks of argument {path.name} (its value or layout)"
         if own:  # the object a bound method fn belongs to, or a callable object itself
+            root = frame.arguments.get(path.name, _MISSING)
+            name = self.home.globals.get(id(root)) if self.home and _is_object(root) else None
+            if name is not None:
+                return self._through((name,), path, value, guard)
             return DROPPED, (
                 f"{path.name!r} is the object fn belongs to, held by fn, not passed to it: no "
-                "call can reach it; pass what changes as an argument"
+                "call can reach it; pass what changes as an argument, or hold the object in a "
+                "global of its module (a call then reads it there)"
             )
         if _resumes(code, self.fn_code):
             return FIXED, "a value fn computed before a graph break, from what it read"
@@ -408,6 +454,16 @@ class _Translator:
             f"({shown_path(code.co_filename)}:{code.co_firstlineno}), which Dynamo read apart "
             "from fn"
         )
+
+    def _through(
+        self, held: tuple[str, ...], path: dynamo.GuardPath, value: Any, guard: dynamo.RawGuard
+    ) -> tuple[str, str]:
+        """A local of fn's own frame read through the global that ``held`` names (fn's
+        function then its closure variable, or the object fn belongs to)."""
+        more = _attribute_names(path.steps, through_classes=False, cells=True)
+        if more is None or self.home is None:
+            return DROPPED, f"no check of the artifact reads {guard.text}"
+        return self._value(None, self.home.module, (*held, *more), value, guard)
 
     def _value(
         self,
@@ -432,10 +488,11 @@ class _Translator:
                 return _LATER, ""
             return DROPPED, f"{shown} holds {type(value).__name__}, which no check compares"
         where, script = "read by Dynamo", None
+        if module == "__main__":  # the script a later process must run for these globals
+            script = script_name(module, vars(sys.modules["__main__"]))
         if guard.line:
             file, _, line = guard.line.rpartition(":")
             where = f"{shown_path(file)}:{line}"
-            script = os.path.basename(file) if module == "__main__" else None
         self.reads.append(ReadValue(submodule, module, names, encoded, where, script))
         self.keys.add(key)
         return CHECKED, f"read value {shown} == {_shown(value)}"
@@ -508,17 +565,19 @@ def _step(obj: Any, step: dynamo.Step) -> Any:
 
 
 def _attribute_names(
-    steps: Sequence[dynamo.Step], through_classes: bool = True
+    steps: Sequence[dynamo.Step], through_classes: bool = True, cells: bool = False
 ) -> tuple[str, ...] | None:
     """The attribute names of ``steps`` where they are all plain attribute reads; with
     ``through_classes``, a class attribute read through an instance (type, class namespace,
-    item) reads as its name (as ``getattr`` finds it, not a global's ``__dict__`` walk)."""
+    item) reads as its name (as ``getattr`` finds it, not a global's ``__dict__`` walk); with
+    ``cells``, ``__closure__`` (a global read's step into a function's closure variable)."""
     names: list[str] = []
     kinds = [s.kind for s in steps]
     i = 0
     while i < len(steps):
         step = steps[i]
-        if step.kind == "attr" and not str(step.key).startswith("__"):
+        plain = step.kind == "attr" and not str(step.key).startswith("__")
+        if plain or (cells and step == _CELLS):
             names.append(str(step.key))
             i += 1
         elif (
@@ -531,6 +590,31 @@ def _attribute_names(
         else:
             return None
     return tuple(names)
+
+
+_CELLS = dynamo.Step("attr", "__closure__")
+
+
+def _cells_named(chain: list[Any], path: dynamo.GuardPath) -> tuple[list[Any], dynamo.GuardPath]:
+    """``chain`` and ``path`` with each read of a function's cell (``__closure__``, ``[i]``,
+    ``cell_contents``) as ``__closure__`` then the closure variable's name (``chain[k]`` is the
+    object before ``path.steps[k]``)."""
+    steps, objects = list(path.steps), list(chain)
+    for k in range(len(steps) - 3, -1, -1):
+        function, (cell, index, contents) = objects[k], steps[k : k + 3]
+        if not (
+            cell == _CELLS
+            and isinstance(function, types.FunctionType)
+            and index.kind == "item"
+            and isinstance(index.key, int)
+            and contents == dynamo.Step("attr", "cell_contents")
+            and index.key < len(function.__code__.co_freevars)
+        ):
+            continue
+        name = function.__code__.co_freevars[index.key]
+        steps[k : k + 3] = [_CELLS, dynamo.Step("attr", name)]
+        del objects[k + 2]  # the cell itself: after it, the tuple then the cell's value
+    return objects, dynamo.GuardPath(path.root, path.name, tuple(steps))
 
 
 def _covers(
@@ -556,13 +640,9 @@ def _is_code(value: Any) -> bool:
     )
 
 
-def _torch_owned(value: Any) -> bool:
-    if value is builtins.__dict__ or isinstance(value, types.BuiltinFunctionType):
-        return True
-    name = getattr(value, "__module__", None) or getattr(value, "__name__", None)
-    if isinstance(value, types.ModuleType):
-        name = value.__name__
-    return isinstance(name, str) and (name == "torch" or name.startswith("torch."))
+def _is_object(value: Any) -> bool:
+    """An object of the user's holding values (not a plain value, code or a container)."""
+    return isinstance(getattr(value, "__dict__", None), dict) and not _is_code(value)
 
 
 def _users_module(name: Any) -> bool:

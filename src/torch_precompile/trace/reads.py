@@ -313,13 +313,13 @@ class ReadRecorder:
             if encoded is not None:
                 self.namespaces[module] = namespace
                 self.reads[key] = ReadValue(
-                    None, module, path[: depth + 1], encoded, where, _script_name(module, namespace)
+                    None, module, path[: depth + 1], encoded, where, script_name(module, namespace)
                 )
                 return
         if not _is_plain_object(value):
             return
         self.namespaces[module] = namespace
-        script = _script_name(module, namespace)
+        script = script_name(module, namespace)
         for inner, encoded in _object_values(value):  # a global object read whole
             key = ("global", module, (*path, *inner))
             self.reads.setdefault(key, ReadValue(None, module, key[2], encoded, where, script))
@@ -414,7 +414,7 @@ def users_file(filename: str) -> bool:
     )
 
 
-def _script_name(module: str, namespace: dict[str, Any]) -> str | None:
+def script_name(module: str, namespace: dict[str, Any]) -> str | None:
     """For ``__main__``, the base name of its script: a later process whose ``__main__`` is
     another script has none of these globals to compare."""
     file = namespace.get("__file__")

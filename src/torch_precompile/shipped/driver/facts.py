@@ -12,7 +12,7 @@ import operator
 import os
 import sys
 from collections.abc import Sequence
-from types import MappingProxyType
+from types import FunctionType, MappingProxyType
 from typing import Any
 
 from torch_precompile.shipped.driver.core import Driver
@@ -83,6 +83,9 @@ class GlobalReads:
             # next call sees a rebound config as surely as a changed SCALE.
             value: Any = None
             for name in read.path:
+                if name == "__closure__" and type(value) is FunctionType:
+                    holder = _Cells(value)  # the next name is one of its closure variables
+                    continue
                 if holder is os.environ:  # None where a variable is unset
                     value, settled = holder.get(name), False
                 elif type(holder) is not dict:  # a class's namespace, slots: not remembered
@@ -122,9 +125,12 @@ class GlobalRead:
             file,
         )
         environment = module == "os" and self.path[0] == "environ"
+        function, cells, closed = _split(self.path, "__closure__")
         self.shown = (
             f"environment variable {self.path[1]!r}"
             if environment
+            else f"closure variable {'.'.join(closed)!r} of {'.'.join(function)} (module {module})"
+            if cells
             else f"global {'.'.join(self.path)!r} of module {module}"
         )
         self.never_here = False
@@ -141,6 +147,22 @@ class GlobalRead:
         return vars(module)
 
 
+class _Cells:
+    """A function's closure variables looked up by name (MISSING for an empty cell)."""
+
+    def __init__(self, function: FunctionType) -> None:
+        self.function = function
+
+    def get(self, name: str, default: Any) -> Any:
+        names = self.function.__code__.co_freevars
+        if name not in names:
+            return default
+        try:
+            return self.function.__closure__[names.index(name)].cell_contents  # type: ignore[index]
+        except ValueError:  # a cell not yet filled
+            return default
+
+
 class _Attributes:
     """An object's attributes looked up by name, for an object without an instance dict."""
 
@@ -149,6 +171,14 @@ class _Attributes:
 
     def get(self, name: str, default: Any) -> Any:
         return getattr(self.value, name, default)
+
+
+def _split(path: tuple[str, ...], step: str) -> tuple[tuple[str, ...], bool, tuple[str, ...]]:
+    """``path`` before and after its first ``step``, and whether it holds one."""
+    if step not in path:
+        return path, False, ()
+    at = path.index(step)
+    return path[:at], True, path[at + 1 :]
 
 
 def _fixed(encoded: Any) -> bool:
