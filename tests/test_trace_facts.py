@@ -1472,6 +1472,36 @@ def test_values_fn_closes_over_are_named_at_capture(
     assert "act=" not in said[0] and "pass a value that may change as an argument" in said[0]
 
 
+SCALED_STEP = scaled_step(2.0, torch.relu)  # fn held in a global: a call finds its closure
+
+
+def test_values_fn_closes_over_are_checked_where_a_global_holds_fn(
+    backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where a global of its module holds fn, every call reads fn's closure through it.
+    Before: a closure value changed after capture (a nonlocal assignment, fn made again with
+    another value) gave the capture's numbers, named only in a warning at capture."""
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        run = build(SCALED_STEP, mlp(0), new_x(), backend=backend)
+    assert "closes over" not in caplog.text
+    model, x = mlp(0), new_x()
+    agree(run, SCALED_STEP, (model, x), (model, x))
+    cell = SCALED_STEP.__closure__[SCALED_STEP.__code__.co_freevars.index("scale")]
+    cell.cell_contents = 3.0
+    said = r"closure variable 'scale' of SCALED_STEP \(module test_trace_facts\) is 3\.0, but"
+    with refused(said, model, x):
+        run(model, x)
+    cell.cell_contents = 2.0
+    step = SCALED_STEP
+    globals()["SCALED_STEP"] = scaled_step(4.0, torch.relu)
+    try:
+        with refused("closure variable 'scale' of SCALED_STEP .* is 4.0", model, x):
+            run(model, x)
+    finally:
+        globals()["SCALED_STEP"] = step
+    agree(run, SCALED_STEP, (model, x), (model, x))
+
+
 class ScaledTrainer:
     """A trainer whose bound step (or the object itself, called) reads a setting off self."""
 

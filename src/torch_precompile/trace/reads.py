@@ -20,10 +20,11 @@ on every submodule below the module whose code reads it that holds a value under
 ``hasattr(self, "x")`` or ``getattr(self, "x", default)`` of an attribute the module lacks
 records it as absent; ``type(self).x`` and a classmethod's ``cls.x`` read the class. Reads
 are found by reading each function's bytecode, so a name used only in a branch the trace did
-not take is checked too (a stricter check, never a missed one). Values held elsewhere (a
-closure cell, the object a bound method ``fn`` belongs to, an object passed in) are the
-caller's to keep: capture names those it saw read (``closure_report``); see
-docs/CONTRACT.md.
+not taken is checked too (a stricter check, never a missed one). A value ``fn`` closes over
+is read through the global of its module that holds ``fn``, where one does
+(``step.__closure__.scale``). Values held elsewhere (a closure cell of ``fn`` held by no
+global, the object a bound method ``fn`` belongs to, an object passed in) are the caller's to
+keep: capture names those it saw read (``closure_report``); see docs/CONTRACT.md.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ class ReadRecorder:
         # their methods read off them is named too, as closure values are.
         self.held_objects: dict[int, str] = {}
         self.read_off_held = False  # whether a value read off one is named
+        # fn's code, and the globals and name through which a call finds fn again: the values
+        # it closes over are read through that global (``step.__closure__.scale``).
+        self.home: tuple[types.CodeType, dict[str, Any], str] | None = None
         self.clocks: dict[str, str] = {}  # clock functions the user's code names, and where
 
     def hold(self, fn: Callable[..., Any]) -> None:
@@ -124,6 +128,7 @@ class ReadRecorder:
         owner = runs_as(fn)
         if owner is not None:
             self.held_objects[id(owner)] = type(owner).__name__
+        self.home = function_home(fn)
 
     def __enter__(self) -> ReadRecorder:
         # Garbage-collection callbacks run inside any allocation; what they read is theirs.
@@ -193,6 +198,9 @@ class ReadRecorder:
             value = frame.f_locals.get(name)
             if isinstance(value, torch.nn.Module) and id(value) not in self.index:
                 self.closure_modules.setdefault(id(value), name)  # its reads are named too
+            elif self.home is not None and code is self.home[0]:
+                _, namespace, fn_name = self.home
+                self._global_read(namespace, (fn_name, "__closure__", name), where.format(line))
             elif (code, name) not in self.closed_over and _closure_value(value):
                 self.closed_over[code, name] = f"{name}={value!r} ({where.format(line)})"
             elif (code, name) not in self.closed_over and _is_plain_object(value):
@@ -297,12 +305,19 @@ class ReadRecorder:
         if isinstance(value, torch.nn.Module) and id(value) not in self.index:
             self.global_modules.setdefault(id(value), (namespace, path[0]))
         for depth, name in enumerate(path):
-            if depth:
+            if path[depth + 1 : depth + 2] == ("__closure__",) or name == "__closure__":
+                if not isinstance(value, types.FunctionType):
+                    return
+                continue  # a function whose closure variable is read: that value is checked
+            if depth and path[depth - 1] == "__closure__":
+                holder = _cells(value)
+            elif depth:
                 followed = _followed(value) or id(value) in self.global_modules
                 holder = _namespace(value) if followed else {}
                 if name not in holder and _is_plain_object(value):
                     path = path[:depth]  # a method of a plain object: the object read whole
                     break
+            if depth:
                 if name not in holder:
                     return
                 value = holder[name]
@@ -448,6 +463,32 @@ def _value_at(owner: Any, path: Sequence[str]) -> Any:
     for name in path:
         value = getattr(value, "__dict__", {}).get(name, _UNSEEN)
     return value
+
+
+def function_home(fn: Any) -> tuple[types.CodeType, dict[str, Any], str] | None:
+    """fn's code, its module's globals and the global there that holds fn (the first, by
+    identity), where fn is a function of the user's that closes over values; None otherwise."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if not isinstance(fn, types.FunctionType) or not fn.__closure__:
+        return None
+    module = sys.modules.get(fn.__module__)
+    if module is None or not users_file(fn.__code__.co_filename):
+        return None
+    namespace = vars(module)
+    held = next((k for k, v in namespace.items() if v is fn and not k.startswith("__")), None)
+    return None if held is None else (fn.__code__, namespace, held)
+
+
+def _cells(function: types.FunctionType) -> Mapping[str, Any]:
+    """A function's filled closure cells by variable name."""
+    cells = {}
+    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=False):
+        try:
+            cells[name] = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+    return cells
 
 
 def runs_as(function: Any) -> Any:
@@ -785,8 +826,14 @@ def drop_changed_reads(recorder: ReadRecorder) -> None:
     for key, read in list(recorder.reads.items()):
         if read.submodule is None:
             value = recorder.namespaces[read.module or ""].get(read.path[0])
+            function = None  # a function whose closure variable the next name is
             for name in read.path[1:]:
-                value = value.get(name) if value is os.environ else getattr(value, name, None)
+                if name == "__closure__" and isinstance(value, types.FunctionType):
+                    function = value
+                elif function is not None:
+                    value, function = _cells(function).get(name), None
+                else:
+                    value = value.get(name) if value is os.environ else getattr(value, name, None)
         else:
             value = recorder.submodules[read.submodule]
             for name in read.path:
