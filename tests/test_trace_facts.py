@@ -1545,6 +1545,27 @@ def test_values_of_objects_fn_holds_are_named_at_capture(
     assert said[2].startswith("fn reads values it closes over: setting.scale=3.0 (test_trace"), said
 
 
+TRAINER = ScaledTrainer()  # held in a global: a call reads its values there
+
+
+@pytest.mark.parametrize("form", ["bound method", "callable object"])
+def test_values_of_an_object_fn_belongs_to_are_checked_where_a_global_holds_it(
+    backend: str, form: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where a global of its class's module holds the object, ``self.scale`` is that
+    global's ``TRAINER.scale``, checked at every call. Before: named at capture only."""
+    fn = TRAINER.step if form == "bound method" else TRAINER
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        run = build(fn, mlp(0), new_x(), backend=backend)
+    assert "closes over" not in caplog.text
+    model, x = mlp(0), new_x()
+    agree(run, fn, (model, x), (model, x))
+    said = r"global 'TRAINER\.scale' of module test_trace_facts is 4\.0, but was 2\.0"
+    with refused_while_set(TRAINER, "scale", 4.0, said, model, x):
+        run(model, x)
+    agree(run, fn, (model, x), (model, x))
+
+
 def smoothed_step(label_smoothing: float) -> Callable[..., Any]:
     criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
 

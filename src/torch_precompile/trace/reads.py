@@ -107,7 +107,8 @@ class ReadRecorder:
         self.code_reads: dict[types.CodeType, _CodeReads | None] = {}
         self.reads: dict[tuple[Any, ...], ReadValue] = {}
         self.namespaces: dict[str, dict[str, Any]] = {}  # where each global was read
-        # Modules held in globals, not the model's (a loss: ``criterion``): where each is.
+        # Modules held in globals, not the model's (a loss: ``criterion``), and the object fn
+        # belongs to where a global holds it: where each is.
         self.global_modules: dict[int, tuple[dict[str, Any], str]] = {}
         self.watch: CallWatch | None = None
         # Plain values read from closures (fn's own, a helper's): no call can reach them, so
@@ -124,10 +125,17 @@ class ReadRecorder:
         self.clocks: dict[str, str] = {}  # clock functions the user's code names, and where
 
     def hold(self, fn: Callable[..., Any]) -> None:
-        """Note the object ``fn`` belongs to (``runs_as``): no call can reach it either."""
+        """Note where a call finds what ``fn`` holds: the object it belongs to (``runs_as``)
+        through the global of its class's module that holds it (else no call can reach it:
+        its values are named), and fn's closure through the global that holds fn."""
         owner = runs_as(fn)
         if owner is not None:
-            self.held_objects[id(owner)] = type(owner).__name__
+            namespace = vars(sys.modules[type(owner).__module__])
+            name = _global_holding(namespace, owner)
+            if name is not None:  # a trainer's ``self.scale`` is ``TRAINER.scale``
+                self.global_modules.setdefault(id(owner), (namespace, name))
+            else:
+                self.held_objects[id(owner)] = type(owner).__name__
         self.home = function_home(fn)
 
     def __enter__(self) -> ReadRecorder:
@@ -476,8 +484,13 @@ def function_home(fn: Any) -> tuple[types.CodeType, dict[str, Any], str] | None:
     if module is None or not users_file(fn.__code__.co_filename):
         return None
     namespace = vars(module)
-    held = next((k for k, v in namespace.items() if v is fn and not k.startswith("__")), None)
+    held = _global_holding(namespace, fn)
     return None if held is None else (fn.__code__, namespace, held)
+
+
+def _global_holding(namespace: dict[str, Any], value: Any) -> str | None:
+    """The first global of ``namespace`` that holds ``value`` itself, if any."""
+    return next((k for k, v in namespace.items() if v is value and not k.startswith("__")), None)
 
 
 def _cells(function: types.FunctionType) -> Mapping[str, Any]:
