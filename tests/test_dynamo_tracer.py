@@ -108,12 +108,20 @@ def test_globals_read_by_fn_are_checked_at_every_call(backend: str, restore_glob
     with pytest.raises(PrecompileError, match=r"'Settings\.factor' of module test_dynamo_tracer"):
         f(m, x)
     Settings.factor = 3.0
-    settings = SETTINGS
-    globals()["SETTINGS"] = Other()  # another class, the same value
-    with pytest.raises(PrecompileError, match="SETTINGS"):
-        f(m, x)
-    globals()["SETTINGS"] = settings
+    _refused_while_bound("SETTINGS", Other(), "SETTINGS", f, m, x)  # another class, same value
     torch.testing.assert_close(f(m, x), scaled(m, x))
+
+
+def _refused_while_bound(name: str, value: Any, match: str, f: Any, *args: Any) -> None:
+    """``f(*args)`` is refused, matching ``match``, while this module's global ``name`` is
+    ``value``; then the global is put back."""
+    kept = globals()[name]
+    globals()[name] = value
+    try:
+        with pytest.raises(PrecompileError, match=match):
+            f(*args)
+    finally:
+        globals()[name] = kept
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -150,11 +158,8 @@ def test_closure_values_of_fn_held_in_a_global_are_checked_at_every_call(
     with pytest.raises(PrecompileError, match=refused):
         f(m, x)
     cell.cell_contents = 2.5
-    closed = CLOSED
-    globals()["CLOSED"] = make_closure(4.0)  # fn made again with another value
-    with pytest.raises(PrecompileError, match="closure variable 'c' of CLOSED .* is 4.0"):
-        f(m, x)
-    globals()["CLOSED"] = closed
+    again = make_closure(4.0)  # fn made again with another value
+    _refused_while_bound("CLOSED", again, "closure variable 'c' of CLOSED .* is 4.0", f, m, x)
     torch.testing.assert_close(f(m, x), CLOSED(m, x))
 
 

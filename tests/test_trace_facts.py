@@ -1502,6 +1502,39 @@ def test_values_fn_closes_over_are_checked_where_a_global_holds_fn(
     agree(run, SCALED_STEP, (model, x), (model, x))
 
 
+def multiplier(k: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def multiply(y: torch.Tensor) -> torch.Tensor:
+        return y * k
+
+    return multiply
+
+
+HALVE = multiplier(0.5)  # a helper held in a global: read by its code and closure values
+
+
+def halved(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return HALVE(m(x))
+
+
+def test_a_helpers_closure_read_through_a_global_is_checked_not_named(
+    backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A helper fn calls through a global is compared by its code and the plain values it
+    closes over, so capture names none of them (before: named as if out of reach)."""
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        run = build(halved, mlp(0), new_x(), backend=backend)
+    assert "closes over" not in caplog.text
+    model, x = mlp(0), new_x()
+    agree(run, halved, (model, x), (model, x))
+    HALVE.__closure__[0].cell_contents = 0.25
+    try:
+        with refused(r"global 'HALVE' of module test_trace_facts is .*multiply, but was", model, x):
+            run(model, x)
+    finally:
+        HALVE.__closure__[0].cell_contents = 0.5
+    agree(run, halved, (model, x), (model, x))
+
+
 class ScaledTrainer:
     """A trainer whose bound step (or the object itself, called) reads a setting off self."""
 

@@ -210,6 +210,8 @@ class ReadRecorder:
                 _, namespace, fn_name = self.home
                 self._global_read(namespace, (fn_name, "__closure__", name), where.format(line))
             elif (code, name) not in self.closed_over and _closure_value(value):
+                if self._checked_code(frame, code):
+                    continue  # a helper read as a global: its digest holds its plain cells
                 self.closed_over[code, name] = f"{name}={value!r} ({where.format(line)})"
             elif (code, name) not in self.closed_over and _is_plain_object(value):
                 # What fn reads off an object of the user's is out of sight: each plain value
@@ -217,6 +219,14 @@ class ReadRecorder:
                 for inner, encoded in _object_values(value):
                     shown = f"{'.'.join((name, *inner))}={shown_value(encoded)}"
                     self.closed_over[code, name, inner] = f"{shown} ({where.format(line)})"
+
+    def _checked_code(self, frame: types.FrameType, code: types.CodeType) -> bool:
+        """Whether ``code`` is that of a function read as a global by its code and plain
+        closure values (kind ``code``), which every call compares."""
+        qualified = f"{frame.f_globals.get('__name__')}.{code.co_qualname}"
+        return any(
+            r.expected[0] == "code" and r.expected[1][0] == qualified for r in self.reads.values()
+        )
 
     def _name_closed_over(self, owner: Any, label: str, path: tuple[str, ...], where: str) -> None:
         """Name the plain value at ``path`` off ``owner`` (``label`` in the report)."""

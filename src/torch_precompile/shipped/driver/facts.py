@@ -157,8 +157,9 @@ class _Cells:
         names = self.function.__code__.co_freevars
         if name not in names:
             return default
+        cells = self.function.__closure__ or ()
         try:
-            return self.function.__closure__[names.index(name)].cell_contents  # type: ignore[index]
+            return cells[names.index(name)].cell_contents
         except ValueError:  # a cell not yet filled
             return default
 
@@ -183,9 +184,10 @@ def _split(path: tuple[str, ...], step: str) -> tuple[tuple[str, ...], bool, tup
 
 def _fixed(encoded: Any) -> bool:
     """Whether a value encoded so cannot change in place: it holds no list, dict, set or
-    NumPy array (a named tuple or tuple holding one can)."""
+    NumPy array (a named tuple or tuple holding one can), and is no function compared by its
+    closure values (a cell can be set anew)."""
     kind, value = encoded
-    if kind in ("list", "dict", "set", "ndarray", "object"):
+    if kind in ("list", "dict", "set", "ndarray", "object", "code"):
         return False
     if kind in ("tuple", "frozenset"):
         return all(map(_fixed, value))
