@@ -1535,6 +1535,32 @@ def test_a_helpers_closure_read_through_a_global_is_checked_not_named(
     agree(run, halved, (model, x), (model, x))
 
 
+class WithActivation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = mlp(0)
+        self.act = multiplier(0.5)  # a nested function as a module attribute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x))
+
+
+def test_a_closure_cell_of_a_module_attribute_set_anew_is_refused_after_passing_calls(
+    backend: str,
+) -> None:
+    """Before: once calls had passed, the remembered check found the same function object
+    and took it, so a cell set anew in place gave the capture's result."""
+    model, x = WithActivation(), new_x()
+    run = build(forward, model, new_x(), backend=backend)
+    for _ in range(2):  # the second call takes the remembered path
+        agree(run, forward, (model, x), (model, x))
+    model.act.__closure__[0].cell_contents = 0.25
+    with refused(r"attribute 'act' of the model is .*multiply, but was", model, x):
+        run(model, x)
+    model.act.__closure__[0].cell_contents = 0.5
+    agree(run, forward, (model, x), (model, x))
+
+
 class ScaledTrainer:
     """A trainer whose bound step (or the object itself, called) reads a setting off self."""
 

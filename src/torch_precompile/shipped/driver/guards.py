@@ -138,6 +138,9 @@ class _CheckSource:
         if type(value) is types.MethodType:  # a new bound method at every read
             self.terms.append(f"{code}.__func__ is {self.hold('value', value.__func__)}")
             return
+        if type(value) is types.FunctionType and value.__closure__:  # a cell can be set anew
+            contents = self.hold("value", _cell_contents(value))
+            self.terms.append(f"{self.hold('value', _cell_contents)}({code}) == {contents}")
         known = (
             repr(value)
             if value is None or value is True or value is False
@@ -217,6 +220,15 @@ class _Same:
         return type(other) is _Same and other.held is self.held
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _cell_contents(function: Any) -> list[_Same] | None:
+    """What a function's closure cells hold now, each by identity (None for an empty
+    cell)."""
+    try:
+        return [_Same(cell.cell_contents) for cell in function.__closure__ or ()]
+    except ValueError:  # a cell not yet filled
+        return None
 
 
 def _same_array(value: Any, held: tuple[Any, ...]) -> bool:
