@@ -1578,6 +1578,38 @@ class Setting:
         self.scale = scale
 
 
+def gain_of(setting: Setting) -> Callable[[torch.Tensor], torch.Tensor]:
+    def apply(y: torch.Tensor) -> torch.Tensor:
+        return y * setting.scale
+
+    return apply
+
+
+GAINED = gain_of(Setting(3.0))  # a helper held in a global, closing over an object
+
+
+def gained(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return GAINED(m(x))
+
+
+def test_an_object_a_global_helper_closes_over_is_read_through_that_global(
+    backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: the helper's object was only named at capture, and its values changed in
+    place gave the capture's result."""
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        run = build(gained, mlp(0), new_x(), backend=backend)
+    assert "closes over" not in caplog.text
+    model, x = mlp(0), new_x()
+    for _ in range(2):  # the second call takes the remembered path
+        agree(run, gained, (model, x), (model, x))
+    setting = GAINED.__closure__[0].cell_contents
+    said = r"closure variable 'setting\.scale' of GAINED \(module test_trace_facts\) is 5\.0"
+    with refused_while_set(setting, "scale", 5.0, said, model, x):
+        run(model, x)
+    agree(run, gained, (model, x), (model, x))
+
+
 def step_with_setting(setting: Setting) -> Callable[..., Any]:
     def step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return m(x) * setting.scale

@@ -122,6 +122,10 @@ class ReadRecorder:
         # fn's code, and the globals and name through which a call finds fn again: the values
         # it closes over are read through that global (``step.__closure__.scale``).
         self.home: tuple[types.CodeType, dict[str, Any], str] | None = None
+        self.fn_code: types.CodeType | None = None
+        # Functions with closures the user's code read as globals, by code: (globals, name,
+        # function). A helper's closure is read through the one whose cells its frame sees.
+        self.global_functions: dict[types.CodeType, list[tuple[dict[str, Any], str, Any]]] = {}
         self.clocks: dict[str, str] = {}  # clock functions the user's code names, and where
 
     def hold(self, fn: Callable[..., Any]) -> None:
@@ -137,6 +141,8 @@ class ReadRecorder:
             else:
                 self.held_objects[id(owner)] = type(owner).__name__
         self.home = function_home(fn)
+        function = runs_as_function(fn)
+        self.fn_code = getattr(function, "__code__", None)
 
     def __enter__(self) -> ReadRecorder:
         # Garbage-collection callbacks run inside any allocation; what they read is theirs.
@@ -202,13 +208,14 @@ class ReadRecorder:
             self._global_read(frame.f_globals, path, where.format(line))
             if _reads_clock(frame.f_globals, path):
                 self.clocks.setdefault(".".join(path), where.format(line))
+        holder = self._holder(frame) if reads.closed_over else None
         for name, line in reads.closed_over:
             value = frame.f_locals.get(name)
             if isinstance(value, torch.nn.Module) and id(value) not in self.index:
                 self.closure_modules.setdefault(id(value), name)  # its reads are named too
-            elif self.home is not None and code is self.home[0]:
-                _, namespace, fn_name = self.home
-                self._global_read(namespace, (fn_name, "__closure__", name), where.format(line))
+            elif holder is not None:  # a call reads it through the global holding the function
+                namespace, function = holder
+                self._global_read(namespace, (function, "__closure__", name), where.format(line))
             elif (code, name) not in self.closed_over and _closure_value(value):
                 if self._checked_code(frame, code):
                     continue  # a helper read as a global: its digest holds its plain cells
@@ -219,6 +226,21 @@ class ReadRecorder:
                 for inner, encoded in _object_values(value):
                     shown = f"{'.'.join((name, *inner))}={shown_value(encoded)}"
                     self.closed_over[code, name, inner] = f"{shown} ({where.format(line)})"
+
+    def _holder(self, frame: types.FrameType) -> tuple[dict[str, Any], str] | None:
+        """The globals, and the name there, through which a call finds the function running
+        ``frame``: fn's own (``function_home``), or a global of the frame's module holding a
+        function of this code whose cells hold what the frame sees (a helper ``HELPER``)."""
+        code = frame.f_code
+        if code is self.fn_code:
+            return None if self.home is None else (self.home[1], self.home[2])
+        seen = frame.f_locals
+        found = [
+            (namespace, name)
+            for namespace, name, function in self.global_functions.get(code, ())
+            if all(seen.get(v, _UNSEEN) is c for v, c in _cells(function).items())
+        ]
+        return found[0] if len(found) == 1 else None  # two alike: which one ran is unknown
 
     def _checked_code(self, frame: types.FrameType, code: types.CodeType) -> bool:
         """Whether ``code`` is that of a function read as a global by its code and plain
@@ -322,6 +344,10 @@ class ReadRecorder:
         value = namespace[path[0]]
         if isinstance(value, torch.nn.Module) and id(value) not in self.index:
             self.global_modules.setdefault(id(value), (namespace, path[0]))
+        if type(value) is types.FunctionType and value.__closure__:
+            held = self.global_functions.setdefault(value.__code__, [])
+            if all(f is not value for _, _, f in held):
+                held.append((namespace, path[0], value))
         for depth, name in enumerate(path):
             if path[depth + 1 : depth + 2] == ("__closure__",) or name == "__closure__":
                 if not isinstance(value, types.FunctionType):
@@ -481,6 +507,19 @@ def _value_at(owner: Any, path: Sequence[str]) -> Any:
     for name in path:
         value = getattr(value, "__dict__", {}).get(name, _UNSEEN)
     return value
+
+
+def runs_as_function(fn: Any) -> Any:
+    """The function whose code runs first when ``fn`` is called: a partial's, a bound
+    method's, a callable object's ``__call__``."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if isinstance(fn, types.MethodType):
+        return fn.__func__
+    if isinstance(fn, types.FunctionType):
+        return fn
+    method = getattr(type(fn), "forward" if isinstance(fn, torch.nn.Module) else "__call__", None)
+    return getattr(method, "__func__", method)
 
 
 def function_home(fn: Any) -> tuple[types.CodeType, dict[str, Any], str] | None:
