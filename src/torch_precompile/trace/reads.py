@@ -20,7 +20,7 @@ on every submodule below the module whose code reads it that holds a value under
 ``hasattr(self, "x")`` or ``getattr(self, "x", default)`` of an attribute the module lacks
 records it as absent; ``type(self).x`` and a classmethod's ``cls.x`` read the class. Reads
 are found by reading each function's bytecode, so a name used only in a branch the trace did
-not taken is checked too (a stricter check, never a missed one). A value ``fn`` closes over
+not take is checked too (a stricter check, never a missed one). A value ``fn`` closes over
 is read through the global of its module that holds ``fn``, where one does
 (``step.__closure__.scale``). Values held elsewhere (a closure cell of ``fn`` held by no
 global, the object a bound method ``fn`` belongs to, an object passed in) are the caller's to
@@ -229,8 +229,8 @@ class ReadRecorder:
 
     def _holder(self, frame: types.FrameType) -> tuple[dict[str, Any], str] | None:
         """The globals, and the name there, through which a call finds the function running
-        ``frame``: fn's own (``function_home``), or a global of the frame's module holding a
-        function of this code whose cells hold what the frame sees (a helper ``HELPER``)."""
+        ``frame``: fn's own (``function_home``), or the one function the user's code read as
+        a global whose code this is and whose cells hold what the frame sees (``HELPER``)."""
         code = frame.f_code
         if code is self.fn_code:
             return None if self.home is None else (self.home[1], self.home[2])
