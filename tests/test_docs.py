@@ -136,3 +136,20 @@ def test_readme_is_short_with_a_two_command_quick_start() -> None:
         if line.split("#", 1)[0].strip()
     ]
     assert commands == QUICK_START_COMMANDS, f"Quick start runs {commands}"
+
+
+def test_artifact_page_names_the_section_holding_the_graph() -> None:
+    """docs/artifact.md says which numbered section of the source holds the compiled graph
+    (Inductor's generated module where Inductor built it): the number the source gives it."""
+    import torch
+
+    from torch_precompile import precompile
+
+    code, _ = precompile(
+        lambda m, x: m(x), torch.nn.Linear(4, 3), torch.randn(2, 4), backend="eager"
+    )
+    numbers = re.findall(r"^# (\d+)\. The compiled graph", code, flags=re.MULTILINE)
+    assert len(numbers) == 1, numbers
+    intro = (ROOT / "docs" / "artifact.md").read_text().split("```", 1)[0]
+    said = re.findall(r"section (\d+)\s+\(the compiled graph\) holds Inductor's", intro)
+    assert said == numbers, f"docs/artifact.md names section {said}, the source {numbers}"
