@@ -55,6 +55,23 @@ def test_input_shape_dtype_device(mlp) -> None:
         run(model, "x", t)
 
 
+def test_a_wrong_shape_names_the_ways_to_serve_it(mlp) -> None:
+    """The refusal of another shape says how one artifact can serve it: the dims that differ
+    marked dynamic on the example, or a variant per shape."""
+    run, model, _, t = mlp
+    ways = (
+        "Shapes are specialized to the example: precompile again for this shape, mark {} "
+        "dynamic on the example with torch._dynamo.decorators.mark_unbacked before "
+        "precompiling, or capture each shape as a variant of one artifact (capture())."
+    )
+    with pytest.raises(PrecompileError, match=re.escape(ways.format("dim 0"))):
+        run(model, torch.randn(6, 4), t)
+    with pytest.raises(PrecompileError, match=re.escape(ways.format("dims 0, 1"))):
+        run(model, torch.randn(6, 5), t)
+    with pytest.raises(PrecompileError, match=re.escape(ways.format("the dims"))):
+        run(model, torch.randn(5, 4, 1), t)
+
+
 def test_input_structure(backend: str, artifacts) -> None:
     run = artifacts.load("pytree", backend)
     model, batch = WORKLOADS["pytree"].args()

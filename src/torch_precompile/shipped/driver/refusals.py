@@ -546,6 +546,15 @@ def positional_inputs(leaves: Sequence[Any], plans: Sequence[LeafPlan]) -> Seque
     return leaves
 
 
+def _dims(plan: LeafPlan, leaf: torch.Tensor) -> str:
+    """The dims in which ``leaf`` differs from the example (``dim 0``), or ``the dims`` where
+    their number differs."""
+    if leaf.dim() != len(plan.shape):
+        return "the dims"
+    differ = [str(i) for i, size in enumerate(leaf.shape) if size != plan.shape[i]]
+    return f"dim{'s' if len(differ) > 1 else ''} {', '.join(differ)}"
+
+
 def check_input(plan: LeafPlan, leaf: Any, backend: str, sizes: Any = None) -> torch.Tensor:
     """The tensor the graph gets for one input leaf, after checking it (``sizes``: the
     driver's part for dynamic dims)."""
@@ -561,7 +570,10 @@ def check_input(plan: LeafPlan, leaf: Any, backend: str, sizes: Any = None) -> t
     elif leaf.shape != plan.shape:
         raise PrecompileError(
             f"input {name}: expected shape {plan.shown}, got {tuple(leaf.shape)}. Shapes are "
-            "specialized to the example; precompile again for this shape."
+            "specialized to the example: precompile again for this shape, mark "
+            f"{_dims(plan, leaf)} dynamic on the example with torch._dynamo.decorators."
+            "mark_unbacked before precompiling, or capture each shape as a variant of one "
+            "artifact (capture())."
         )
     if leaf.dtype != plan.dtype:
         raise PrecompileError(f"input {name}: expected dtype {plan.dtype}, got {leaf.dtype}.")
