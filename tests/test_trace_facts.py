@@ -12,11 +12,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 import random
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -1717,6 +1719,55 @@ def test_a_clock_read_is_named_at_capture(backend: str, caplog: pytest.LogCaptur
     assert len(said) == 1, said
     assert said[0].startswith("fn reads the clock: time.perf_counter (test_trace_facts.py:")
     assert "time the call outside fn" in said[0]
+
+
+STEP_LOG = logging.getLogger("tests.chatty_step")
+
+
+def chatty_step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    print("step starts")
+    STEP_LOG.info("in fn")
+    y = m(x)
+    if y.shape[0] > 100:  # a branch the trace does not take: no call made, none named
+        print("a large batch")
+    warnings.warn("about to return", stacklevel=1)
+    logging.debug("through the root logger")
+    return y
+
+
+def test_print_logging_and_warnings_calls_are_named_at_capture(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A print, logging or warnings.warn call in fn runs once, while fn is traced, and never
+    at a call of the artifact: capture names each one the user's code made, with its line,
+    in one warning (torch's own warnings, here softmax's, are not named)."""
+    lines, first = inspect.getsourcelines(chatty_step)
+    at = {
+        c: first + next(i for i, line in enumerate(lines) if c in line)
+        for c in ("step starts", "STEP_LOG", "warnings.warn", "logging.debug")
+    }
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = build(chatty_step, mlp(0), new_x(), backend="eager")
+    said = [r.getMessage() for r in caplog.records if "prints, logs or warns" in r.getMessage()]
+    where = "test_trace_facts.py:{} (chatty_step)"
+    assert said == [
+        f"fn prints, logs or warns: print ({where.format(at['step starts'])}), logging.info "
+        f"({where.format(at['STEP_LOG'])}), warnings.warn ({where.format(at['warnings.warn'])}), "
+        f"logging.debug ({where.format(at['logging.debug'])}). Each ran once, at capture, and "
+        "will not run at a call of the artifact, which runs the graph alone; move it outside "
+        "fn, around the artifact's call."
+    ], said
+    assert "step starts" in capsys.readouterr().out  # it ran, at capture
+    model, x = mlp(0), new_x()
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert_same(run(model, x), model(x))
+    assert capsys.readouterr().out == "" and not warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="torch_precompile"):
+        precompile(lambda m, x: nn.functional.softmax(m(x)), mlp(0), new_x(), backend="eager")
+    assert not [r for r in caplog.records if "prints, logs or warns" in r.getMessage()]
 
 
 def env_scaled(m: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -169,6 +169,7 @@ def capture(
         # Under Dynamo, each value fn closes over is a dropped guard, said with the others.
         watch.reads.closure_report() if tracer != "dynamo" else None,
         watch.reads.clock_report(),
+        watch.reads.output_report(),
         outputs.returned_reads_report(),
     )
     for unchecked in reports:

@@ -53,6 +53,7 @@ from torch_precompile.spec import EncodedValue, ReadValue
 from torch_precompile.trace.call_watch import CallWatch
 from torch_precompile.trace.environment import ENVIRONMENT_READS
 from torch_precompile.trace.inputs import encode_value
+from torch_precompile.trace.output_calls import OUTPUT_CALLS
 
 _TORCH_ROOT = str(Path(torch.__file__).parent)
 TORCH_ROOT = _TORCH_ROOT  # torch's own code, for the other watchers of the trace
@@ -127,6 +128,8 @@ class ReadRecorder:
         # function). A helper's closure is read through the one whose cells its frame sees.
         self.global_functions: dict[types.CodeType, list[tuple[dict[str, Any], str, Any]]] = {}
         self.clocks: dict[str, str] = {}  # clock functions the user's code names, and where
+        # print, logging and warnings.warn calls the user's code made, by where: "print".
+        self.output_calls: dict[str, str] = {}
 
     def hold(self, fn: Callable[..., Any]) -> None:
         """Note where a call finds what ``fn`` holds: the object it belongs to (``runs_as``)
@@ -150,12 +153,21 @@ class ReadRecorder:
             self.code_reads[getattr(callback, "__code__", None)] = None  # type: ignore[index]
         self.watch = CallWatch(self.code_reads, _code_reads, self._look).__enter__()
         ENVIRONMENT_READS.enter(self._environment_read)
+        OUTPUT_CALLS.enter(self._output_call)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.watch is not None:
             self.watch.__exit__()
         ENVIRONMENT_READS.exit(self._environment_read)
+        OUTPUT_CALLS.exit(self._output_call)
+
+    def _output_call(self, what: str, frame: types.FrameType) -> None:
+        """A print, logging or warnings.warn call: noted where the user's code made it."""
+        file = frame.f_code.co_filename
+        if users_file(file) and not file.startswith("<frozen"):
+            where = f"{Path(file).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+            self.output_calls.setdefault(where, what)
 
     def _environment_read(self, name: str, value: str | None, frame: types.FrameType) -> None:
         """A variable the user's code read from ``os.environ``: a global read of it."""
@@ -406,6 +418,19 @@ class ReadRecorder:
             f"fn reads the clock: {reads}. A number it gave becomes a constant of the graph "
             "(a duration fn returns would be the capture's at every call); time the call "
             "outside fn."
+        )
+
+    def output_report(self) -> str | None:
+        """The print, logging and warnings.warn calls of the traced code, said once; None
+        where it made none."""
+        if not self.output_calls:
+            return None
+        calls = [f"{what} ({where})" for where, what in self.output_calls.items()]
+        more = f" and {len(calls) - 6} more" if len(calls) > 6 else ""
+        return (
+            f"fn prints, logs or warns: {', '.join(calls[:6])}{more}. Each ran once, at "
+            "capture, and will not run at a call of the artifact, which runs the graph alone; "
+            "move it outside fn, around the artifact's call."
         )
 
     def records(self) -> tuple[ReadValue, ...]:
