@@ -175,6 +175,29 @@ def test_usage_errors_exit_2(args: tuple[str, ...], said: str, compiled: Path) -
     assert "Traceback" not in proc.stderr and not (compiled / "x.py").exists()
 
 
+def test_a_missing_factory_is_reported_as_missing_not_as_a_failed_import(
+    tmp_path: Path,
+) -> None:
+    """The module imports: that step is done, and the error names what is missing from it and
+    the functions the module defines."""
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n\n\ndef make():\n    ...\n\n\ndef make_small():\n    ...\n\n\n"
+        "def _private():\n    ...\n\n\nSIZE = 4\n"
+    )
+    proc = _cli("compile", "mymodels:make_big", "-o", "x.py", cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "importing mymodels: done in" in proc.stderr, proc.stderr
+    assert "importing mymodels: failed" not in proc.stderr, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error == (
+        "torch-precompile compile: error: module 'mymodels' has no 'make_big'; it defines "
+        "make, make_small. FACTORY names a function of MODULE that returns (fn, "
+        "example_inputs)."
+    ), error
+    proc = _cli("compile", "mymodels:SIZE", "-o", "x.py", cwd=tmp_path)
+    assert proc.returncode == 2 and "has a non-callable 'SIZE'; it defines make, " in proc.stderr
+
+
 def test_help_exits_0(compiled: Path) -> None:
     help_text = _cli("--help", cwd=compiled)
     assert help_text.returncode == 0 and "compile" in help_text.stdout

@@ -19,6 +19,7 @@ import importlib
 import json
 import logging
 import sys
+import types
 from pathlib import Path
 from typing import Any, cast
 
@@ -152,7 +153,8 @@ def _compile(args: argparse.Namespace) -> int:
     # The build's own steps (trace, lower, kernels, source) are logged by the package.
     with progress.step(f"importing {module_name}"):
         sys.path.insert(0, str(Path.cwd()))
-        factory = _factory(module_name, factory_name)
+        module = _import(module_name)
+    factory = _factory(module, factory_name)  # after the step: the import itself went fine
     with progress.step(f"calling {factory_name}()"):
         made = factory()
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
@@ -175,11 +177,11 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _factory(module_name: str, factory_name: str) -> Any:
-    """MODULE's FACTORY; a UsageError when the command line names what is not there (an
-    error raised inside MODULE itself is the work's)."""
+def _import(module_name: str) -> types.ModuleType:
+    """MODULE; a UsageError when the command line names a module that is not there (an error
+    raised inside MODULE itself is the work's)."""
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name is None or not f"{module_name}.".startswith(f"{e.name}."):
             raise  # a module that MODULE imports is missing: MODULE's own failure
@@ -187,14 +189,35 @@ def _factory(module_name: str, factory_name: str) -> Any:
             f"no module named {module_name!r}: run from the folder that holds "
             "it, or add that folder to PYTHONPATH"
         ) from None
+
+
+_MOST_LISTED = 8  # a module defining more functions is not listed
+
+
+def _factory(module: types.ModuleType, factory_name: str) -> Any:
+    """MODULE's FACTORY; a UsageError naming the functions MODULE defines (a few) when it has
+    none by that name, or has a value there that cannot be called."""
     factory = getattr(module, factory_name, None)
-    if not callable(factory):
-        found = "has no" if factory is None else "has a non-callable"
-        raise UsageError(
-            f"module {module_name!r} {found} {factory_name!r}: FACTORY names a "
-            "function of MODULE that returns (fn, example_inputs)"
-        )
-    return factory
+    if callable(factory):
+        return factory
+    defined = [
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and isinstance(value, types.FunctionType)
+        and value.__module__ == module.__name__
+    ]
+    if not defined:
+        there = "; it defines no function"
+    elif len(defined) <= _MOST_LISTED:
+        there = f"; it defines {', '.join(defined)}"
+    else:
+        there = f"; it defines {len(defined)} functions"
+    found = "has no" if factory is None else "has a non-callable"
+    raise UsageError(
+        f"module {module.__name__!r} {found} {factory_name!r}{there}. FACTORY names a "
+        "function of MODULE that returns (fn, example_inputs)."
+    )
 
 
 def _inspect(args: argparse.Namespace) -> int:
