@@ -10,9 +10,11 @@ read back by ``inspect``; a saved, signed pair loads in a fresh process.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -263,19 +265,64 @@ def test_a_value_read_off_a_tensor_is_carried_and_checked_per_call() -> None:
         f(m, -x)
 
 
-def test_a_graph_break_the_trace_cannot_carry_is_refused_naming_the_line() -> None:
+STEP_LOG = logging.getLogger("tests.dynamo_step")
+
+
+def print_first(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    print("step")
+    return m(x)
+
+
+def print_after(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = m(x)
+    print("step")
+    return y
+
+
+def log_first(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    logging.info("step")
+    return m(x)
+
+
+def log_after(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = m(x)
+    logging.info("step")
+    return y
+
+
+def logger_first(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    STEP_LOG.warning("step")
+    return m(x)
+
+
+@pytest.mark.parametrize(
+    ("fn", "call"),
+    [
+        (print_first, 'print("step")'),
+        (print_after, 'print("step")'),
+        (log_first, 'logging.info("step")'),
+        (log_after, 'logging.info("step")'),
+        (logger_first, 'STEP_LOG.warning("step")'),
+    ],
+    ids=["print-first", "print-after", "logging-first", "logging-after", "logger-first"],
+)
+def test_a_graph_break_the_trace_cannot_carry_is_refused_naming_the_line(
+    fn: Any, call: str
+) -> None:
+    """Code Dynamo cannot read (a print, a logging call) is refused by its line, before the
+    first tensor operation (where Dynamo has no graph to end) as after it."""
     m, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
-
-    def noisy(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        y = m(x)
-        print("step")
-        return y
-
+    lines, first = inspect.getsourcelines(fn)
+    line = first + next(i for i, text in enumerate(lines) if call in text)
     with pytest.raises(
         PrecompileError,
-        match=r"could not read fn past .*test_dynamo_tracer\.py:\d+ \(print\(\"step\"\)\): .*print",
+        match=rf"^tracer='dynamo' could not read fn past \S*test_dynamo_tracer\.py:{line} "
+        rf"\({re.escape(call)}\): .+\. Code Dynamo cannot read would run once, at capture, "
+        r"and never at a call: move it out of fn, around the artifact's call, or capture with "
+        r"tracer='make_fx' \(the default\), which runs it once at capture too and warns of "
+        r"each print, logging or warnings call it ran\.$",
     ):
-        _pair(noisy, m, x)
+        _pair(fn, m, x)
 
 
 def test_an_internal_error_of_dynamo_is_refused_and_changes_nothing(

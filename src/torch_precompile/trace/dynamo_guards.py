@@ -102,6 +102,9 @@ _CARRIED_BREAKS = (
     ("time.time", _WATCHED),
     ("monotonic", _WATCHED),
     ("torch.* op returned non-tensor", _WATCHED),
+    # Dynamo skips it (a break at the user's call, with or without a graph before it); the
+    # trace steps the optimizers passed to fn, their gradients cleared as eager clears them.
+    ("`Optimizer.zero_grad`", "the make_fx trace carries the optimizers passed to fn"),
 )
 
 
@@ -171,9 +174,11 @@ def refuse_breaks(reading: dynamo.DynamoReading) -> None:
     for brk in reading.breaks:
         if _carried(brk) is None:
             raise PrecompileError(
-                f"tracer='dynamo' could not read fn past {_where(brk)}: {brk.reason}. Code "
-                "Dynamo cannot read would run once, at capture, and never at a call: move it "
-                "out of fn, or capture with tracer='make_fx' (the default)."
+                f"tracer='dynamo' could not read fn past {_where(brk)}: "
+                f"{brk.reason.rstrip('.')}. Code Dynamo cannot read would run once, at "
+                "capture, and never at a call: move it out of fn, around the artifact's call, "
+                "or capture with tracer='make_fx' (the default), which runs it once at capture "
+                "too and warns of each print, logging or warnings call it ran."
             )
 
 
