@@ -1,4 +1,4 @@
-"""Dynamic dims (inductor backend): one artifact for every size of the dims marked with
+"""Dynamic dims, on both backends: one artifact for every size of the dims marked with
 mark_unbacked, with every size rule checked before any kernel runs."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch._dynamo.decorators import mark_dynamic, mark_unbacked
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.trace import capture
 
-from conftest import assert_same, model_state, poisoned_toolchain, run_python
+from conftest import BACKENDS, assert_same, model_state, poisoned_toolchain, run_python
 from workloads import MLP, Block, PartlyFrozen, block_step, infer, mse_step
 
 SIZES = [0, 1, 5, 33]  # 5 is the example size
@@ -26,33 +26,33 @@ def _marked(t: torch.Tensor, *dims: int, **options) -> torch.Tensor:
     return t
 
 
-@pytest.fixture(scope="module")
-def mlp_infer():
+@pytest.fixture(scope="module", params=BACKENDS)
+def mlp_infer(request: pytest.FixtureRequest):
     torch.manual_seed(0)
     model = PartlyFrozen().eval()
-    code, cache = precompile(infer, model, _marked(torch.randn(5, 4), 0))
+    code, cache = precompile(infer, model, _marked(torch.randn(5, 4), 0), backend=request.param)
     return model, code, cache, precompile.load(code, cache)
 
 
-@pytest.fixture(scope="module")
-def mlp_train():
+@pytest.fixture(scope="module", params=BACKENDS)
+def mlp_train(request: pytest.FixtureRequest):
     torch.manual_seed(0)
     model = PartlyFrozen()
     x = _marked(torch.randn(5, 4), 0, shape_id="batch")
     t = _marked(torch.randn(5, 2), 0, shape_id="batch")
-    code, cache = precompile(mse_step, model, x, t)
+    code, cache = precompile(mse_step, model, x, t, backend=request.param)
     return model, code, cache, precompile.load(code, cache)
 
 
-@pytest.fixture(scope="module")
-def block_train():
+@pytest.fixture(scope="module", params=BACKENDS)
+def block_train(request: pytest.FixtureRequest):
     torch.manual_seed(0)
     model = Block()
     x, t = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
     for tensor in (x, t):
         mark_unbacked(tensor, 0, shape_id="batch")
         mark_unbacked(tensor, 1, shape_id="seq", min=2)
-    code, cache = precompile(block_step, model, x, t)
+    code, cache = precompile(block_step, model, x, t, backend=request.param)
     return model, code, cache, precompile.load(code, cache)
 
 
@@ -67,7 +67,9 @@ def test_marked_dims_are_recorded_as_none(mlp_infer) -> None:
     spec = precompile.inspect(mlp_infer[1])
     assert [leaf.shape for leaf in spec.inputs] == [(None, 4)]
     assert [(d.shape_id, d.places) for d in spec.dynamic_dims] == [("", ((0, 0),))]
-    assert spec.inputs[-1].strides == "contiguous"
+    # Inductor's kernels assume the example's memory format; the eager graph, which views
+    # no input here, takes any layout.
+    assert spec.inputs[-1].strides == ("contiguous" if spec.backend == "inductor" else None)
 
 
 def test_static_dims_are_still_checked(mlp_infer) -> None:
@@ -109,13 +111,13 @@ def test_transformer_block_training_step(batch: int, seq: int, block_train) -> N
     assert_same(model_state(compiled_model), model_state(eager_model), atol=1e-5)
 
 
-def test_transformer_block_inference_dynamic_batch_and_sequence() -> None:
+def test_transformer_block_inference_dynamic_batch_and_sequence(backend: str) -> None:
     torch.manual_seed(0)
     model = Block().eval()
     x = torch.randn(2, 5, 16)
     mark_unbacked(x, 0)
     mark_unbacked(x, 1, min=2)
-    run = precompile.load(*precompile(infer, model, x))
+    run = precompile.load(*precompile(infer, model, x, backend=backend))
     for batch, seq in [(0, 4), (1, 2), (4, 7)]:
         y = torch.randn(batch, seq, 16)
         assert_same(run(model, y), model(y), atol=1e-5)
@@ -143,9 +145,9 @@ def test_shape_id_mismatch_is_rejected(mlp_train) -> None:
         run(model, torch.randn(3, 4), torch.randn(4, 2))
 
 
-def test_relation_between_independent_marks_is_enforced() -> None:
+def test_relation_between_independent_marks_is_enforced(backend: str) -> None:
     a, b = _marked(torch.randn(5), 0), _marked(torch.randn(5), 0)
-    code, cache = precompile(lambda a, b: (a + b) * 2, a, b)
+    code, cache = precompile(lambda a, b: (a + b) * 2, a, b, backend=backend)
     assert [(r.expr, r.readable) for r in precompile.inspect(code).size_relations] == [
         (("==", ("d", 0), ("d", 1)), "input a dim 0 == input b dim 0")
     ]
@@ -159,8 +161,10 @@ def test_relation_between_independent_marks_is_enforced() -> None:
         run(torch.ones(3), torch.ones(5))
 
 
-def test_multiple_of_relation_is_enforced() -> None:
-    code, cache = precompile(lambda x: x.reshape(-1, 4).sum(1), _marked(torch.randn(8), 0))
+def test_multiple_of_relation_is_enforced(backend: str) -> None:
+    code, cache = precompile(
+        lambda x: x.reshape(-1, 4).sum(1), _marked(torch.randn(8), 0), backend=backend
+    )
     run = precompile.load(code, cache)
     assert_same(run(torch.ones(12)), torch.full((3,), 4.0))
     assert_same(run(torch.ones(0)), torch.ones(0))
@@ -172,10 +176,10 @@ def test_multiple_of_relation_is_enforced() -> None:
         run(torch.ones(10))
 
 
-def test_bounds_of_every_occurrence_are_enforced() -> None:
+def test_bounds_of_every_occurrence_are_enforced(backend: str) -> None:
     x = _marked(torch.randn(4, 3), 0, shape_id="n", max=8)
     y = _marked(torch.randn(4, 3), 0, shape_id="n", min=2)
-    code, cache = precompile(lambda x, y: x * y, x, y)
+    code, cache = precompile(lambda x, y: x * y, x, y, backend=backend)
     assert [leaf.bounds for leaf in precompile.inspect(code).inputs] == [
         {0: (None, 8)},
         {0: (2, None)},
@@ -259,9 +263,31 @@ def test_marked_input_in_an_odd_layout_is_rejected() -> None:
         precompile(lambda x: x * 2, x)
 
 
-def test_eager_backend_with_marks_is_not_implemented() -> None:
-    with pytest.raises(NotImplementedError, match="backend='inductor'"):
-        precompile(lambda x: x * 2, _marked(torch.randn(5, 4), 0), backend="eager")
+def test_eager_copies_a_viewed_input_into_the_memory_format_it_was_traced_on() -> None:
+    """The eager graph views x: a call in another layout gets a copy in the example's memory
+    format, unless the graph writes x (then the copy would take the write: refused)."""
+    x = _marked(torch.randn(5, 4), 0)
+    code, cache = precompile(lambda x: x.view(-1) * 2, x, backend="eager")
+    assert [leaf.strides for leaf in precompile.inspect(code).inputs] == ["contiguous"]
+    run = precompile.load(code, cache)
+    y = torch.randn(4, 6).t()  # (6, 4), not contiguous
+    assert_same(run(y), y.contiguous().view(-1) * 2)
+
+    def written(x: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        return x.view(-1)
+
+    run = precompile.load(*precompile(written, _marked(torch.randn(5, 4), 0), backend="eager"))
+    z = torch.zeros(3, 4)
+    assert_same(run(z), torch.ones(12))
+    assert_same(z, torch.ones(3, 4))  # the write reached the caller's tensor, as in eager
+    with pytest.raises(
+        PrecompileError,
+        match=r"^input x: the graph writes this input or returns a view of it, and its views "
+        r"were traced on the contiguous memory format \(the example's\); got strides \(1, 6\)\. "
+        r"Pass it in that format \(\.contiguous\(memory_format=\.\.\.\)\)\.$",
+    ):
+        run(torch.randn(4, 6).t())
 
 
 def test_channels_last_marked_input_round_trips() -> None:

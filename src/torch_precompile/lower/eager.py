@@ -41,7 +41,8 @@ def lower_eager(capture: Capture) -> LoweredGraph:
 def _input_layouts(capture: Capture) -> list[tuple[int, ...] | str | None] | None:
     """The example's layout of each input tensor that reaches a ``view`` in the graph: that
     view was traced on this layout and may fail on another, so a call passing another gets a
-    copy in this one (see the driver's LeafPlan). Other inputs take any layout."""
+    copy in this one (see the driver's LeafPlan). Other inputs take any layout. An input with
+    dynamic dims has strides that follow its sizes: its layout is its memory format's name."""
     spec = capture.spec
     if spec.wrapped or spec.distributed:
         return None
@@ -49,7 +50,7 @@ def _input_layouts(capture: Capture) -> list[tuple[int, ...] | str | None] | Non
     placeholders = list(capture.graph.graph.find_nodes(op="placeholder"))
     viewed = _reaching_views(capture.graph.graph)
     return [
-        tuple(t.stride())
+        capture.memory_formats.get(i) or tuple(int(s) for s in t.stride())
         if model <= i < model + len(spec.tensor_inputs) and placeholders[i] in viewed
         else None
         for i, t in enumerate(capture.example_inputs)

@@ -368,11 +368,6 @@ def _read_layout(
             "dims marked with mark_unbacked (dynamic shapes) are not supported together with "
             "DTensors or compile_on_one_rank yet; leave the dims static."
         )
-    if any(marks) and backend != "inductor":
-        raise NotImplementedError(
-            "dims marked with mark_unbacked (dynamic shapes) need backend='inductor'; the eager "
-            "backend runs static graphs only."
-        )
     return _Layout(
         args,
         arg_names,

@@ -40,13 +40,29 @@ class DynamicSizes:
                     f"[{low if low is not None else 0}, {high if high is not None else 'inf'}]."
                 )
 
-    def check_memory_format(self, tensor: torch.Tensor, name: str, where: str) -> None:
-        if not tensor.is_contiguous(memory_format=_MEMORY_FORMATS[name]):
+    def check_memory_format(
+        self, tensor: torch.Tensor, plan: LeafPlan, where: str, backend: str
+    ) -> torch.Tensor:
+        """``tensor`` in the memory format the graph assumes (``plan.strides`` names it): as
+        it is, or copied into it where the eager graph may take a copy (``plan.relayout``)."""
+        name = plan.strides
+        memory_format = _MEMORY_FORMATS[name]
+        if tensor.is_contiguous(memory_format=memory_format):
+            return tensor
+        if plan.relayout:  # the eager graph neither writes it nor returns a view of it
+            return tensor.contiguous(memory_format=memory_format)
+        if backend == "eager":
             raise PrecompileError(
-                f"{where}: the compiled kernels assume the {name} memory format (the "
-                f"example's), got strides {tuple(tensor.stride())}. Pass it in that format "
-                "(.contiguous(memory_format=...)), or precompile with backend='eager'."
+                f"{where}: the graph writes this input or returns a view of it, and its views "
+                f"were traced on the {name} memory format (the example's); got strides "
+                f"{tuple(tensor.stride())}. Pass it in that format "
+                "(.contiguous(memory_format=...))."
             )
+        raise PrecompileError(
+            f"{where}: the compiled kernels assume the {name} memory format (the "
+            f"example's), got strides {tuple(tensor.stride())}. Pass it in that format "
+            "(.contiguous(memory_format=...)), or precompile with backend='eager'."
+        )
 
     def check_shared(self, plans: Sequence[LeafPlan], leaves: Sequence[Any]) -> None:
         """Dims sharing a size must agree, and the trace's size relations must hold."""

@@ -586,7 +586,7 @@ def check_input(plan: LeafPlan, leaf: Any, backend: str, sizes: Any = None) -> t
     if plan.requires_grad is not None and leaf.requires_grad != plan.requires_grad:
         raise PrecompileError(_requires_grad_message(f"input {name}", plan.requires_grad))
     if isinstance(plan.strides, str):  # an input with dynamic dims: its memory format
-        sizes.check_memory_format(leaf, plan.strides, f"input {name}")
+        return sizes.check_memory_format(leaf, plan, f"input {name}", backend)
     elif plan.strides is not None:
         if plan.relayout and layout_differs(leaf, plan.strides):
             return torch.empty_strided(
