@@ -1,5 +1,7 @@
-# Both entry points create the virtual environment on first use. It gets torch 2.13.0
-# first (a file on local disk), which the project's torch range then keeps.
+# Both entry points create the virtual environment on first use, in either order. It gets
+# torch 2.13.0 first (a file on local disk), which the project's torch range then keeps.
+# The demo needs only torch and the package (stamp .installed-base); lint and test add the
+# development tools of the dev extra to the same venv (stamp .installed).
 PYTHON ?= python3.11
 TORCH ?= 2.13.0
 VENV := .venv
@@ -7,14 +9,18 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test lint bench test-matrix zoo
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed-base: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q 'torch==$(TORCH)'
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(BIN)/.installed: $(BIN)/.installed-base
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
-demo: $(BIN)/.installed
+demo: $(BIN)/.installed-base
 	$(BIN)/python -m torch_precompile demo
 
 lint: $(BIN)/.installed

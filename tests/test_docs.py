@@ -153,3 +153,47 @@ def test_artifact_page_names_the_section_holding_the_graph() -> None:
     intro = (ROOT / "docs" / "artifact.md").read_text().split("```", 1)[0]
     said = re.findall(r"section (\d+)\s+\(the compiled graph\) holds Inductor's", intro)
     assert said == numbers, f"docs/artifact.md names section {said}, the source {numbers}"
+
+
+def _make_dry_run(folder: Path, target: str) -> list[str]:
+    """The commands ``make TARGET`` would run in ``folder`` (the repository's Makefile)."""
+    proc = subprocess.run(
+        ["make", "-n", "-f", str(ROOT / "Makefile"), target],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def _stamped(folder: Path, *stamps: str) -> None:
+    """``folder`` as a venv whose ``stamps`` were made after pyproject.toml was written."""
+    bin_dir = folder / ".venv" / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    os.utime(folder / "pyproject.toml", (1_000_000_000, 1_000_000_000))
+    for stamp in stamps:
+        (bin_dir / stamp).touch()
+
+
+@pytest.mark.release_independent
+def test_make_demo_installs_torch_and_the_package_only(tmp_path: Path) -> None:
+    """`make demo` fills .venv with torch and the package, no dev extra; `make test` adds the
+    extra to the same venv, in either order."""
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    base = "pip install -q -e ."
+    dev = "pip install -q -e '.[dev]'"
+
+    def installs(target: str) -> list[str]:
+        return [c for c in _make_dry_run(tmp_path, target) if "pip install" in c]
+
+    fresh_demo = installs("demo")
+    assert any(c.endswith(base) for c in fresh_demo), fresh_demo
+    assert not any("[dev]" in c for c in fresh_demo), fresh_demo
+    fresh_test = installs("test")
+    assert any(c.endswith(base) for c in fresh_test) and any(c.endswith(dev) for c in fresh_test)
+    _stamped(tmp_path, ".installed-base")  # after make demo: make test adds the extra alone
+    assert [c.split("/")[-1] for c in installs("test")] == [f"python -m {dev}"]
+    _stamped(tmp_path, ".installed-base", ".installed")  # after make test: demo installs nothing
+    assert installs("demo") == [] and installs("test") == []
