@@ -24,7 +24,9 @@ from torch_precompile.trace.listening import Listeners
 # A call: what was called (``print``, ``logging.info``) and the frame that called it.
 Listener = Callable[[str, FrameType], None]
 
-_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log")
+_LOGGER_METHODS = frozenset(
+    {"debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log"}
+)
 # Frames between the user's call and a wrapped method: logging's module functions call the
 # root logger's methods, and ``exception`` calls ``error``.
 _PASSED = frozenset({__file__, logging.__file__})
@@ -33,7 +35,9 @@ _PASSED = frozenset({__file__, logging.__file__})
 def _patch() -> Callable[[], None]:
     """Wrap print, warnings.warn and the Logger methods; return what undoes it."""
     original_print, original_warn = builtins.print, warnings.warn
-    originals = {name: vars(logging.Logger)[name] for name in _LOGGER_METHODS}
+    # Those this Python's Logger defines (a release may drop a deprecated alias).
+    defined = vars(logging.Logger)
+    originals = {name: defined[name] for name in _LOGGER_METHODS if name in defined}
 
     def printed(*args: Any, **kwargs: Any) -> None:
         _report("print")
