@@ -166,8 +166,8 @@ def test_a_gan_two_models_two_optimizers_two_backwards(built: Built, backend: st
     generate = net_artifact(built, backend)  # noise (6, 4) -> sample (6, 2)
 
     def make_critic() -> Any:
-        sample = torch.randn(6, 2, requires_grad=True)  # the generator's output requires grad
-        return precompile.load(*precompile(call, Critic(), sample, backend=backend))
+        # A plain example: the generator's output, which requires grad, comes at the call.
+        return precompile.load(*precompile(call, Critic(), torch.randn(6, 2), backend=backend))
 
     judge = built.get("critic", backend, make_critic)
     gen, gen_eager = twins()
@@ -202,6 +202,71 @@ def test_a_gan_two_models_two_optimizers_two_backwards(built: Built, backend: st
         step(gen_eager, critic_eager, opts[2], opts[3], noise, real)
     assert_models_match(gen, gen_eager)
     assert_models_match(critic, critic_eager)
+
+
+def plain_module_artifact(built: Built, backend: str, wrapped_pair: Path) -> Any:
+    """The module form of Net captured from a plain example (inductor: the saved pair)."""
+    if backend == "inductor":
+        return built.get("module", backend, lambda: precompile.load(wrapped_pair))
+    return built.get(
+        "module",
+        backend,
+        lambda: precompile.load(*precompile.module(Net(), torch.randn(6, 4), backend=backend).pair),
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_input_gradients_from_a_plain_capture(
+    built: Built, backend: str, wrapped_pair: Path
+) -> None:
+    """Saliency and adversarial training: the input's gradient at some calls, none at
+    others, from one artifact captured without an input that requires grad."""
+    model, eager = twins()
+    wrapped = precompile.module(model, artifact=plain_module_artifact(built, backend, wrapped_pair))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_eager = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for step in range(3):
+        torch.manual_seed(step)
+        x, t = torch.randn(6, 4), torch.randn(6, 2)
+        ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        nn.functional.mse_loss(wrapped(ours), t).backward()
+        nn.functional.mse_loss(eager(theirs), t).backward()
+        assert ours.grad is not None
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-4)
+        assert_models_match(model, eager)
+        # Train on the input moved along its gradient's sign: a call with no input gradient.
+        adversarial = x + 0.1 * theirs.grad.sign()
+        for m, o in ((wrapped, opt), (eager, opt_eager)):
+            nn.functional.mse_loss(m(adversarial), t).backward()
+            o.step()
+            o.zero_grad()
+    assert_models_match(model, eager)
+    # Only the input's gradient, through torch.autograd.grad: the weights' .grad untouched.
+    x = torch.randn(6, 4, requires_grad=True)
+    (grad,) = torch.autograd.grad(wrapped(x).sum(), x)
+    (grad_eager,) = torch.autograd.grad(eager(x).sum(), x)
+    torch.testing.assert_close(grad, grad_eager, atol=1e-5, rtol=1e-4)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_input_fn_writes_in_place_is_refused_when_it_requires_grad() -> None:
+    def doubled_first(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return m(x)
+
+    run = precompile.load(*precompile(doubled_first, Critic(), torch.randn(6, 2), backend="eager"))
+    critic = Critic()
+    live = torch.randn(6, 2, requires_grad=True) * 1  # not a leaf: eager may write it
+    before = live.detach().clone()
+    with pytest.raises(
+        PrecompileError,
+        match="input x requires grad at this call but did not at capture, and "
+        "fn writes it in place",
+    ):
+        run(critic, live)
+    assert torch.equal(live, before) and all(p.grad is None for p in critic.parameters())
+    x = torch.randn(6, 2)
+    torch.testing.assert_close(run(critic, x.clone()), doubled_first(critic, x.clone()))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -382,8 +447,44 @@ def test_inspect_says_what_the_forward_saves(tmp_path: Path) -> None:
 
     path = precompile.save(code, cache, tmp_path / "net.py")
     text = inspection.render(inspection.describe(path))
-    assert "differentiable: results [0] carry history" in text
+    assert "autograd  : differentiable: results [0] carry history" in text
+    assert "its backward gives 6 gradients" in text and "for inputs" not in text
     assert "values saved for backward" in text and "in_x: float32[6, 4]" in text
+
+
+def test_inspect_names_each_form_and_where_gradients_come_from(tmp_path: Path) -> None:
+    code, cache = precompile(call, Net(), torch.randn(6, 4), backend="eager")
+    spec = precompile.inspect(code)
+    x_index = len(spec.interned)  # the flat inputs: the model's tensors, then x
+    assert spec.autograd is not None and spec.autograd.inputs == (0, 1, 2, 3, 4)
+    assert spec.autograd_for_inputs is not None
+    assert spec.autograd_for_inputs.inputs == (0, 1, 2, 3, 4, x_index)
+    from torch_precompile import inspection
+
+    text = inspection.render(inspection.describe(precompile.save(code, cache, tmp_path / "n.py")))
+    assert "parameters: 5 (5 require grad: backward() after a call gives their gradients)" in text
+    assert (
+        "for inputs: where an input tensor requires grad that did not at capture: results [0] "
+        "carry history; its backward gives 6 gradients;"
+    ) in text
+
+    # fn's own backward: the parameters line says so.
+    def step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = m(x).sum()
+        loss.backward()
+        return loss.detach()
+
+    trained = precompile(step, Critic(), torch.randn(6, 2), backend="eager")
+    text = inspection.render(inspection.describe(precompile.save(*trained, tmp_path / "s.py")))
+    assert "parameters: 4 (4 get gradients from fn's backward)" in text
+    # Token ids never require grad: no second form.
+    ids = torch.tensor([[1, 2, 3]])
+    assert (
+        precompile.inspect(
+            precompile(call, nn.Embedding(10, 4), ids, backend="eager").code
+        ).autograd_for_inputs
+        is None
+    )
 
 
 # The module form.
@@ -445,6 +546,12 @@ def test_a_fresh_process_trains_through_the_saved_module(wrapped_pair: Path) -> 
         x = torch.randn(6, 4)
         wrapped(x).pow(2).sum().backward()
         eager(x).pow(2).sum().backward()
+        # An input that requires grad, as a pipeline's later stage receives it.
+        ours = torch.randn(6, 4, requires_grad=True)
+        theirs = ours.detach().clone().requires_grad_()
+        wrapped(ours).pow(2).sum().backward()
+        eager(theirs).pow(2).sum().backward()
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-4)
         for p, q in zip(model.parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
         print(json.dumps({{"inductor_imported": "torch._inductor" in sys.modules,
@@ -457,7 +564,7 @@ def test_a_fresh_process_trains_through_the_saved_module(wrapped_pair: Path) -> 
 
 
 def test_a_fresh_process_without_the_cache_builds_nothing_for_eager(tmp_path: Path) -> None:
-    x = torch.randn(6, 4, requires_grad=True)
+    x = torch.randn(6, 4)  # plain: the call's input requires grad
     path = tmp_path / "net.py"
     path.write_text(precompile(call, Net(), x, backend="eager").code)
     script = f"""

@@ -1,5 +1,6 @@
 """Pipeline parallelism with ``torch.distributed.pipelining`` on gloo over 127.0.0.1: each
-stage a differentiable artifact (the module form), under GPipe and 1F1B with 4 micro-batches,
+stage a differentiable artifact (the module form, captured from a plain example: later stages
+get activations that require grad at the call), under GPipe and 1F1B with 4 micro-batches,
 matching single-process eager over three AdamW steps (``pipeline_worker.py``); and PP x FSDP2."""
 
 from __future__ import annotations

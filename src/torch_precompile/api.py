@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard, cast
 from torch_precompile import progress, runtime, storage
 from torch_precompile.artifact import bytecode, envelope, signature
 from torch_precompile.errors import PrecompileError
-from torch_precompile.spec import ArtifactSpec, Autograd, parse_spec, with_strides
+from torch_precompile.spec import ArtifactSpec, parse_spec, with_strides
 
 if TYPE_CHECKING:
-    from torch_precompile.lower import LoweredGraph, VariantGraphs
+    from torch_precompile.lower import VariantGraphs
     from torch_precompile.module_form import PrecompiledModule
-    from torch_precompile.trace import Capture
 
 BACKENDS = ("inductor", "eager")
 TRACERS = ("make_fx", "dynamo")
@@ -392,6 +391,8 @@ def compile_variant(
     report = options.progress or (lambda stage: None)
     # The build pipeline is imported here, not at module level: load() never needs it.
     from torch_precompile.internals.origin import describe_callable
+    from torch_precompile.lower import lower_graph
+    from torch_precompile.lower.history import with_history
     from torch_precompile.trace import capture
 
     with _lock:
@@ -409,12 +410,14 @@ def compile_variant(
             _refuse_dropped_guards(captured.spec)
         report("lower")
         with progress.step(f"lowering with the {options.backend} backend"):
-            lowered = _lower(captured, options.backend, options.wrapper)
-        graphs, record = _with_backward(captured, lowered, options, on_fakes)
+            lowered = lower_graph(captured, options.backend, options.wrapper)
+        built = with_history(captured, lowered, options, on_fakes)
+    graphs = built.graphs
     kernels = {k.key: k for g in graphs.all for k in g.kernels}
     spec = dataclasses.replace(
         with_strides(captured.spec, lowered.input_strides),
-        autograd=record,
+        autograd=built.autograd,
+        autograd_for_inputs=built.autograd_for_inputs,
         wrappers=tuple(g.wrapper for g in graphs.all if g.wrapper is not None),
     ).with_kernels(sorted(kernels.values(), key=lambda k: k.key))
     return CompiledVariant(spec, graphs, origin or describe_callable(fn))
@@ -431,65 +434,6 @@ def _refuse_dropped_guards(spec: ArtifactSpec) -> None:
             "fn or globals of an importable module, or leave require_all_guards out (inspect "
             "then lists them as dropped)."
         )
-
-
-def _with_backward(
-    captured: Capture, lowered: LoweredGraph, options: BuildOptions, on_fakes: bool
-) -> tuple[VariantGraphs, Autograd | None]:
-    """The plain graph, and where fn runs no backward but its results would carry history,
-    the forward and backward graphs that give them history (see ``trace.differentiable``)."""
-    from torch_precompile.internals.autograd import NoBackward
-    from torch_precompile.lower import VariantGraphs
-    from torch_precompile.trace import differentiable
-
-    spec = captured.spec
-    if any(t.gets_grad for t in spec.model) or spec.optimizers:
-        return VariantGraphs(lowered), None  # fn runs its backward itself
-    inputs = differentiable.differentiable_inputs(spec)
-    if not inputs:
-        return VariantGraphs(lowered), Autograd()
-    reason = differentiable.why_not_differentiable(spec, captured.fake_mode is not None or on_fakes)
-    if reason is None and not options.grad_mode:
-        reason = (
-            "results carry no autograd history because it was precompiled under torch.no_grad()"
-        )
-    if reason is not None:
-        return VariantGraphs(lowered), Autograd(inputs=tuple(inputs), unavailable=reason)
-    try:
-        with progress.step("tracing the backward (results with autograd history)"):
-            split = differentiable.differentiate(
-                captured, options.backend, _decompositions(options)
-            )
-        if not split.record.outputs:
-            return VariantGraphs(lowered), split.record
-        with progress.step(f"lowering the forward and backward with the {options.backend} backend"):
-            forward = _lower(split.forward, options.backend, options.wrapper)
-            backward = _lower(split.backward, options.backend, options.wrapper)
-    except NoBackward:  # as in eager, no result gets history: none needs a backward
-        return VariantGraphs(lowered), Autograd(inputs=tuple(inputs))
-    except Exception as e:  # the plain graph serves every call that needs no history
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        log.warning(
-            "results of this artifact will carry no autograd history: its backward "
-            "could not be built (%s: %s).",
-            type(e).__name__,
-            first,
-        )
-        return VariantGraphs(lowered), Autograd(
-            inputs=tuple(inputs),
-            unavailable="results carry no autograd history because its "
-            f"backward could not be built ({type(e).__name__}: {first})",
-        )
-    return VariantGraphs(lowered, forward, backward), split.record
-
-
-def _decompositions(options: BuildOptions) -> Mapping[Any, Callable[..., Any]] | None:
-    """The decompositions of the backward's trace: Inductor's own for that backend."""
-    if options.backend != "inductor":
-        return options.decompositions
-    from torch_precompile.internals.inductor import decomposition_table
-
-    return decomposition_table()
 
 
 def package(variants: Sequence[CompiledVariant], options: BuildOptions) -> ArtifactPair:
@@ -516,17 +460,6 @@ def package(variants: Sequence[CompiledVariant], options: BuildOptions) -> Artif
     if options.sign_key is not None:
         cache = signature.sign(options.sign_key, python_code, cache)
     return ArtifactPair(python_code, cache)
-
-
-def _lower(captured: Capture, backend: str, wrapper: str) -> LoweredGraph:
-    """Realize the captured graph with ``backend`` (and, for inductor, ``wrapper``)."""
-    if backend == "eager":
-        from torch_precompile.lower.eager import lower_eager
-
-        return lower_eager(captured)
-    from torch_precompile.lower.inductor import lower_inductor
-
-    return lower_inductor(captured, wrapper)
 
 
 Precompile.__module__ = "torch_precompile"

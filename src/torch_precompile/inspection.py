@@ -35,7 +35,7 @@ from torch_precompile.artifact.kernel_payload import (
 from torch_precompile.errors import PrecompileError
 from torch_precompile.lower import WRAPPER_LINE
 from torch_precompile.shipped.driver.variants import variant_label
-from torch_precompile.spec import ArtifactSpec, InputLeaf, parse_spec, shown_version
+from torch_precompile.spec import ArtifactSpec, Autograd, InputLeaf, parse_spec, shown_version
 from torch_precompile.storage import cache_path, find_cache
 
 
@@ -89,6 +89,7 @@ def describe(path: Path) -> dict[str, Any]:
                 "dtype": t.dtype,
                 "device": t.device,
                 "gets_grad": t.gets_grad,
+                "requires_grad": bool(t.requires_grad),
             }
             for t in spec.parameters
         ],
@@ -271,21 +272,47 @@ def _shown_context(encoded: Any) -> str:
 
 
 def _describe_autograd(spec: ArtifactSpec) -> dict[str, Any] | None:
-    """Whether results carry autograd history (fn without backward), and what the forward
-    saves for backward."""
+    """Whether results carry autograd history (fn without backward), and for each
+    differentiable form, which calls it serves and what its forward saves for backward."""
     record = spec.autograd
     if record is None:
         return None
-    if not record.outputs:
+    if not spec.gives_history:
         said = record.unavailable or (
-            "no: nothing required grad at capture"
-            if not record.inputs
+            "no: nothing required grad at capture, and no input can at a call"
+            if not record.inputs and spec.autograd_for_inputs is None
             else "no: no result depends on what requires grad"
         )
         return {"differentiable": False, "why": said}
+    # The capture's own form at the top level (as before there was a second one).
     return {
         "differentiable": True,
+        **_describe_form(record, spec, "where only what required grad at capture requires grad"),
+        "for_inputs": _describe_form(
+            spec.autograd_for_inputs,
+            spec,
+            "where an input tensor requires grad that did not at capture",
+        ),
+    }
+
+
+def _describe_form(record: Autograd | None, spec: ArtifactSpec, serves: str) -> dict[str, Any]:
+    """One differentiable form: the calls it serves, the gradients its backward gives, the
+    results it gives history and what its forward saves (or why it gives none)."""
+    if record is None:
+        return {}
+    if not record.outputs:
+        why = record.unavailable or (
+            "no gradients: nothing required grad at capture"
+            if not record.inputs
+            else "no history: no result depends on what requires grad"
+        )
+        return {"serves": serves, "why": why}
+    names = [*(t.name for t in spec.interned), *(leaf.path for leaf in spec.tensor_inputs)]
+    return {
+        "serves": serves,
         "gradients_for": len(record.inputs),
+        "gradients_of": [names[i] for i in record.inputs],
         "results_with_history": list(record.outputs),
         "saved": list(record.saved),
     }
@@ -396,9 +423,8 @@ def render(report: dict[str, Any]) -> str:
         f"spec schema {source['schema_version']}, torch {source['torch']}",
         f"  call      : {report['call']}   (models: {', '.join(report['models']) or '-'})",
     ]
-    grads = sum(p["gets_grad"] for p in report["parameters"])
     lines.append(
-        f"  parameters: {len(report['parameters'])} ({grads} get gradients)"
+        f"  parameters: {len(report['parameters'])} ({_gradients_said(report)})"
         f", buffers: {len(report['buffers'])}, tied: {len(report['tied'])}, "
         f"{report['modes']}"
     )
@@ -501,18 +527,37 @@ def _render_dynamo_guards(notes: Sequence[dict[str, Any]]) -> list[str]:
 _OUTCOMES = ("dropped", "checked", "fixed")
 
 
+def _gradients_said(report: dict[str, Any]) -> str:
+    """Which parameters get gradients, and from which backward."""
+    parameters = report["parameters"]
+    if report.get("autograd") is None:  # fn runs its backward, or no form was recorded
+        return f"{sum(p['gets_grad'] for p in parameters)} get gradients from fn's backward"
+    requiring = sum(p.get("requires_grad", False) for p in parameters)
+    return f"{requiring} require grad: backward() after a call gives their gradients"
+
+
 def _render_autograd(autograd: dict[str, Any] | None) -> list[str]:
     if autograd is None:
         return []
     if not autograd["differentiable"]:
         return [f"  autograd  : results carry no history ({autograd['why']})"]
-    saved = autograd["saved"]
-    return [
-        f"  autograd  : differentiable: results {autograd['results_with_history']} carry "
-        f"history; the backward gives {autograd['gradients_for']} gradients; "
-        f"{len(saved)} values saved for backward:",
-        *(f"    {entry}" for entry in saved),
-    ]
+    lines = []
+    for label, form in (("autograd  ", autograd), ("for inputs", autograd.get("for_inputs"))):
+        if not form:
+            continue
+        if "why" in form:
+            lines.append(f"  {label}: {form['why']}")
+            continue
+        saved = form["saved"]
+        said = "differentiable" if form is autograd else form["serves"]
+        lines += [
+            f"  {label}: {said}: results {form['results_with_history']} carry "
+            f"history; its backward gives {form['gradients_for']} gradient"
+            f"{'' if form['gradients_for'] == 1 else 's'}; {len(saved)} values saved for "
+            "backward:",
+            *(f"    {entry}" for entry in saved),
+        ]
+    return lines
 
 
 def _render_optimizer(optimizer: dict[str, Any]) -> str:

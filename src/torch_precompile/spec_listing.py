@@ -80,8 +80,8 @@ def driver_records(lists: Collection[str] | None = None) -> str:
     lines = [
         f'"""{whose} records as the driver reads ``ARTIFACT_SPEC``: the fields of each record',
         "and the defaults of its last ones (a field at its default is left out of the literal),",
-        "which record each list of the spec holds (``torch``, ``ambient`` and ``autograd``: one",
-        "record), and the fields every variant takes from the top level. Generated from",
+        "which record each list of the spec holds (those in ``SPEC_SINGLE`` hold one record,",
+        "not a list), and the fields every variant takes from the top level. Generated from",
         f'``torch_precompile.spec`` by ``{WRITE_COMMAND}``; do not edit."""'
         if lists is None
         else "``torch_precompile.spec`` for the records this artifact's spec holds; do not "
@@ -104,9 +104,15 @@ def driver_records(lists: Collection[str] | None = None) -> str:
     lines += ["}", "SPEC_LISTS: dict[str, str] = {"]
     pairs = [f'"{name}": "{cls.__name__}",' for name, cls in held.items()]
     lines += _packed(pairs, "    ")
-    shared = ", ".join(f'"{name}"' for name in ArtifactSpec.SHARED)
-    lines += ["}", f"SPEC_SHARED: tuple[str, ...] = ({shared})"]
+    single = _tuple_source([name for name in ArtifactSpec.SINGLE if name in held])
+    lines += ["}", f"SPEC_SINGLE: tuple[str, ...] = {single}"]
+    lines += [f"SPEC_SHARED: tuple[str, ...] = {_tuple_source(list(ArtifactSpec.SHARED))}"]
     return "\n".join([*lines, "# fmt: on"]) + "\n"
+
+
+def _tuple_source(names: list[str]) -> str:
+    """``names`` as the source of a tuple of strings."""
+    return "(" + ", ".join(f'"{n}"' for n in names) + ("," if len(names) == 1 else "") + ")"
 
 
 def _entry(name: str, items: list[str]) -> list[str]:

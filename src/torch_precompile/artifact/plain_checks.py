@@ -62,18 +62,19 @@ def plain_checks(spec: ArtifactSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plain_binding(spec: ArtifactSpec, history: Sequence[str] = ()) -> list[str]:
+def plain_binding(spec: ArtifactSpec, history: str) -> list[str]:
     """The lines that close a plain artifact: what the checks compare with, and ``forward``
-    (after the runtime they are made of); ``history`` names the functions that ready the
-    forward and backward graphs of results with history."""
+    (after the runtime they are made of); ``history`` is the autograd part where results may
+    carry history (``differentiable(...)``, given the functions that ready its graphs)."""
     training = _training(spec)
     grads = tuple(i for i, t in enumerate(_interned(spec)) if t.gets_grad)
     arguments = ['ARTIFACT_SPEC["out_spec"]', "FLAT_NAMES"]
     if grads:
         arguments.append(f"grads={grads}")
     if spec.autograd is not None:
-        part = f"differentiable({', '.join(history)})" if spec.autograd.outputs else "NoHistory"
-        arguments += [f"autograd={part}", 'autograd_record=ARTIFACT_SPEC["autograd"]']
+        part = history if spec.gives_history else "NoHistory"
+        records = '(ARTIFACT_SPEC["autograd"], ARTIFACT_SPEC.get("autograd_for_inputs"))'
+        arguments += [f"autograd={part}", f"autograd_records={records}"]
     if spec.optimizers:
         arguments.append("optimizers=OPTIMIZERS")
     reads = ", READS, read_facts" if _module_reads(spec) else ""

@@ -133,9 +133,19 @@ _FULLY_SHARDED_NOTE = (
 
 _AUTOGRAD_NOTE = (
     " Under grad mode, where a tensor that required grad at capture requires grad, results "
-    "carry autograd history: the forward graph runs and backward() runs the backward graph "
-    "(a tensor requiring grad that did not at capture is refused)."
+    "carry autograd history: the forward graph runs and backward() runs the backward graph"
 )
+_INPUTS_NOTE = (
+    "; where an input tensor requires grad that did not at capture, the input_forward and "
+    "input_backward graphs run instead, which also give its gradient (a parameter requiring "
+    "grad that did not at capture is refused)."
+)
+_ONLY_INPUTS_NOTE = (
+    " Under grad mode, where an input tensor requires grad, results carry autograd history: "
+    "the input_forward graph runs and backward() runs the input_backward graph, which gives "
+    "its gradient (a parameter requiring grad that did not at capture is refused)."
+)
+_NO_INPUTS_NOTE = " (a tensor requiring grad that did not at capture is refused)."
 
 _VARIANTS_NOTE = (
     " This artifact holds {count} variants, one per call captured (section 1 lists each one's "
@@ -215,8 +225,8 @@ def driver_parts(spec: ArtifactSpec) -> list[DriverPart]:
             (_SUBCLASSES, bool(spec.wrapped)),
             (_OPTIMIZERS, bool(spec.optimizers)),
             (_DATA_PARALLEL, bool(spec.data_parallel or spec.fully_sharded)),
-            (_NO_HISTORY, spec.autograd is not None and not spec.autograd.outputs),
-            (_AUTOGRAD, spec.autograd is not None and bool(spec.autograd.outputs)),
+            (_NO_HISTORY, spec.autograd is not None and not spec.gives_history),
+            (_AUTOGRAD, spec.gives_history),
         )
         if needed
     ]
@@ -270,10 +280,10 @@ def render(
         parts += [facts] if any(r.submodule is None for r in spec.read_values) else []
         parts += [planned, optimizers] if spec.optimizers else []
         if spec.autograd is not None:
-            parts += [no_history, *([autograd] if spec.autograd.outputs else [])]
+            parts += [no_history, *([autograd] if spec.gives_history else [])]
         shipped = [shipped_source(m) for m in parts]
         checks = [plain_checks(spec)]
-        binding = plain_binding(spec, [g.function for g in named[0][1:]])
+        binding = plain_binding(spec, _differentiable_call(named[0]))
     else:
         shipped = [
             _records(variants),
@@ -328,7 +338,12 @@ class _NamedGraph:
     name: str
     comment: str
     graph: LoweredGraph
-    lazy: bool = False
+    # The keyword of ``differentiable`` a lazy graph is given by (its role).
+    keyword: str | None = None
+
+    @property
+    def lazy(self) -> bool:
+        return self.keyword is not None
 
     @property
     def function(self) -> str:
@@ -351,32 +366,58 @@ def _named_graphs(
             _NamedGraph(
                 base,
                 f"{whose}: the plain graph"
-                + (", for calls whose results need no history." if held.forward else "."),
+                + (", for calls whose results need no history." if len(held.all) > 1 else "."),
                 held.plain,
             )
         ]
-        if held.forward is not None and held.backward is not None:
-            ready = "readied at the first call that needs history"
-            per_variant += [
-                _NamedGraph(
-                    f"{base}_forward",
-                    f"{whose}: the forward, for calls whose results "
-                    "carry autograd history; it returns the results, then what the "
-                    f"backward needs ({ready}).",
-                    held.forward,
-                    lazy=True,
-                ),
-                _NamedGraph(
-                    f"{base}_backward",
-                    f"{whose}: the backward; it takes the saved "
-                    "values, then one tangent per result with history, and returns "
-                    f"the gradients of the inputs that required grad ({ready}).",
-                    held.backward,
-                    lazy=True,
-                ),
-            ]
+        per_variant += _history_graphs(base, whose, held)
         named.append(per_variant)
     return named
+
+
+def _history_graphs(base: str, whose: str, held: VariantGraphs) -> list[_NamedGraph]:
+    """The forward and backward graphs of each differentiable form a variant holds."""
+    ready = "readied at the first call that needs them"
+    forms = (
+        ("", "calls whose results carry autograd history", held.forward, held.backward),
+        (
+            "input_",
+            "calls where an input tensor requires grad that did not at capture",
+            held.input_forward,
+            held.input_backward,
+        ),
+    )
+    named = []
+    for role, serves, forward, backward in forms:
+        if forward is None or backward is None:
+            continue
+        named += [
+            _NamedGraph(
+                f"{base}_{role}forward",
+                f"{whose}: the forward, for {serves}; it returns the results, then what the "
+                f"backward needs ({ready}).",
+                forward,
+                keyword=f"{role}forward",
+            ),
+            _NamedGraph(
+                f"{base}_{role}backward",
+                f"{whose}: the backward for the same calls; it takes the saved values, then "
+                "one tangent per result with history, and returns the gradients of the "
+                f"inputs {'that may require grad' if role else 'that required grad'} ({ready}).",
+                backward,
+                keyword=f"{role}backward",
+            ),
+        ]
+    return named
+
+
+def _differentiable_call(graphs: Sequence[_NamedGraph]) -> str:
+    """``differentiable(...)`` given the functions that ready a variant's lazy graphs: in
+    order, or by keyword where the capture's own form has none."""
+    lazy = [g for g in graphs if g.lazy]
+    if lazy and lazy[0].keyword == "forward":
+        return "differentiable(" + ", ".join(g.function for g in lazy) + ")"
+    return "differentiable(" + ", ".join(f"{g.keyword}={g.function}" for g in lazy) + ")"
 
 
 def _sections_line(named: Sequence[_NamedGraph], plain_spec: bool) -> str:
@@ -409,7 +450,7 @@ def _binding(variants: Sequence[ArtifactSpec], named: Sequence[Sequence[_NamedGr
     """The lines that bind ``forward``."""
 
     def keywords(variant: ArtifactSpec, graphs: Sequence[_NamedGraph]) -> list[str]:
-        given = {id(_AUTOGRAD): "differentiable(" + ", ".join(g.function for g in graphs[1:]) + ")"}
+        given = {id(_AUTOGRAD): _differentiable_call(graphs)}
         return [f"{p.keyword}={given.get(id(p), p.factory)}" for p in _given_parts(variant)]
 
     if len(variants) == 1:
@@ -616,11 +657,20 @@ def _checks(specs: Sequence[ArtifactSpec]) -> str:
     )
     if any(t.old_grad == "read" for s in specs for t in s.model):
         text += _READ_GRADS_NOTE
-    if any(spec.autograd is not None and spec.autograd.outputs for spec in specs):
-        text += _AUTOGRAD_NOTE
+    text += _history_note(specs)
     if len(specs) > 1:
         text += _VARIANTS_NOTE.format(count=len(specs))
     return textwrap.fill(text, width=96, initial_indent="# ", subsequent_indent="# ")
+
+
+def _history_note(specs: Sequence[ArtifactSpec]) -> str:
+    """The header's sentence on which graphs give results autograd history, if any do."""
+    forms = [(s.autograd, s.autograd_for_inputs) for s in specs]
+    own = any(a is not None and a.outputs for a, _ in forms)
+    for_inputs = any(b is not None and b.outputs for _, b in forms)
+    if own:
+        return _AUTOGRAD_NOTE + (_INPUTS_NOTE if for_inputs else _NO_INPUTS_NOTE)
+    return _ONLY_INPUTS_NOTE if for_inputs else ""
 
 
 def _build_date() -> str:

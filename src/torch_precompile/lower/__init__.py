@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from torch_precompile.spec import KernelObject
+
+if TYPE_CHECKING:
+    from torch_precompile.trace import Capture
 
 # The line of an inductor artifact's section 2 that says which wrapper calls the kernels (no
 # such line: the Python one).
@@ -37,12 +41,28 @@ class LoweredGraph:
 @dataclass(frozen=True)
 class VariantGraphs:
     """One variant's compiled graphs: the plain one, and where its results carry autograd
-    history, the forward (results, then what backward needs) and the backward."""
+    history, the forward (results, then what backward needs) and the backward; the
+    ``input_`` pair does the same for calls where an input tensor requires grad that did not
+    at capture (its backward also gives their gradients)."""
 
     plain: LoweredGraph
     forward: LoweredGraph | None = None
     backward: LoweredGraph | None = None
+    input_forward: LoweredGraph | None = None
+    input_backward: LoweredGraph | None = None
 
     @property
     def all(self) -> list[LoweredGraph]:
-        return [g for g in (self.plain, self.forward, self.backward) if g is not None]
+        graphs = (self.plain, self.forward, self.backward, self.input_forward, self.input_backward)
+        return [g for g in graphs if g is not None]
+
+
+def lower_graph(captured: Capture, backend: str, wrapper: str) -> LoweredGraph:
+    """Realize the captured graph with ``backend`` (and, for inductor, ``wrapper``)."""
+    if backend == "eager":
+        from torch_precompile.lower.eager import lower_eager
+
+        return lower_eager(captured)
+    from torch_precompile.lower.inductor import lower_inductor
+
+    return lower_inductor(captured, wrapper)

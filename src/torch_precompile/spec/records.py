@@ -365,14 +365,16 @@ class FullyShardedGroup:
 class Autograd:
     """How the results of an artifact whose fn runs no backward carry autograd history.
 
-    With ``inputs``, the artifact holds a forward and a backward graph beside the plain one:
-    a call under grad mode where a flat input requires grad runs the forward, whose results
-    get history; ``backward()`` later runs the backward graph, which gives gradients for
-    ``inputs`` (flat input indices). ``outputs`` are the result leaves with history, in the
-    order the backward takes their tangents, each in the layout ``tangent_strides`` gives.
-    ``saved`` says what the forward keeps for backward, one entry per value. Without
-    ``inputs``, ``unavailable`` says why results carry no history (None: nothing required
-    grad at capture).
+    A spec holds up to two: ``autograd``, for calls where only flat inputs that required grad
+    at capture require grad, and ``autograd_for_inputs``, for calls where a floating-point
+    input tensor requires grad that did not (its ``inputs`` add every such tensor). With
+    ``outputs``, the artifact holds a forward and a backward graph for the record beside the
+    plain one: a call under grad mode runs the forward, whose results get history;
+    ``backward()`` later runs the backward graph, which gives gradients for ``inputs`` (flat
+    input indices). ``outputs`` are the result leaves with history, in the order the backward
+    takes their tangents, each in the layout ``tangent_strides`` gives. ``saved`` says what
+    the forward keeps for backward, one entry per value. ``unavailable`` says why results
+    carry no history where they cannot (None: they can, or nothing required grad).
     """
 
     inputs: tuple[int, ...] = ()
@@ -423,6 +425,9 @@ class ArtifactSpec:
     mutated: tuple[int, ...] = field(default=(), metadata=since(8))
     seed: int | None = field(default=None, metadata=since(8))
     autograd: Autograd | None = field(default=None, metadata=since(9))
+    # The same for calls where a floating-point input tensor requires grad that did not at
+    # capture: its backward also gives their gradients (see Autograd).
+    autograd_for_inputs: Autograd | None = field(default=None, metadata=since(10, 6))
     # inductor: the wrapper of each graph (plain, then forward and backward): cpp or python
     wrappers: tuple[str, ...] = field(default=(), metadata=since(10))
     # tracer="dynamo": what its guards became (see GuardNote)
@@ -455,9 +460,10 @@ class ArtifactSpec:
         "guards": GuardNote,
         "ambient": Ambient,
         "autograd": Autograd,
+        "autograd_for_inputs": Autograd,
     }
     # Fields that hold one record (or None), not a list of them.
-    SINGLE: ClassVar[tuple[str, ...]] = ("torch", "ambient", "autograd")
+    SINGLE: ClassVar[tuple[str, ...]] = ("torch", "ambient", "autograd", "autograd_for_inputs")
 
     @property
     def interned(self) -> tuple[ModelTensor, ...]:
@@ -475,6 +481,13 @@ class ArtifactSpec:
     @property
     def tensor_inputs(self) -> tuple[InputLeaf, ...]:
         return tuple(leaf for leaf in self.inputs if leaf.kind == "tensor")
+
+    @property
+    def gives_history(self) -> bool:
+        """Whether some call's results get autograd history from a forward and backward graph
+        of the artifact (fn runs no backward itself)."""
+        forms = (self.autograd, self.autograd_for_inputs)
+        return any(form is not None and form.outputs for form in forms)
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -164,6 +164,14 @@ SCHEMA_HISTORY = (
         "step into a function's closure: '__closure__', then the name of the closure variable "
         "(('step', '__closure__', 'scale'), then attributes off its value).",
     ),
+    SchemaChange(
+        (10, 6),
+        "2026-12-06",
+        "autograd_for_inputs: an Autograd record for calls where a floating-point input "
+        "tensor requires grad that did not at capture (an activation handed on by a "
+        "pipeline schedule, a GAN's generated sample); its forward and backward graphs give "
+        "gradients for those inputs too. autograd keeps serving calls where none does.",
+    ),
 )
 SCHEMA_VERSION: SchemaVersion = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""

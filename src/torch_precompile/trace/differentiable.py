@@ -53,6 +53,25 @@ def differentiable_inputs(spec: ArtifactSpec) -> list[int]:
     return [i for i, t in enumerate(tensors) if t.requires_grad]
 
 
+def inputs_that_may_require_grad(spec: ArtifactSpec) -> list[int]:
+    """The flat input tensors that did not require grad at capture but may at a call: those
+    of a floating-point or complex dtype (token ids never do) that fn does not write in
+    place (autograd refuses an in-place write to a leaf that requires grad)."""
+    first = len(spec.interned)
+    return [
+        first + n
+        for n, leaf in enumerate(spec.tensor_inputs)
+        if not leaf.requires_grad
+        and _differentiable_dtype(leaf.dtype)
+        and first + n not in spec.mutated
+    ]
+
+
+def _differentiable_dtype(name: str | None) -> bool:
+    dtype = getattr(torch, (name or "").removeprefix("torch."), None)
+    return isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)
+
+
 def why_not_differentiable(spec: ArtifactSpec, dynamic: bool) -> str | None:
     """Why this capture's results cannot carry history, if they cannot."""
     reasons = (
@@ -82,10 +101,14 @@ def _backward_hooks(spec: ArtifactSpec) -> bool:
 
 
 def differentiate(
-    capture: Capture, backend: str, decompositions: Mapping[Any, Callable[..., Any]] | None
+    capture: Capture,
+    backend: str,
+    decompositions: Mapping[Any, Callable[..., Any]] | None,
+    inputs: Sequence[int],
 ) -> Differentiable:
-    """Split ``capture`` (whose fn ran no backward) into its forward and backward."""
-    inputs = differentiable_inputs(capture.spec)
+    """Split ``capture`` (whose fn ran no backward) into its forward and a backward that gives
+    gradients for the flat ``inputs``."""
+    inputs = sorted(inputs)
     gm = capture.graph
     outputs = list(cast("Sequence[Any]", gm.graph.output_node().args[0]))
     tensor_slots = [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)]

@@ -1,13 +1,13 @@
 """The driver part for results with autograd history, when fn runs no backward itself.
 
-Under grad mode, a call where a flat input that required grad at capture requires grad now
-runs the compiled forward inside one autograd function: its results get history, and the
-values it saves for backward are kept as autograd keeps a function's saved tensors (freed by
-the backward unless ``retain_graph``; an in-place write to one before the backward is refused
-by autograd). ``backward()``, whenever the caller's code runs it, runs the compiled backward,
-and autograd puts the gradients on ``.grad`` (adding to what is there) and on inputs that
-require grad, as eager does. Under ``no_grad`` or with nothing requiring grad, the plain
-graph runs as before.
+Under grad mode, a call where a tensor requires grad runs the compiled forward of the form
+that covers it (see ``no_history``) inside one autograd function: its results get history,
+and the values it saves for backward are kept as autograd keeps a function's saved tensors
+(freed by the backward unless ``retain_graph``; an in-place write to one before the backward
+is refused by autograd). ``backward()``, whenever the caller's code runs it, runs that form's
+compiled backward, and autograd puts the gradients on ``.grad`` (adding to what is there) and
+on inputs that require grad, as eager does. Under ``no_grad`` or with nothing requiring grad,
+the plain graph runs as before.
 """
 
 import threading
@@ -21,62 +21,78 @@ from torch_precompile.shipped.driver.no_history import NoHistory
 from torch_precompile.shipped.driver.refusals import PrecompileError
 
 Graph = Callable[[list[Any]], list[Any]]
+Ready = Callable[[], Graph] | None
 
 
 def differentiable(
-    forward: Callable[[], Graph] | None = None, backward: Callable[[], Graph] | None = None
+    forward: Ready = None,
+    backward: Ready = None,
+    input_forward: Ready = None,
+    input_backward: Ready = None,
 ) -> "Callable[[Driver], AutogradCall]":
-    """The ``autograd`` part of a driver whose artifact holds the functions that ready its
-    ``forward`` and ``backward`` graphs (none where results carry no history)."""
-    return lambda driver: AutogradCall(driver, forward, backward)
+    """The ``autograd`` part of a driver whose artifact holds the functions that ready the
+    graphs of its differentiable forms: ``forward`` and ``backward`` for the inputs that
+    required grad at capture, the ``input_`` pair for calls where an input tensor that did
+    not requires grad (None where a form has no graphs)."""
+    return lambda driver: AutogradCall(
+        driver, ((forward, backward), (input_forward, input_backward))
+    )
 
 
-class AutogradCall(NoHistory):
-    """Whether a call needs history, and the call that gives it."""
+class Form:
+    """One differentiable form: the results it gives history, and its graphs, readied at
+    the first call that needs them (calls under no_grad never pay for them)."""
 
-    def __init__(
-        self,
-        driver: "Driver",
-        forward: Callable[[], Graph] | None,
-        backward: Callable[[], Graph] | None,
-    ) -> None:
-        super().__init__(driver)
-        record = driver.autograd_record
+    def __init__(self, record: Any, ready: tuple[Ready, Ready], num_outputs: int) -> None:
+        self.inputs = sorted(record.inputs)
         self.outputs = list(record.outputs)
         self.tangent_strides = [tuple(s) for s in record.tangent_strides]
-        self.ready = (forward, backward)
+        self.ready = ready
         # The graphs once readied (None before): Any, as they are called only after that.
         self.forward: Any = None
         self.backward: Any = None
         self.lock = threading.Lock()
-        self.num_outputs = driver.graph_outputs  # results, gradients, value guards
+        self.num_outputs = num_outputs  # results, gradients, value guards
 
-    def wanted(self, flat: Sequence[torch.Tensor]) -> bool:
-        """Whether this call (under grad mode) must give its results history."""
-        if not self.may_have_history(flat):
-            return False
-        if self.forward is None and self.ready[0] is not None:
-            self._ready_graphs()
-        return self.forward is not None
+    def readied(self) -> "Form":
+        if self.forward is None:
+            with self.lock:
+                if self.forward is None:
+                    self.backward = self.ready[1]()  # type: ignore[misc]  # given with outputs
+                    self.forward = self.ready[0]()  # type: ignore[misc]
+        return self
 
-    def _ready_graphs(self) -> None:
-        """The forward and backward graphs, readied at the first call that needs them: calls
-        under no_grad never pay for them."""
-        with self.lock:
-            if self.forward is None:
-                self.backward = self.ready[1]()  # type: ignore[misc]  # both given when readied
-                self.forward = self.ready[0]()  # type: ignore[misc]
 
-    def __call__(self, flat: list[torch.Tensor]) -> list[Any]:
-        """Run the forward with history (grad mode on); the results as the plain call's."""
-        return list(_Compiled.apply(self, *flat))  # type: ignore[no-untyped-call]
+class AutogradCall(NoHistory):
+    """Which form a call needs, and the call that gives its results history."""
+
+    def __init__(self, driver: "Driver", ready: Sequence[tuple[Ready, Ready]]) -> None:
+        super().__init__(driver)
+        records = [r for r in driver.autograd_records if r is not None]
+        self.forms = [
+            Form(record, pair, driver.graph_outputs)
+            for record, pair in zip(records, ready, strict=False)
+        ]
+
+    def wanted(self, flat: Sequence[torch.Tensor]) -> Form | None:
+        """The form whose graphs this call (under grad mode) runs, where its results get
+        history: none where no result depends on what requires grad."""
+        index = self.form_for(flat)
+        if index is None or not self.forms[index].outputs:
+            return None
+        return self.forms[index].readied()
+
+    def __call__(self, flat: list[torch.Tensor], form: Form) -> list[Any]:
+        """Run ``form``'s forward with history (grad mode on); the results as the plain
+        call's."""
+        return list(_Compiled.apply(form, *flat))  # type: ignore[no-untyped-call]
 
 
 class _Compiled(torch.autograd.Function):
     """The compiled forward and backward as one autograd node."""
 
     @staticmethod
-    def forward(ctx: Any, plan: AutogradCall, *flat: torch.Tensor) -> Any:
+    def forward(ctx: Any, plan: Form, *flat: torch.Tensor) -> Any:
         outputs = plan.forward(list(flat))
         results, saved = outputs[: plan.num_outputs], outputs[plan.num_outputs :]
         ctx.plan = plan
@@ -93,7 +109,7 @@ class _Compiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        plan: AutogradCall = ctx.plan
+        plan: Form = ctx.plan
         if torch.is_grad_enabled():
             raise PrecompileError(
                 "a double backward (create_graph=True, or torch.autograd.grad of a gradient) "
@@ -105,7 +121,7 @@ class _Compiled(torch.autograd.Function):
             for i, strides in zip(plan.outputs, plan.tangent_strides, strict=True)
         ]
         computed = plan.backward([*ctx.saved_tensors, *tangents])
-        given = dict(zip(sorted(plan.inputs), computed, strict=True))
+        given = dict(zip(plan.inputs, computed, strict=True))
         return (None, *(given.get(i) for i in range(len(ctx.needs_input_grad) - 1)))
 
 

@@ -18,7 +18,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from torch_precompile.shipped.driver.records import SPEC_DEFAULTS, SPEC_LISTS, SPEC_RECORDS
+from torch_precompile.shipped.driver.records import (
+    SPEC_DEFAULTS,
+    SPEC_LISTS,
+    SPEC_RECORDS,
+    SPEC_SINGLE,
+)
 from torch_precompile.shipped.driver.refusals import (
     GLOBAL_HOOKS,
     GLOBAL_HOOKS_OWNER,
@@ -150,7 +155,7 @@ class Driver:
         self.data_parallel: Any = data_parallel(self) if data_parallel is not None else None
         call = call if subclasses is None else subclasses(self, call)
         self.call = call if distributed is None else distributed(self, call)
-        self.autograd_record = spec.autograd
+        self.autograd_records = (spec.autograd, spec.autograd_for_inputs)
         self.autograd: Any = autograd(self) if autograd is not None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -180,16 +185,16 @@ class Driver:
         flat = [*state, *inputs, *stepped]
         grad_enabled = torch.is_grad_enabled()
         # Results get history where eager's would: under grad mode, from inputs requiring it.
-        with_history = grad_enabled and self.autograd is not None and self.autograd.wanted(flat)
+        history = self.autograd.wanted(flat) if grad_enabled and self.autograd else None
         if self.data_parallel is not None:
             self.data_parallel.average_left_gradients(args, state)
-        torch._C._set_grad_enabled(with_history)
+        torch._C._set_grad_enabled(history is not None)
         try:
             # Value guards are read after the graph ran: keep what it writes, to undo it.
             kept = [(flat[i], flat[i].clone()) for i in self.rollback] if self.rollback else ()
             if self.seed is not None:
                 torch.manual_seed(self.seed)
-            outputs = self.autograd(flat) if with_history else self.call(flat)
+            outputs = self.call(flat) if history is None else self.autograd(flat, history)
             if self.value_guards:
                 self.values.check_guards(outputs[self.guards_start :], kept)
             for index in self.grads_dropped:
@@ -445,7 +450,7 @@ def read_spec(literal: Mapping[str, Any]) -> Any:
         if name not in fields:
             continue  # at its default
         value = fields[name]
-        if name in ("torch", "ambient", "autograd"):  # one record, not a list
+        if name in SPEC_SINGLE:  # one record, not a list
             fields[name] = None if value is None else make(**value)
         else:
             fields[name] = tuple(make(**v) for v in value)

@@ -1,15 +1,19 @@
 """The driver part for a call where a tensor requires grad, when fn runs no backward.
 
-Shipped wherever fn runs no backward; on its own where results never carry history. A tensor
-that did not require grad at capture is refused: the artifact computes no gradient for it.
-Where the artifact could not give its results history (built under ``no_grad``, say), the call
-runs without it and warns once, saying why. ``autograd`` builds on this for results with
+Shipped wherever fn runs no backward; on its own where results never carry history. An
+artifact may hold two differentiable forms (the spec's ``autograd`` and
+``autograd_for_inputs``): the first gives gradients for the flat inputs that required grad at
+capture, the second also for the floating-point input tensors that did not. A call runs the
+first form that covers every tensor requiring grad now; a tensor neither covers is refused.
+Where the artifact could not give its results history (built under ``no_grad``, say), the
+call runs without it and warns once, saying why. ``autograd`` builds on this for results with
 history.
 """
 
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -21,23 +25,26 @@ class NoHistory:
     """``autograd`` of a driver whose results never carry history."""
 
     def __init__(self, driver: "Driver") -> None:
-        record = driver.autograd_record
+        records = [r for r in driver.autograd_records if r is not None]
         self.driver = driver
-        self.inputs = frozenset(record.inputs)
-        self.unavailable = record.unavailable
+        self.covered = [frozenset(r.inputs) for r in records]
+        self.unavailable = records[0].unavailable
+        # Why the form for inputs that require grad at a call is missing, if it is.
+        self.no_form_for_inputs = records[1].unavailable if len(records) > 1 else None
         self.warned = False
 
-    def wanted(self, flat: Sequence[torch.Tensor]) -> bool:
-        """Whether this call (under grad mode) must give its results history: never."""
-        self.may_have_history(flat)
-        return False
+    def wanted(self, flat: Sequence[torch.Tensor]) -> Any:
+        """The form that gives this call's results history (under grad mode): none here."""
+        self.form_for(flat)
+        return None
 
-    def may_have_history(self, flat: Sequence[torch.Tensor]) -> bool:
-        """Whether tensors of this call require grad and the artifact can give its results
-        history; a tensor it computes no gradient for is refused."""
-        requiring = [i for i, t in enumerate(flat) if t.requires_grad]
+    def form_for(self, flat: Sequence[torch.Tensor]) -> int | None:
+        """Which form serves this call (0: the capture's, 1: with input gradients), or None
+        where nothing requires grad or the artifact cannot give history; a tensor that
+        requires grad and that no form computes a gradient for is refused."""
+        requiring = {i for i, t in enumerate(flat) if t.requires_grad}
         if not requiring:
-            return False
+            return None
         if self.unavailable is not None:
             if not self.warned:
                 self.warned = True
@@ -46,15 +53,32 @@ class NoHistory:
                     "torch.no_grad(), or keep the backward inside fn.",
                     stacklevel=_caller_level(),
                 )
-            return False
-        other = [i for i in requiring if i not in self.inputs]
-        if other:
-            raise PrecompileError(
-                f"{self.driver.flat_name(other[0])} requires grad at this call but did not at "
-                "capture, so the artifact computes no gradient for it. Precompile with it "
-                "requiring grad, or call under torch.no_grad() if no backward will follow."
+            return None
+        for form, inputs in enumerate(self.covered):
+            if requiring <= inputs:
+                return form
+        index = min(requiring - self.covered[-1])
+        raise PrecompileError(self._not_covered(index))
+
+    def _not_covered(self, index: int) -> str:
+        name = self.driver.flat_name(index)
+        said = f"{name} requires grad at this call but did not at capture"
+        if not name.startswith("input "):
+            return (
+                f"{said}, so the artifact computes no gradient for it (which parameters get "
+                "gradients is fixed at capture). Precompile with it requiring grad, or call "
+                "under torch.no_grad() if no backward will follow."
             )
-        return True
+        if self.no_form_for_inputs is not None:
+            return (
+                f"{said}, and the artifact computes no gradient for it: its "
+                f"{self.no_form_for_inputs}. Precompile with it requiring grad, or call under "
+                "torch.no_grad() if no backward will follow."
+            )
+        return (
+            f"{said}, and fn writes it in place, so the artifact computes no gradient for it. "
+            "Precompile with it requiring grad, or pass a copy that does not require grad."
+        )
 
 
 def _caller_level() -> int:

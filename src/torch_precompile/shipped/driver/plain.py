@@ -49,7 +49,7 @@ class PlainForward:
 
     ``names`` names each flat input in messages; ``grads`` are the indices of the model
     tensors whose gradients follow the results; ``autograd`` (``NoHistory``, or
-    ``differentiable`` where results can carry history, over the spec's ``autograd_record``)
+    ``differentiable`` where results can carry history, over the spec's ``autograd_records``)
     decides what a call under grad mode with tensors requiring grad does; ``optimizers``
     (``OptimizerSteps``), where fn steps optimizer arguments, hears that they stepped.
     """
@@ -62,7 +62,7 @@ class PlainForward:
         names: Sequence[str],
         grads: Sequence[int] = (),
         autograd: Any = None,
-        autograd_record: Mapping[str, Any] | None = None,
+        autograd_records: Sequence[Mapping[str, Any] | None] = (),
         optimizers: Any = None,
     ) -> None:
         self.call = call
@@ -73,13 +73,7 @@ class PlainForward:
         self.names = list(names)
         self.grads = list(grads)
         self.graph_outputs = self.num_results + len(self.grads)
-        record = autograd_record or {}  # the spec's literal: fields at defaults left out
-        self.autograd_record = types.SimpleNamespace(
-            inputs=record.get("inputs", ()),
-            outputs=record.get("outputs", ()),
-            tangent_strides=record.get("tangent_strides", ()),
-            unavailable=record.get("unavailable"),
-        )
+        self.autograd_records = tuple(_autograd(r) for r in autograd_records)
         self.autograd: Any = autograd(self) if autograd is not None else None
         self.optimizers = optimizers
 
@@ -98,10 +92,10 @@ class PlainForward:
         """Run the graph on a checked call; its gradients go to ``.grad``."""
         grad_enabled = torch.is_grad_enabled()
         # Results get history where eager's would: under grad mode, from inputs requiring it.
-        with_history = grad_enabled and self.autograd is not None and self.autograd.wanted(flat)
-        torch._C._set_grad_enabled(with_history)
+        history = self.autograd.wanted(flat) if grad_enabled and self.autograd else None
+        torch._C._set_grad_enabled(history is not None)
         try:
-            outputs = self.autograd(flat) if with_history else self.call(list(flat))
+            outputs = self.call(list(flat)) if history is None else self.autograd(flat, history)
             if self.grads:
                 accumulate_grads(flat, self.grads, outputs[self.num_results :])
         finally:
@@ -111,6 +105,19 @@ class PlainForward:
         if self.single_result:
             return outputs[0]
         return pytree.tree_unflatten(outputs[: self.num_results], self.out_spec)
+
+
+def _autograd(literal: Mapping[str, Any] | None) -> Any:
+    """An Autograd record of the spec's literal (fields at their defaults left out), as the
+    autograd part reads it."""
+    if literal is None:
+        return None
+    return types.SimpleNamespace(
+        inputs=literal.get("inputs", ()),
+        outputs=literal.get("outputs", ()),
+        tangent_strides=literal.get("tangent_strides", ()),
+        unavailable=literal.get("unavailable"),
+    )
 
 
 def members(model: Any, argument: str, captured: Sequence[tuple[str, str, Any]]) -> list[Any]:

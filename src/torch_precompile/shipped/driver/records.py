@@ -1,7 +1,7 @@
 """The spec's records as the driver reads ``ARTIFACT_SPEC``: the fields of each record
 and the defaults of its last ones (a field at its default is left out of the literal),
-which record each list of the spec holds (``torch``, ``ambient`` and ``autograd``: one
-record), and the fields every variant takes from the top level. Generated from
+which record each list of the spec holds (those in ``SPEC_SINGLE`` hold one record,
+not a list), and the fields every variant takes from the top level. Generated from
 ``torch_precompile.spec`` by ``python -m torch_precompile.spec_listing --write``; do not edit."""
 
 from typing import Any
@@ -13,7 +13,7 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
         "out_spec", "value_guards", "dynamic_dims", "size_relations", "output_aliases", "meshes",
         "distributed", "kernels", "optimizers", "param_groups", "optimizer_state", "wrapped",
         "wrapped_inner", "data_parallel", "fully_sharded", "global_hooks", "read_values", "ambient",
-        "mutated", "seed", "autograd", "wrappers", "guards", "variants",
+        "mutated", "seed", "autograd", "autograd_for_inputs", "wrappers", "guards", "variants",
     ),
     "TorchBuild": ("version", "git"),
     "Argument": ("name", "is_model", "is_optimizer"),
@@ -52,8 +52,8 @@ SPEC_RECORDS: dict[str, tuple[str, ...]] = {
 }
 SPEC_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "ArtifactSpec": (
-        (), (), (), (), (), (), (), (), (), (), (), (), (), (), (), (), None, (), None, None, (),
-        (), (),
+        (), (), (), (), (), (), (), (), (), (), (), (), (), (), (), (), None, (), None, None, None,
+        (), (), (),
     ),
     "Argument": (False,),
     "ModelTensor": ((), None),
@@ -80,7 +80,8 @@ SPEC_LISTS: dict[str, str] = {
     "param_groups": "ParamGroup", "optimizer_state": "OptimizerState", "wrapped": "WrappedTensor",
     "wrapped_inner": "InnerTensor", "data_parallel": "DataParallel",
     "fully_sharded": "FullyShardedGroup", "read_values": "ReadValue", "guards": "GuardNote",
-    "ambient": "Ambient", "autograd": "Autograd",
+    "ambient": "Ambient", "autograd": "Autograd", "autograd_for_inputs": "Autograd",
 }
+SPEC_SINGLE: tuple[str, ...] = ("torch", "ambient", "autograd", "autograd_for_inputs")
 SPEC_SHARED: tuple[str, ...] = ("schema_version", "backend", "torch", "args", "kernels")
 # fmt: on
