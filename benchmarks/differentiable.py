@@ -101,6 +101,14 @@ def steady_step_ms(step, steps):
     return 1e3 * steady[len(steady) // 2]
 """
 
+# Run in each measured process: its resident memory ("VmRSS:") or peak ("VmHWM:"), in KiB.
+RSS = r"""
+def rss_kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1])
+"""
+
 _CHILD = r"""
 import time
 start = time.perf_counter()
@@ -125,11 +133,7 @@ else:
     run = model
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-
-def rss_kib(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1])
+exec({rss!r})
 
 
 def step(i):
@@ -172,20 +176,26 @@ print({result!r} + json.dumps({{"module_s": module_s, "whole_step_s": time.perf_
 """
 
 
-def _child(code: str, env_dir: Path) -> dict[str, float]:
+def child(
+    code: str, env_dir: Path, result: str = RESULT, pythonpath: str | None = None
+) -> dict[str, float]:
+    """What ``code`` prints after ``result``, run in a fresh process with Inductor and temp
+    dirs of its own under ``env_dir`` (and ``pythonpath``, where given)."""
     env = {
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(env_dir / "inductor"),
         "TMPDIR": str(env_dir / "tmp"),
     }
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
     (env_dir / "tmp").mkdir(parents=True, exist_ok=True)
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=3600
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(result)]
     if done.returncode or not lines:
         raise RuntimeError(done.stderr[-3000:])
-    return json.loads(lines[-1][len(RESULT) :])
+    return json.loads(lines[-1][len(result) :])
 
 
 def main() -> None:
@@ -198,7 +208,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         pairs = {"module": str(work / "module.py"), "whole-step": str(work / "step.py")}
-        build = _child(
+        build = child(
             _BUILD.format(
                 model=MODEL,
                 module_path=pairs["module"],
@@ -211,7 +221,7 @@ def main() -> None:
         rows = {}
         for tool in args.tools.split(","):
             runs = [
-                _child(
+                child(
                     _CHILD.format(
                         model=MODEL,
                         tool=tool,
@@ -219,6 +229,7 @@ def main() -> None:
                         steps=args.steps,
                         result=RESULT,
                         timing=TIMING,
+                        rss=RSS,
                     ),
                     work / f"{tool}{n}",
                 )

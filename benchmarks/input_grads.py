@@ -39,11 +39,10 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from differentiable import MODEL, TIMING
+from differentiable import MODEL, RSS, TIMING, child
 
 HERE = Path(__file__).resolve().parent
 RESULT = "INPUT_GRADS_RESULT "
@@ -85,11 +84,7 @@ else:
     run = stage
 opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
 
-
-def rss_kib(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1])
+exec({rss!r})
 
 
 def step(i):
@@ -155,7 +150,7 @@ def _readme_builds(work: Path, before_src: str, runs: int) -> dict[str, float]:
     for label, (pythonpath, grad) in cases.items():
         code = _README_BUILD.format(grad=grad, result=RESULT)
         took = [
-            _child(code, work / f"readme_{len(times)}_{n}", pythonpath)["build_s"]
+            _run(code, work / f"readme_{len(times)}_{n}", pythonpath)["build_s"]
             for n in range(runs)
         ]
         times[label] = statistics.median(took)
@@ -163,22 +158,8 @@ def _readme_builds(work: Path, before_src: str, runs: int) -> dict[str, float]:
     return times
 
 
-def _child(code: str, env_dir: Path, pythonpath: str | None = None) -> dict[str, float]:
-    env = {
-        **os.environ,
-        "TORCHINDUCTOR_CACHE_DIR": str(env_dir / "inductor"),
-        "TMPDIR": str(env_dir / "tmp"),
-    }
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath
-    (env_dir / "tmp").mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=3600
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
-    if done.returncode or not lines:
-        raise RuntimeError(done.stderr[-3000:])
-    return json.loads(lines[-1][len(RESULT) :])
+def _run(code: str, env_dir: Path, pythonpath: str | None = None) -> dict[str, float]:
+    return child(code, env_dir, RESULT, pythonpath)
 
 
 def _worktree(rev: str, work: Path) -> Path:
@@ -205,7 +186,7 @@ def _builds(work: Path, before_src: str) -> tuple[dict[str, str], dict[str, floa
     for (tool, mode), (pythonpath, requires_grad) in wanted.items():
         path = str(work / f"{tool}_{mode}.py")
         code = _BUILD.format(model=model, requires_grad=requires_grad, path=path, result=RESULT)
-        built = _child(code, work / f"build_{len(pairs)}", pythonpath)
+        built = _run(code, work / f"build_{len(pairs)}", pythonpath)
         pairs[f"{tool}|{mode}"] = path
         times[f"{tool}|{mode}"] = built["build_s"]
         print(f"built {tool} ({mode} example): {built['build_s']:.1f} s")
@@ -232,7 +213,7 @@ def main() -> None:
             for tool in args.tools.split(","):
                 for mode in MODES:
                     runs = [
-                        _child(
+                        _run(
                             _CHILD.format(
                                 model=MODEL + STAGE,
                                 tool=tool,
@@ -241,6 +222,7 @@ def main() -> None:
                                 steps=args.steps,
                                 result=RESULT,
                                 timing=TIMING,
+                                rss=RSS,
                             ),
                             work / f"{tool}{mode}{n}",
                             before_src if tool.endswith("before") else None,
