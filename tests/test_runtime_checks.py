@@ -332,10 +332,15 @@ def test_frozen_parameters_run_as_inference(backend: str, artifacts) -> None:
     result = run(model, x)
     assert result.grad_fn is None
     torch.testing.assert_close(result, model(x))
-    # An input that requires grad where the capture's did not: eager's result would carry
-    # its history, the artifact has no gradient for it.
-    with pytest.raises(PrecompileError, match="input x requires grad at this call"):
-        run(model, x.requires_grad_())
+    # An input that requires grad where the capture's did not: the result carries its
+    # history, as eager's does, and the backward gives eager's gradient.
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    result = run(model, ours)
+    assert result.grad_fn is not None
+    result.pow(2).sum().backward()
+    model(theirs).pow(2).sum().backward()
+    torch.testing.assert_close(ours.grad, theirs.grad)
+    assert all(p.grad is None for p in model.parameters())
     with torch.no_grad():
         torch.testing.assert_close(run(model, x), model(x))
 
