@@ -88,7 +88,7 @@ def test_bad_fn_and_decompositions() -> None:
 
 
 def test_options_are_checked_once_when_made() -> None:
-    from torch_precompile.api import BuildOptions
+    from torch_precompile.options import BuildOptions
 
     options = BuildOptions(backend="eager", sign_key=b"k")
     assert (options.backend, options.tracer, options.sign_key) == ("eager", "make_fx", b"k")
@@ -152,8 +152,8 @@ def test_nested_precompile_does_not_deadlock() -> None:
 def test_fork_while_another_thread_captures() -> None:
     proc = run_python("""
         import os, threading, time, torch
-        from torch_precompile import api, precompile
-        api._lock.acquire()  # as if another thread were mid-capture when we fork
+        from torch_precompile import build, precompile
+        build._lock.acquire()  # as if another thread were mid-capture when we fork
         pid = os.fork()
         if pid == 0:
             code, cache = precompile(lambda x: x * 2 + 1, torch.ones(2), backend="eager")

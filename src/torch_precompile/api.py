@@ -2,41 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
-from torch_precompile import progress, runtime, storage
-from torch_precompile.artifact import bytecode, envelope, signature
+from torch_precompile import runtime, storage
+from torch_precompile.build import ArtifactPair, build
 from torch_precompile.errors import PrecompileError
-from torch_precompile.spec import ArtifactSpec, parse_spec, with_strides
+from torch_precompile.options import BuildOptions
+from torch_precompile.spec import ArtifactSpec, parse_spec
 
 if TYPE_CHECKING:
-    from torch_precompile.lower import VariantGraphs
     from torch_precompile.module_form import PrecompiledModule
-
-BACKENDS = ("inductor", "eager")
-TRACERS = ("make_fx", "dynamo")
-WRAPPERS = ("auto", "cpp", "python")
-
-# Tracing reparametrizes the caller's modules and swaps their .grad fields, and lowering drives
-# process-global compiler state: one capture at a time. Reentrant so that fn may itself call
-# precompile; recreated in a forked child, where a holder thread no longer exists.
-_lock = threading.RLock()
-log = logging.getLogger("torch_precompile")
-
-
-def _reset_lock() -> None:
-    global _lock
-    _lock = threading.RLock()
-
-
-os.register_at_fork(after_in_child=_reset_lock)
 
 
 class Precompile:
@@ -199,10 +177,11 @@ class Precompile:
         """Pipeline stages built on one rank: this rank's stage in the module form.
 
         Call it on every rank of an initialized default process group. ``make_stage(i)``
-        returns stage ``i``'s module and example inputs (a later stage's input requiring
-        grad, as the schedule passes it). Rank 0 builds every stage's pair and sends them to
-        every rank (the others trace and compile nothing); each rank then wraps its own stage,
-        ``make_stage(stage_index)``'s module. ``options`` as for ``module``.
+        returns stage ``i``'s module and example inputs (plain ones: a later stage's input
+        that requires grad at the call gets its gradient). Rank 0 builds every stage's pair
+        and sends them to every rank (the others trace and compile nothing); each rank then
+        wraps its own stage, ``make_stage(stage_index)``'s module. ``options`` as for
+        ``module``.
         """
         from torch_precompile.module_form import build_stages
 
@@ -280,186 +259,11 @@ def _module_options(options: Mapping[str, Any]) -> BuildOptions:
     return BuildOptions(**options)
 
 
-def _grad_mode() -> bool:
-    import torch
-
-    return torch.is_grad_enabled()
-
-
 def _names_a_file(value: object) -> TypeGuard[str | os.PathLike[str]]:
     """A path, or a non-empty string of one line: an artifact's source always has many."""
     return isinstance(value, os.PathLike) or (
         isinstance(value, str) and bool(value) and "\n" not in value
     )
-
-
-class ArtifactPair(NamedTuple):
-    """What ``precompile()`` returns: the artifact's source and its cache bytes.
-
-    It unpacks as ``code, cache`` and equals the plain tuple ``(code, cache)``.
-    """
-
-    code: str
-    cache: bytes
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    """How ``precompile()`` builds an artifact; the keywords of ``precompile()``, checked once
-    when made (see ``Precompile`` for each one's meaning)."""
-
-    backend: str = "inductor"
-    tracer: str = "make_fx"
-    decompositions: Mapping[Any, Callable[..., Any]] | None = None
-    sign_key: bytes | None = None
-    progress: Callable[[str], None] | None = None
-    compile_on_one_rank: bool = False
-    wrapper: str = "auto"
-    require_all_guards: bool = False
-    # Whether precompile() was called under grad mode: where it was not, results of an fn
-    # without a backward carry no history, and no backward graph is built.
-    grad_mode: bool = dataclasses.field(default_factory=lambda: _grad_mode())
-
-    def __post_init__(self) -> None:
-        if self.wrapper not in WRAPPERS:
-            raise PrecompileError(f"wrapper must be one of {WRAPPERS}, got {self.wrapper!r}.")
-        if self.wrapper == "cpp" and self.backend != "inductor":
-            raise PrecompileError(
-                f"wrapper={self.wrapper!r} chooses how the inductor backend calls its kernels; "
-                f"backend={self.backend!r} has none. Leave wrapper out, or use "
-                "backend='inductor'."
-            )
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
-        if self.tracer not in TRACERS:
-            raise ValueError(f"tracer must be one of {TRACERS}, got {self.tracer!r}.")
-        if self.require_all_guards and self.tracer != "dynamo":
-            raise PrecompileError(
-                "require_all_guards=True asks about the guards of tracer='dynamo'; the make_fx "
-                "tracer keeps none. Pass tracer='dynamo' too, or leave require_all_guards out."
-            )
-        if self.decompositions is not None and not isinstance(self.decompositions, Mapping):
-            raise PrecompileError(
-                "decompositions must be a mapping {OpOverload: function} or None, got "
-                f"{type(self.decompositions).__name__}."
-            )
-
-
-def build(
-    fn: Callable[..., Any], example_inputs: tuple[Any, ...], options: BuildOptions | None = None
-) -> ArtifactPair:
-    """The pipeline behind ``precompile()``; ``options.progress`` hears about each stage."""
-    options = options if options is not None else BuildOptions()
-    if not callable(fn):
-        raise PrecompileError(f"fn must be callable, got {type(fn).__name__}.")
-    if not options.compile_on_one_rank:
-        return _build(fn, example_inputs, options)
-    from torch_precompile.one_rank import build_on_rank_zero
-
-    return ArtifactPair(
-        *build_on_rank_zero(lambda: _build(fn, example_inputs, options, on_fakes=True))
-    )
-
-
-def _build(
-    fn: Callable[..., Any],
-    example_inputs: tuple[Any, ...],
-    options: BuildOptions,
-    on_fakes: bool = False,
-) -> ArtifactPair:
-    return package([compile_variant(fn, example_inputs, options, on_fakes)], options)
-
-
-@dataclass(frozen=True)
-class CompiledVariant:
-    """One captured call, lowered: its spec (strides and kernels filled in) and its graphs."""
-
-    spec: ArtifactSpec
-    graphs: VariantGraphs
-    origin: str  # fn's name and where it is defined, for the artifact's header
-
-
-def compile_variant(
-    fn: Callable[..., Any],
-    example_inputs: tuple[Any, ...],
-    options: BuildOptions,
-    on_fakes: bool = False,
-    origin: str | None = None,
-) -> CompiledVariant:
-    """Capture and lower one call of ``fn``; ``options.progress`` hears about each stage.
-    ``origin`` says what the header names as captured (default: ``fn`` and its file)."""
-    report = options.progress or (lambda stage: None)
-    # The build pipeline is imported here, not at module level: load() never needs it.
-    from torch_precompile.internals.origin import describe_callable
-    from torch_precompile.lower import lower_graph
-    from torch_precompile.lower.history import with_history
-    from torch_precompile.trace import capture
-
-    with _lock:
-        report("capture")
-        with progress.step("tracing fn (one traced run)"):
-            captured = capture(
-                fn,
-                example_inputs,
-                options.backend,
-                options.decompositions,
-                on_fakes=on_fakes,
-                tracer=options.tracer,
-            )
-        if options.require_all_guards:
-            _refuse_dropped_guards(captured.spec)
-        report("lower")
-        with progress.step(f"lowering with the {options.backend} backend"):
-            lowered = lower_graph(captured, options.backend, options.wrapper)
-        built = with_history(captured, lowered, options, on_fakes)
-    graphs = built.graphs
-    kernels = {k.key: k for g in graphs.all for k in g.kernels}
-    spec = dataclasses.replace(
-        with_strides(captured.spec, lowered.input_strides),
-        autograd=built.autograd,
-        autograd_for_inputs=built.autograd_for_inputs,
-        wrappers=tuple(g.wrapper for g in graphs.all if g.wrapper is not None),
-    ).with_kernels(sorted(kernels.values(), key=lambda k: k.key))
-    return CompiledVariant(spec, graphs, origin or describe_callable(fn))
-
-
-def _refuse_dropped_guards(spec: ArtifactSpec) -> None:
-    dropped = [g for g in spec.guards if g.outcome == "dropped"]
-    if dropped:
-        listed = "; ".join(f"{g.kind} on {g.reads}: {g.by}" for g in dropped[:6])
-        more = f" (and {len(dropped) - 6} more)" if len(dropped) > 6 else ""
-        raise PrecompileError(
-            f"require_all_guards=True: Dynamo put {len(dropped)} guard(s) on what fn read that "
-            f"no call of the artifact can check: {listed}{more}. Make those values arguments of "
-            "fn or globals of an importable module, or leave require_all_guards out (inspect "
-            "then lists them as dropped)."
-        )
-
-
-def package(variants: Sequence[CompiledVariant], options: BuildOptions) -> ArtifactPair:
-    """The pair holding ``variants`` (the first is the top level of the spec); kernels the
-    variants share are built and cached once."""
-    from torch_precompile.artifact.kernel_payload import merged_payloads
-    from torch_precompile.artifact.render import render
-
-    (options.progress or (lambda stage: None))("render")
-    spec = variants[0].spec.with_variants([v.spec for v in variants[1:]])
-    with progress.step("writing the artifact source"):
-        python_code, compiled = bytecode.seal(
-            render(
-                spec, [v.graphs for v in variants], tracer=options.tracer, origin=variants[0].origin
-            )
-        )
-    payloads = [
-        g.acceleration for v in variants for g in v.graphs.all if g.acceleration is not None
-    ]
-    acceleration = (
-        (payloads[0] if len(payloads) <= 1 else merged_payloads(payloads)) if payloads else None
-    )
-    cache = envelope.pack(options.backend, python_code, acceleration, compiled)
-    if options.sign_key is not None:
-        cache = signature.sign(options.sign_key, python_code, cache)
-    return ArtifactPair(python_code, cache)
 
 
 Precompile.__module__ = "torch_precompile"

@@ -22,15 +22,9 @@ from types import TracebackType
 from typing import Any
 
 from torch_precompile import runtime, storage
-from torch_precompile.api import (
-    ArtifactPair,
-    BuildOptions,
-    CompiledVariant,
-    build,
-    compile_variant,
-    package,
-)
+from torch_precompile.build import ArtifactPair, CompiledVariant, build, compile_variant, package
 from torch_precompile.errors import PrecompileError
+from torch_precompile.options import BuildOptions
 
 
 class _State(enum.Enum):

@@ -72,9 +72,9 @@ class PrecompiledModule(torch.nn.Module):
                 "this module was made from a loaded artifact, which keeps no pair to save; "
                 "save the files it was loaded from instead."
             )
-        from torch_precompile.api import precompile
+        from torch_precompile import storage
 
-        return precompile.save(self.pair[0], self.pair[1], path, sign_key=sign_key)
+        return storage.save(self.pair[0], self.pair[1], path, sign_key=sign_key)
 
     def __repr__(self) -> str:
         return f"PrecompiledModule({self.model!r})"
@@ -98,10 +98,10 @@ def build_module(
     options: Any,
 ) -> PrecompiledModule:
     """``model`` wrapped with the artifact of its call on the examples (see ``module_pair``)."""
-    from torch_precompile.api import precompile
+    from torch_precompile import runtime
 
     pair = module_pair(model, example_inputs, example_kwargs, modes, options)
-    return PrecompiledModule(model, precompile.load(*pair), pair)
+    return PrecompiledModule(model, runtime.load(*pair), pair)
 
 
 def module_pair(
@@ -112,7 +112,7 @@ def module_pair(
     options: Any,
 ) -> tuple[str, bytes | None]:
     """Capture ``model`` called on the examples, once per mode asked for (each a variant)."""
-    from torch_precompile.api import compile_variant, package
+    from torch_precompile.build import compile_variant, package
     from torch_precompile.internals.origin import describe_callable
 
     if not isinstance(model, torch.nn.Module):
@@ -165,7 +165,7 @@ def build_stages(
 ) -> PrecompiledModule:
     """Rank 0 of the default process group builds every pipeline stage's pair and sends them
     to every rank; this rank wraps its own stage (``make_stage(stage_index)``) with its pair."""
-    from torch_precompile.api import precompile
+    from torch_precompile import runtime
     from torch_precompile.one_rank import build_on_rank_zero
 
     if not (
@@ -187,7 +187,7 @@ def build_stages(
 
     pairs = build_on_rank_zero(build_all)
     module, _ = _made_stage(make_stage, stage_index)
-    return PrecompiledModule(module, precompile.load(*pairs[stage_index]), pairs[stage_index])
+    return PrecompiledModule(module, runtime.load(*pairs[stage_index]), pairs[stage_index])
 
 
 def _made_stage(

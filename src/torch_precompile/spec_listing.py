@@ -22,11 +22,19 @@ from collections.abc import Collection
 from pathlib import Path
 
 from torch_precompile.spec import SCHEMA_HISTORY, SCHEMA_VERSION, ArtifactSpec, shown_version
-from torch_precompile.spec.versions import SchemaVersion, fields_since, record_versions
+from torch_precompile.spec.versions import SchemaVersion, fields_since
 
 LISTING_PATH = Path(__file__).resolve().parents[2] / "docs" / "spec-schema.txt"
 RECORDS_PATH = Path(__file__).resolve().parent / "shipped" / "driver" / "records.py"
 WRITE_COMMAND = "python -m torch_precompile.spec_listing --write"
+
+
+def record_versions() -> dict[type, SchemaVersion]:
+    """Each record class with the version the spec field holding it appeared in."""
+    held = fields_since(ArtifactSpec)
+    return {ArtifactSpec: (1, 0)} | {
+        record: held[name] for name, record in ArtifactSpec.RECORDS.items()
+    }
 
 
 def record_lines() -> list[str]:

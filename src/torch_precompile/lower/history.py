@@ -20,7 +20,7 @@ from torch_precompile.lower import LoweredGraph, VariantGraphs, lower_graph
 from torch_precompile.spec import Autograd
 
 if TYPE_CHECKING:
-    from torch_precompile.api import BuildOptions
+    from torch_precompile.options import BuildOptions
     from torch_precompile.trace import Capture
 
 log = logging.getLogger("torch_precompile")

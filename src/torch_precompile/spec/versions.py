@@ -199,16 +199,6 @@ def fields_since(cls: type, came: SchemaVersion = (1, 0)) -> dict[str, SchemaVer
     return {f.name: max(field_since(f) or came, came) for f in dataclasses.fields(cls)}
 
 
-def record_versions() -> dict[type, SchemaVersion]:
-    """Each record class with the version the spec field holding it appeared in."""
-    from torch_precompile.spec.records import ArtifactSpec
-
-    held = fields_since(ArtifactSpec)
-    return {ArtifactSpec: (1, 0)} | {
-        record: held[name] for name, record in ArtifactSpec.RECORDS.items()
-    }
-
-
 def shown_version(version: SchemaVersion) -> str:
     return f"{version[0]}.{version[1]}"
 
