@@ -13,6 +13,7 @@ import torch
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
+from torch_precompile.shipped.driver.refusals import qualified_name
 from torch_precompile.spec import EncodedValue
 
 
@@ -82,7 +83,7 @@ def encode_value(name: str, value: Any) -> EncodedValue:
     if isinstance(value, torch.device):
         return ("device", str(value))
     if isinstance(value, enum.Enum):
-        return ("enum", (_qualified(value), value.name))
+        return ("enum", (qualified_name(type(value)), value.name))
     if (
         dataclasses.is_dataclass(value)
         and not isinstance(value, type)
@@ -91,7 +92,7 @@ def encode_value(name: str, value: Any) -> EncodedValue:
         return (
             "frozen",
             (
-                _qualified(value),
+                qualified_name(type(value)),
                 tuple(
                     (f.name, encode_value(f"{name}.{f.name}", getattr(value, f.name)))
                     for f in dataclasses.fields(value)
@@ -106,9 +107,9 @@ def encode_value(name: str, value: Any) -> EncodedValue:
         )
     if isinstance(value, torch.optim.lr_scheduler.LRScheduler):
         raise PrecompileError(
-            f"input {name} is a learning-rate scheduler ({_qualified(value)}). Step it outside "
-            "fn, after each call: the artifact reads each param group's lr at every call, so "
-            "the schedule takes effect as in eager."
+            f"input {name} is a learning-rate scheduler ({qualified_name(type(value))}). Step it "
+            "outside fn, after each call: the artifact reads each param group's lr at every "
+            "call, so the schedule takes effect as in eager."
         )
     if isinstance(value, torch.amp.GradScaler):
         raise PrecompileError(
@@ -125,17 +126,13 @@ def encode_value(name: str, value: Any) -> EncodedValue:
             "its state and learning rate are read at every call."
         )
     raise PrecompileError(
-        f"input {name} is a {_qualified(value)}, which is neither a tensor nor an immutable "
-        "value. Python values are baked into the graph and compared at every call, so a "
+        f"input {name} is a {qualified_name(type(value))}, which is neither a tensor nor an "
+        "immutable value. Python values are baked into the graph and compared at every call, so a "
         "mutable object would act at every call as it was at capture. Pass tensors, numbers, "
         "strings, dtypes, devices, enum members, or frozen dataclasses and named tuples of "
         "those; pass models as nn.Module arguments and optimizers as torch.optim.Optimizer "
         "arguments."
     )
-
-
-def _qualified(value: Any) -> str:
-    return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
 def arg_names_of(fn: Any, count: int) -> list[str]:

@@ -24,6 +24,7 @@ import torch
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.distributed import is_dtensor
 from torch_precompile.internals.tracing import is_traceable_wrapper_subclass
+from torch_precompile.shipped.driver.refusals import qualified_name
 from torch_precompile.shipped.driver.subclasses import decode_context
 from torch_precompile.spec import EncodedValue, InnerTensor, WrappedTensor
 
@@ -132,8 +133,8 @@ def find_wrapped(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> Wrapp
         flattened = flatten(tensor, name)
         if tensor.requires_grad:
             raise PrecompileError(
-                f"{name} is a {_qualified(tensor)} with requires_grad=True; precompile carries "
-                "tensor subclasses other than DTensor without gradients. Freeze it "
+                f"{name} is a {qualified_name(type(tensor))} with requires_grad=True; precompile "
+                "carries tensor subclasses other than DTensor without gradients. Freeze it "
                 "(requires_grad_(False), as quantize_ leaves quantized weights) and train the "
                 "plain parameters around it."
             )
@@ -147,21 +148,21 @@ def flatten(tensor: torch.Tensor, name: str) -> Flattened:
     """Take a subclass tensor apart, refusing what the artifact could not rebuild."""
     if not is_traceable_wrapper_subclass(tensor):
         raise PrecompileError(
-            f"{name} is a {_qualified(tensor)}, a tensor subclass without __tensor_flatten__ / "
-            "__tensor_unflatten__, so precompile cannot take it apart into plain tensors for "
-            "the compiled graph. Convert it to a plain tensor, or make the class a traceable "
-            "wrapper subclass."
+            f"{name} is a {qualified_name(type(tensor))}, a tensor subclass without "
+            "__tensor_flatten__ / __tensor_unflatten__, so precompile cannot take it apart into "
+            "plain tensors for the compiled graph. Convert it to a plain tensor, or make the "
+            "class a traceable wrapper subclass."
         )
     attrs, context = tensor.__tensor_flatten__()
     inner = tuple(getattr(tensor, attr) for attr in attrs)
     odd = [a for a, t in zip(attrs, inner, strict=True) if type(t) not in PLAIN]
     if odd or not attrs:
         raise PrecompileError(
-            f"{name} is a {_qualified(tensor)} whose inner tensor {odd[0]!r} is itself a "
-            f"{_qualified(inner[attrs.index(odd[0])])}; nested tensor subclasses are not "
+            f"{name} is a {qualified_name(type(tensor))} whose inner tensor {odd[0]!r} is itself a "
+            f"{qualified_name(type(inner[attrs.index(odd[0])]))}; nested tensor subclasses are not "
             "carried. Keep one level of subclass around plain tensors."
             if odd
-            else f"{name} is a {_qualified(tensor)} with no inner tensors to carry."
+            else f"{name} is a {qualified_name(type(tensor))} with no inner tensors to carry."
         )
     return Flattened(
         type(tensor), tuple(attrs), context, tensor.shape, tuple(tensor.stride()), inner
@@ -216,7 +217,7 @@ def encode_context(value: Any, name: str) -> EncodedValue:
     if type(value) is torch.Size:
         return ("size", tuple(int(s) for s in value))
     if isinstance(value, enum.Enum):
-        return ("enum", (_qualified(value), value.name))
+        return ("enum", (qualified_name(type(value)), value.name))
     if type(value) in (list, tuple):
         return (type(value).__name__, tuple(encode_context(v, name) for v in value))
     if type(value) is dict:
@@ -228,7 +229,7 @@ def encode_context(value: Any, name: str) -> EncodedValue:
         return (
             "dataclass",
             (
-                _qualified(value),
+                qualified_name(type(value)),
                 tuple(
                     (f.name, encode_context(getattr(value, f.name), name))
                     for f in dataclasses.fields(value)
@@ -237,11 +238,7 @@ def encode_context(value: Any, name: str) -> EncodedValue:
             ),
         )
     raise PrecompileError(
-        f"{name} is a tensor subclass whose flatten context holds a {_qualified(value)}, "
+        f"{name} is a tensor subclass whose flatten context holds a {qualified_name(type(value))}, "
         "which the artifact cannot write as source (it writes numbers, strings, None, dtypes, "
         "devices, sizes, enum members, dataclasses, and lists, tuples and dicts of those)."
     )
-
-
-def _qualified(value: Any) -> str:
-    return f"{type(value).__module__}.{type(value).__qualname__}"

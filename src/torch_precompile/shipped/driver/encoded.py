@@ -32,7 +32,10 @@ def value_matches(encoded: Any, value: Any) -> bool:
     if kind == "device":
         return isinstance(value, torch.device) and value == torch.device(expected)
     if kind == "enum":
-        return _qualified(value) == expected[0] and getattr(value, "name", None) == expected[1]
+        return (
+            qualified_name(type(value)) == expected[0]
+            and getattr(value, "name", None) == expected[1]
+        )
     if kind == "callable":
         return callable(value) and callable_name(value) == expected
     if kind == "code":  # a lambda or a nested function: by its code and plain closure values
@@ -53,22 +56,24 @@ def value_matches(encoded: Any, value: Any) -> bool:
             )
         )
     if kind == "frozen":  # a frozen dataclass or a named tuple, field by field
-        return _qualified(value) == expected[0] and all(
+        return qualified_name(type(value)) == expected[0] and all(
             hasattr(value, field) and value_matches(item, getattr(value, field))
             for field, item in expected[1]
         )
     if kind == "object":  # an object of the user's in a list or dict: class and values
-        return _qualified(value) == expected[0] and all(
+        return qualified_name(type(value)) == expected[0] and all(
             value_matches(item, getattr(value, field, MISSING)) for field, item in expected[1]
         )
     if kind in ("set", "frozenset"):
         return _set_matches(kind, expected, value)
     if kind == "numpy":  # a NumPy scalar (numpy.float32(2.0)): its type and its item
-        return _qualified(value) == expected[0] and value_matches(expected[1], value.item())
+        return qualified_name(type(value)) == expected[0] and value_matches(
+            expected[1], value.item()
+        )
     if kind == "ndarray":  # a small NumPy array: dtype, shape and every element
         dtype, shape, items = expected
         return (
-            _qualified(value) == "numpy.ndarray"
+            qualified_name(type(value)) == "numpy.ndarray"
             and str(value.dtype) == dtype
             and tuple(value.shape) == tuple(shape)
             and all(value_matches(e, v) for e, v in zip(items, value.ravel().tolist(), strict=True))
@@ -157,10 +162,6 @@ def callable_name(value: Any) -> str:
     return qualified_name(value)
 
 
-def _qualified(value: Any) -> str:
-    return qualified_name(type(value))
-
-
 def shown_value(encoded: Any) -> str:
     """An encoded value as Python would show it."""
     kind, expected = encoded
@@ -243,7 +244,7 @@ def shown_now(value: Any, depth: int = 2) -> str:
     own_repr = vars(object)["__repr__"]  # an object that says nothing of its values
     if depth and type(attributes) is dict and getattr(type(value), "__repr__", None) is own_repr:
         fields = ", ".join(f"{k}={shown_now(v, depth - 1)}" for k, v in attributes.items())
-        return f"{_qualified(value)}({fields})"
+        return f"{qualified_name(type(value))}({fields})"
     return repr(value)
 
 

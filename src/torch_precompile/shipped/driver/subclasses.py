@@ -24,7 +24,7 @@ import torch
 from torch_precompile.shipped.driver.core import Driver
 from torch_precompile.shipped.driver.guards import tensor_guard
 from torch_precompile.shipped.driver.planned import TensorPlan, check_planned
-from torch_precompile.shipped.driver.refusals import PrecompileError
+from torch_precompile.shipped.driver.refusals import PrecompileError, qualified_name
 
 
 class WrappedCall:
@@ -161,8 +161,8 @@ class Wrapped:
 def check_inner(what: str, plan: TensorPlan, tensor: Any) -> None:
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         raise PrecompileError(
-            f"{what} is a {_qualified(tensor)}; the artifact was captured with a plain tensor "
-            "there (nested tensor subclasses are not carried)."
+            f"{what} is a {qualified_name(type(tensor))}; the artifact was captured with a plain "
+            "tensor there (nested tensor subclasses are not carried)."
         )
     check_planned(tensor, plan, what, "Prepare it as at capture, or precompile again.")
 
@@ -232,11 +232,7 @@ def _kind_of(value: Any) -> str:
     if type(value) in (torch.Tensor, torch.nn.Parameter):
         return "a plain tensor"
     return (
-        f"a {_qualified(value)}"
+        f"a {qualified_name(type(value))}"
         if isinstance(value, torch.Tensor)
         else (f"a {type(value).__name__}")
     )
-
-
-def _qualified(value: Any) -> str:
-    return f"{type(value).__module__}.{type(value).__qualname__}"
