@@ -52,12 +52,9 @@ def _fitted(line: str) -> list[str]:
 def _steps(spec: ArtifactSpec, parts: Sequence[str]) -> list[str]:
     """The body of the check function: stage by stage, as ``Driver.checked`` documents."""
     models = [i for i, a in enumerate(spec.args) if a.is_model]
-    arguments = ", ".join(
-        f"{a.name} ({'model' if a.is_model else 'optimizer' if a.is_optimizer else 'input'})"
-        for a in spec.args
-    )
+    arguments = ", ".join(f"{a.name} ({a.kind})" for a in spec.args)
     steps = [f"driver.ambient.check()  # {ambient_comment(spec)}"]
-    if any(t.gets_grad for t in spec.model) or spec.optimizers:
+    if spec.runs_backward:
         steps += [
             "if not torch.is_grad_enabled():  # fn runs a backward",
             "    raise grad_mode_error()",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from torch_precompile.artifact.checks import ambient_comment, few, global_name, tensor_type
 from torch_precompile.shipped.driver.refusals import written_apart
-from torch_precompile.spec import Argument, ArtifactSpec, InputLeaf, ModelTensor, ReadValue
+from torch_precompile.spec import ArtifactSpec, InputLeaf, ModelTensor, ReadValue
 
 # Fields a plain spec leaves at their defaults: each is a feature of the generic driver.
 _GENERIC_FIELDS = (
@@ -48,14 +48,9 @@ def is_plain(spec: ArtifactSpec, positional: bool) -> bool:
     )
 
 
-def _training(spec: ArtifactSpec) -> bool:
-    """Whether fn runs a backward: gradients come out, or an optimizer inside fn takes them."""
-    return any(t.gets_grad for t in spec.model) or bool(spec.optimizers)
-
-
 def plain_checks(spec: ArtifactSpec) -> str:
     """The generated functions that open a plain artifact's driver section."""
-    training = _training(spec)
+    training = spec.runs_backward
     lines = _check_call(spec, training)
     if spec.model_names:
         lines += ["", "", *_check_models(spec, training)]
@@ -66,8 +61,8 @@ def plain_binding(spec: ArtifactSpec, history: str) -> list[str]:
     """The lines that close a plain artifact: what the checks compare with, and ``forward``
     (after the runtime they are made of); ``history`` is the autograd part where results may
     carry history (``differentiable(...)``, given the functions that ready its graphs)."""
-    training = _training(spec)
-    grads = tuple(i for i, t in enumerate(_interned(spec)) if t.gets_grad)
+    training = spec.runs_backward
+    grads = tuple(i for i, t in enumerate(spec.interned) if t.gets_grad)
     arguments = ['ARTIFACT_SPEC["out_spec"]', "FLAT_NAMES"]
     if grads:
         arguments.append(f"grads={grads}")
@@ -104,14 +99,14 @@ def _constants(spec: ArtifactSpec, training: bool) -> list[str]:
         "]",
         "INPUTS = (",
         *(
-            f"    {_leaf_plan(leaf, spec.backend, training, len(_interned(spec)) + i in written)},"
+            f"    {_leaf_plan(leaf, spec.backend, training, len(spec.interned) + i in written)},"
             for i, leaf in enumerate(spec.inputs)
         ),
         ")",
         f"AMBIENT = {_ambient(spec)}",
     ]
     if apart(spec):
-        parameters = sum(t.kind == "parameter" for t in _interned(spec))
+        parameters = sum(t.kind == "parameter" for t in spec.interned)
         lines += [
             f"WRITTEN = {set(spec.mutated)!r}  # the flat inputs the graph writes in place",
             f"APART = {apart(spec)!r}  # buffers and inputs that must not share memory with them",
@@ -161,8 +156,8 @@ def _ambient(spec: ArtifactSpec) -> str:
 
 def _check_call(spec: ArtifactSpec, training: bool) -> list[str]:
     names = [a.name for a in spec.args]
-    shown = ", ".join(f"{a.name} ({_argument_kind(a)})" for a in spec.args)
-    inputs = [i for i, a in enumerate(spec.args) if _argument_kind(a) == "input"]
+    shown = ", ".join(f"{a.name} ({a.kind})" for a in spec.args)
+    inputs = [i for i, a in enumerate(spec.args) if a.kind == "input"]
     steps = [f"AMBIENT.check()  # {ambient_comment(spec)}"]
     if training:
         steps += [
@@ -238,7 +233,7 @@ def _check_models(spec: ArtifactSpec, training: bool) -> list[str]:
         '    passed it and is unchanged since skips it (RememberedCall)."""',
         f"    check_is_model({name}, {name!r})",
         f"    tensors = members({name}, {name!r}, MEMBERS)",
-        *(_tensor_check(index, t, training) for index, t in enumerate(_interned(spec))),
+        *(_tensor_check(index, t, training) for index, t in enumerate(spec.interned)),
         f"    modules = submodules({name}, SUBMODULES)",
     ]
     for index, module in enumerate(spec.submodules):
@@ -248,7 +243,7 @@ def _check_models(spec: ArtifactSpec, training: bool) -> list[str]:
             f"training={module.training!r})"
         )
     # With a backward inside fn, hooks on its tensors would run in it (as the generic walk).
-    parameters = [f"({t.name!r}, tensors[{i}])" for i, t in enumerate(_interned(spec))]
+    parameters = [f"({t.name!r}, tensors[{i}])" for i, t in enumerate(spec.interned)]
     hooks = f"check_no_hooks(modules, SUBMODULES{', [' if training else ''}"
     if training:
         lines.append(f"    {hooks}")
@@ -284,13 +279,9 @@ def _tensor_check(index: int, tensor: ModelTensor, training: bool) -> str:
 
 def apart(spec: ArtifactSpec) -> list[int]:
     """The flat inputs a call must pass in separate memory."""
-    interned = _interned(spec)
+    interned = spec.interned
     parameters = sum(t.kind == "parameter" for t in interned)
     return written_apart(spec.mutated, parameters, len(interned) + len(spec.inputs))
-
-
-def _argument_kind(argument: Argument) -> str:
-    return "model" if argument.is_model else "optimizer" if argument.is_optimizer else "input"
 
 
 def _optimizer_plans(spec: ArtifactSpec) -> list[str]:
@@ -298,7 +289,7 @@ def _optimizer_plans(spec: ArtifactSpec) -> list[str]:
     state tensor (a spec without optimizers: none)."""
     if not spec.optimizers:
         return []
-    index = {t.name: i for i, t in enumerate(_interned(spec))}
+    index = {t.name: i for i, t in enumerate(spec.interned)}
     positions = [i for i, a in enumerate(spec.args) if a.is_optimizer]
     lines = [
         "# What each optimizer argument must be: its param groups and state tensors.",
@@ -326,11 +317,6 @@ def _optimizer_plans(spec: ArtifactSpec) -> list[str]:
             )
         lines.append(f"    ], zero_grad_first={record.zero_grad_first!r}),")
     return [*lines, "])"]
-
-
-def _interned(spec: ArtifactSpec) -> list[ModelTensor]:
-    """The model's tensors as the graph takes them: one per tie."""
-    return [t for t in spec.model if t.tied_to is None]
 
 
 def _global_reads(spec: ArtifactSpec) -> list[ReadValue]:

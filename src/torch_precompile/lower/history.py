@@ -53,7 +53,7 @@ def with_history(
     from torch_precompile.trace import differentiable
 
     spec = captured.spec
-    if any(t.gets_grad for t in spec.model) or spec.optimizers:
+    if spec.runs_backward:
         return WithHistory(VariantGraphs(lowered))  # fn runs its backward itself
     inputs = differentiable.differentiable_inputs(spec)
     more = differentiable.inputs_that_may_require_grad(spec)

@@ -47,6 +47,11 @@ class Argument:
     is_model: bool
     is_optimizer: bool = field(default=False, metadata=since(4))
 
+    @property
+    def kind(self) -> str:
+        """``"model"``, ``"optimizer"`` or ``"input"``."""
+        return "model" if self.is_model else "optimizer" if self.is_optimizer else "input"
+
 
 @dataclass(frozen=True)
 class ModelTensor:
@@ -483,6 +488,12 @@ class ArtifactSpec:
         return tuple(leaf for leaf in self.inputs if leaf.kind == "tensor")
 
     @property
+    def runs_backward(self) -> bool:
+        """Whether fn runs a backward itself: a model tensor gets a gradient from it, or it
+        steps an optimizer argument."""
+        return any(t.gets_grad for t in self.model) or bool(self.optimizers)
+
+    @property
     def gives_history(self) -> bool:
         """Whether some call's results get autograd history from a forward and backward graph
         of the artifact (fn runs no backward itself)."""
@@ -526,7 +537,4 @@ class ArtifactSpec:
 
 
 def _arguments(spec: ArtifactSpec) -> str:
-    return ", ".join(
-        f"{a.name}: {'model' if a.is_model else 'optimizer' if a.is_optimizer else 'input'}"
-        for a in spec.args
-    )
+    return ", ".join(f"{a.name}: {a.kind}" for a in spec.args)

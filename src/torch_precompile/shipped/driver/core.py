@@ -101,7 +101,8 @@ class Driver:
         self.out_spec = pytree.treespec_loads(spec.out_spec)
         # A common shape of a call takes a shortcut: one tensor result.
         self.single_result = self.out_spec == pytree.tree_flatten(0)[1]
-        # A backward ran inside fn: gradients come out, or an optimizer inside fn took them.
+        # A backward ran inside fn, as ArtifactSpec.runs_backward says (the driver ships
+        # without the package, so it reads the spec's records itself).
         training = any(t.gets_grad for t in spec.model) or bool(spec.optimizers)
         # Flat inputs a driver part unwraps; every other one must be a plain tensor.
         carried = {d.index for d in (*spec.distributed, *spec.wrapped) if d.role == "input"}
