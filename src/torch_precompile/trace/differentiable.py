@@ -32,7 +32,8 @@ from torch_precompile.internals.tracing import (
     reshape_unwritten_views,
 )
 from torch_precompile.spec import ArtifactSpec, Autograd
-from torch_precompile.trace.core import Capture, fork_rng
+from torch_precompile.trace.core import Capture
+from torch_precompile.trace.traced_run import fork_rng
 
 if TYPE_CHECKING:
     from torch_precompile.spec import InputLeaf, ModelTensor
