@@ -261,7 +261,15 @@ def test_a_value_read_off_a_tensor_is_carried_and_checked_per_call() -> None:
     x = torch.ones(2, 4)
     f = precompile.load(*_pair(fn, m, x))
     torch.testing.assert_close(f(m, x), fn(m, x))
-    with pytest.raises(PrecompileError):
+    # The refusal names the read (where fn made it), the value carried from capture and the
+    # value this call's graph gave.
+    line = fn.__code__.co_firstlineno + 2
+    with pytest.raises(
+        PrecompileError,
+        match=r"^this call left the path the artifact was captured on: a tensor value read into "
+        rf"Python \(bool\(\), \.item\(\), int\(\)\) at test_dynamo_tracer\.py:{line} \(fn\) was "
+        r"8\.0 at capture and is -8\.0 now, so the result would be wrong: it is withheld\.",
+    ):
         f(m, -x)
 
 
