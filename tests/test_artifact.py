@@ -307,8 +307,23 @@ def test_artifact_has_no_unused_imports(backend: str, artifacts, tmp_path) -> No
 
 
 def test_eager_graph_bakes_inf_nan_and_device(artifacts) -> None:
-    code, _ = artifacts.pair("mask", "eager")
+    """The graph holds -inf, nan and the device as literals, and the artifact computes with
+    them as eager does, on eager's device: -inf empties the entries the causal mask hides, nan
+    the rows a score over 10 reaches."""
+    code, cache = artifacts.pair("mask", "eager")
     assert "-inf" in code and " nan" in code and "device(type='cpu')" in code
+    run = precompile.load(code, cache)
+    model, x = WORKLOADS["mask"].args()
+    large = x.clone()
+    large[1] *= 100  # scores over 10: the nan branch, for that batch only
+    for given in (x, large):
+        expected, got = WORKLOADS["mask"].fn(model, given), run(model, given)
+        assert got.device == expected.device
+        torch.testing.assert_close(got, expected, equal_nan=True)
+        # Eager's own result shows each literal at work: -inf empties what the causal mask
+        # hides (exact zeros after softmax), nan the rows it reaches (zeros after nan_to_num).
+        assert (expected.triu(1) == 0).all() and (expected.tril() != 0).any()
+    assert (expected[1] == 0).all() and (expected[0].diagonal() != 0).all()
 
 
 @pytest.mark.parametrize("wrapper", ["python", "auto"])
