@@ -8,7 +8,7 @@ import traceback
 
 import pytest
 
-from torch_precompile import PrecompileError, precompile
+from torch_precompile import PrecompileError, precompile, runtime
 from torch_precompile.artifact import bytecode, envelope
 
 from conftest import assert_same, run_python
@@ -73,18 +73,40 @@ def test_a_load_with_the_cache_compiles_nothing(backend: str, artifacts, tmp_pat
     assert proc.returncode == 0 and "NO-COMPILE-OK" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_without_a_usable_entry_the_source_is_compiled(backend: str, artifacts, caplog) -> None:
+def test_without_a_usable_entry_the_source_is_compiled(
+    backend: str, artifacts, caplog, monkeypatch
+) -> None:
+    """Each load that finds no usable compiled module compiles the artifact's source (under
+    its traceback name) and runs right; one with the intact entry compiles nothing."""
     code, cache = artifacts.pair(NAME, backend)
+    compiled: list[tuple[str, str]] = []
+
+    def counting_compile(source, filename, mode, *args, **kwargs):
+        compiled.append((filename, mode))
+        return compile(source, filename, mode, *args, **kwargs)
+
+    # The load's only compile() of the artifact, seen where it is made.
+    monkeypatch.setattr(runtime, "compile", counting_compile, raising=False)
     entry = _envelope(cache)["compiled"]
     other_python = {**entry, "magic": "00000000"}
     damaged = {**entry, "module": entry["module"][:-1] + b"\0"}
-    for changed, warned in [(other_python, False), (damaged, True), ("junk", False)]:
+    cases = {
+        "intact": (entry, False, False),
+        "another Python's": (other_python, True, False),
+        "damaged": (damaged, True, True),
+        "junk": ("junk", True, False),
+    }
+    for case, (changed, compiles, warned) in cases.items():
         caplog.clear()
+        compiled.clear()
         with caplog.at_level(logging.WARNING, logger="torch_precompile"):
             run = precompile.load(code, _repack(code, cache, compiled=changed))
         assert any("compiled module is damaged" in r.message for r in caplog.records) == warned
+        assert compiled == ([(bytecode.filename(code), "exec")] if compiles else []), case
         _runs_right(run)
+    compiled.clear()
     _runs_right(precompile.load(code, None))
+    assert compiled == [(bytecode.filename(code), "exec")]
 
 
 def test_another_compiled_module_is_refused(backend: str, artifacts) -> None:
