@@ -9,8 +9,10 @@ must be refused.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -66,8 +68,20 @@ def test_every_readable_version_has_a_golden_pair_per_backend_and_release() -> N
                 )
 
 
+def _make_golden() -> ModuleType:
+    """tests/golden/make_golden.py, the script that wrote the pairs and their expected outputs."""
+    found = importlib.util.spec_from_file_location("make_golden", GOLDEN / "make_golden.py")
+    assert found is not None and found.loader is not None
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("path", PAIRS, ids=lambda p: p.name)
 def test_every_pair_stores_its_inputs_and_expected_outputs(path: Path) -> None:
+    """The stored inputs are make_golden's (its weights and calls, two variants from schema 7),
+    and the stored outputs are eager's for them: each call's loss, run in order on one model,
+    and the gradients on .grad after the last."""
     expected = torch.load(path.with_suffix(".expected.pt"), weights_only=True)
     assert len(expected["calls"]) == len(expected["losses"]) >= 2
     assert len(expected["grads"]) == 4 and set(expected["state"]) == {
@@ -76,6 +90,16 @@ def test_every_pair_stores_its_inputs_and_expected_outputs(path: Path) -> None:
         "2.weight",
         "2.bias",
     }
+    golden = _make_golden()
+    variants = 2 if _version(path) >= (7, 0) else 1
+    model = golden.golden_model()
+    torch.testing.assert_close(expected["state"], model.state_dict(), rtol=0, atol=0)
+    torch.testing.assert_close(expected["calls"], golden.golden_calls(variants), rtol=0, atol=0)
+    model.load_state_dict(expected["state"])
+    losses = [golden.train_step(model, x, target) for x, target in expected["calls"]]
+    torch.testing.assert_close(expected["losses"], losses, rtol=1e-5, atol=1e-6)
+    grads = [p.grad for p in model.parameters()]
+    torch.testing.assert_close(expected["grads"], grads, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("path", PAIRS, ids=lambda p: p.name)
