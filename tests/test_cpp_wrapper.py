@@ -139,16 +139,30 @@ def test_a_swapped_wrapper_object_is_refused(artifacts) -> None:
         precompile.load(code, with_kernel_payload(code, payload))
 
 
+def _built_here(run: Any) -> list[str]:
+    """The kernel keys the loaded artifact's kernel loader built in this process (those its
+    cache did not provide), as the loader records them."""
+    return run._forward.call.__globals__["CppWrapperCodeCache"].built_here
+
+
 def test_a_damaged_wrapper_object_is_rebuilt_with_a_warning(artifacts, caplog) -> None:
+    """The damaged object is not mapped: the warning names it and says it will be built, the
+    artifact's loader builds exactly it from the source (an intact cache builds nothing), and
+    the rebuilt wrapper computes what eager does."""
     code, cache = artifacts.pair("mlp_infer", "inductor", wrapper="cpp")
+    assert _built_here(precompile.load(code, cache)) == []
     payload = kernel_payload(code, cache)
-    entry = next(e for e in payload["kernels"].values() if e["module"] == WRAPPER_ENTRY)
+    key, entry = next((k, e) for k, e in payload["kernels"].items() if e["module"] == WRAPPER_ENTRY)
     middle = len(entry["object"]) // 2
     entry["object"] = entry["object"][:middle] + b"\xff" + entry["object"][middle + 1 :]
     with caplog.at_level(logging.WARNING, logger="torch_precompile"):
         run = precompile.load(code, with_kernel_payload(code, payload))
-    assert "its bytes are damaged" in caplog.text
+    assert (
+        f"kernel {key[:12]}… is unusable (its bytes are damaged: they do not match their "
+        "checksum); it will be built from python_code on first use." in caplog.text
+    )
     eager, compiled, _, _ = run_eager_and_compiled("mlp_infer", run)
+    assert _built_here(run) == [key]
     assert_same(compiled, eager)
 
 
