@@ -27,7 +27,8 @@ a later ``backward()``), at this checkout and at ``--before``.
 "per step" is the median over ``--steps`` steps after three; "peak memory" is the process's
 peak resident memory minus its resident memory just before the first step; "first step" is
 the time from the process's start until the first step's weights are updated. Each cell is the
-median over ``--runs`` processes. The build time of each pair is reported below the table.
+median over ``--runs`` processes, run in rounds (each round runs every row once). The
+build time of each pair is reported below the table.
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="the git revision to compare with")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--tools", default=",".join(TOOLS))
     parser.add_argument("--out", type=Path, default=HERE / "INPUT_GRADS.md")
     args = parser.parse_args()
@@ -209,32 +210,40 @@ def main() -> None:
             before_src = str(tree / "src")
             pairs, build = _builds(work, before_src)
             readme = _readme_builds(work, before_src, args.runs)
-            rows = {}
-            for tool in args.tools.split(","):
-                for mode in MODES:
-                    runs = [
-                        _run(
-                            _CHILD.format(
-                                model=MODEL + STAGE,
-                                tool=tool,
-                                pair=pairs.get(f"{tool}|{mode}"),
-                                mode=mode,
-                                steps=args.steps,
-                                result=RESULT,
-                                timing=TIMING,
-                                rss=RSS,
-                            ),
-                            work / f"{tool}{mode}{n}",
-                            before_src if tool.endswith("before") else None,
-                        )
-                        for n in range(args.runs)
-                    ]
-                    row = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-                    rows[tool, mode] = row
-                    print(tool, mode, json.dumps(row))
+            measured = _measured(args, pairs, work, before_src)
+            rows = {
+                key: {field: statistics.median(r[field] for r in runs) for field in runs[0]}
+                for key, runs in measured.items()
+            }
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=HERE)
     args.out.write_text(_table(rows, build, readme, args))
+
+
+def _measured(
+    args: argparse.Namespace, pairs: dict[str, str], work: Path, before_src: str
+) -> dict[tuple[str, str], list[dict[str, float]]]:
+    """Every row's runs, interleaved: each round runs every tool and mode once, so a slow
+    spell of the machine falls on all rows alike rather than on one."""
+    measured: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for n in range(args.runs):
+        for tool in args.tools.split(","):
+            for mode in MODES:
+                code = _CHILD.format(
+                    model=MODEL + STAGE,
+                    tool=tool,
+                    pair=pairs.get(f"{tool}|{mode}"),
+                    mode=mode,
+                    steps=args.steps,
+                    result=RESULT,
+                    timing=TIMING,
+                    rss=RSS,
+                )
+                pythonpath = before_src if tool.endswith("before") else None
+                result = _run(code, work / f"{tool}{mode}{n}", pythonpath)
+                measured.setdefault((tool, mode), []).append(result)
+                print(tool, mode, n, json.dumps(result))
+    return measured
 
 
 def _table(
