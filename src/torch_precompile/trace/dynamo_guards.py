@@ -37,13 +37,8 @@ from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import dynamo
 from torch_precompile.internals.origin import shown_path
 from torch_precompile.spec import GuardNote, ReadValue
-from torch_precompile.trace.reads import (
-    TORCH_ROOT,
-    encode_object,
-    encode_read,
-    script_name,
-    users_file,
-)
+from torch_precompile.trace.code_homes import TORCH_ROOT, script_name, users_file
+from torch_precompile.trace.read_values import encode_object, encode_read
 
 log = logging.getLogger("torch_precompile")
 

@@ -24,9 +24,9 @@ import torch
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.tracing import TorchDispatchMode
+from torch_precompile.trace.code_homes import users_file
 from torch_precompile.trace.guards import _user_location as user_location
 from torch_precompile.trace.listening import Listeners
-from torch_precompile.trace.reads import users_file
 
 
 class SeedWatch(TorchDispatchMode):

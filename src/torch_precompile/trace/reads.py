@@ -30,65 +30,45 @@ keep: capture names those it saw read (``closure_report``); see docs/CONTRACT.md
 from __future__ import annotations
 
 import datetime
-import dis
-import enum
-import functools
 import gc
 import os
 import sys
-import sysconfig
 import time
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from torch_precompile.errors import PrecompileError
-from torch_precompile.shipped.driver.encoded import callable_name, code_digest, shown_value
+from torch_precompile.shipped.driver.encoded import shown_value
 from torch_precompile.shipped.driver.refusals import qualified_name
 from torch_precompile.spec import EncodedValue, ReadValue
 from torch_precompile.trace.call_watch import CallWatch
+from torch_precompile.trace.code_homes import (
+    PACKAGE_ROOT,
+    TORCH_ROOT,
+    function_home,
+    global_holding,
+    in_standard_library,
+    runs_as,
+    runs_as_function,
+    script_name,
+    users_file,
+)
+from torch_precompile.trace.code_reads import NOT_READS, CodeReads, code_reads
 from torch_precompile.trace.environment import ENVIRONMENT_READS
-from torch_precompile.trace.inputs import encode_value
 from torch_precompile.trace.output_calls import OUTPUT_CALLS
-
-_TORCH_ROOT = str(Path(torch.__file__).parent)
-TORCH_ROOT = _TORCH_ROOT  # torch's own code, for the other watchers of the trace
-# The standard library's globals are its own (and some modules pose under another name). In a
-# virtual environment "platstdlib" is the environment's lib/, which holds site-packages: take
-# the base installation's, and never count installed packages as standard library.
-_BASE_PATHS = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})
-_STDLIB_ROOTS = tuple({_BASE_PATHS["stdlib"], _BASE_PATHS["platstdlib"]})
-_INSTALLED = ("site-packages", "dist-packages")
-_PACKAGE_ROOT = str(Path(__file__).parents[1])
-PACKAGE_ROOT = _PACKAGE_ROOT  # this package's code
-# torch's own module classes read their options (Dropout.p, LayerNorm.eps) in forward.
-_TORCH_MODULES = str(Path(torch.__file__).parent / "nn" / "modules")
-_SELF_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW", "LOAD_DEREF"})
-_PAIR_LOADS = frozenset({"LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"})
-_ATTR_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
-_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
-# Attributes capture checks by other means (training flags) or that are no Python values.
-_NOT_READS = frozenset({"training", "_parameters", "_buffers", "_modules"})
-
-
-@dataclass(frozen=True)
-class _CodeReads:
-    """What one code object reads: attribute paths off its first argument, and global names
-    with the attributes read off them (``("config", "SCALE")``); each with the line of its
-    first read."""
-
-    self_name: str | None
-    paths: tuple[tuple[tuple[str, ...], int], ...]
-    globals: tuple[tuple[tuple[str, ...], int], ...]
-    closed_over: tuple[tuple[str, int], ...] = ()  # free variables it loads
-    # Attribute names the code reads off anything (``layer.scale`` in a loop,
-    # ``self.layers[0].scale``, ``self.block.scale``, ``getattr(layer, "on", True)``): whether
-    # by getattr or hasattr with a constant name, and the line.
-    off_others: tuple[tuple[str, bool, int], ...] = ()
+from torch_precompile.trace.read_values import (
+    UNSEEN,
+    closure_cells,
+    encode_read,
+    held_values,
+    is_closure_constant,
+    is_followed,
+    is_plain_object,
+    object_values,
+)
 
 
 class ReadRecorder:
@@ -105,7 +85,7 @@ class ReadRecorder:
         for i, m in enumerate(submodules):
             self.class_index.setdefault(id(type(m)), i)
         self.submodules = submodules
-        self.code_reads: dict[types.CodeType, _CodeReads | None] = {}
+        self.code_reads: dict[types.CodeType, CodeReads | None] = {}
         self.reads: dict[tuple[Any, ...], ReadValue] = {}
         self.namespaces: dict[str, dict[str, Any]] = {}  # where each global was read
         # Modules held in globals, not the model's (a loss: ``criterion``), and the object fn
@@ -138,7 +118,7 @@ class ReadRecorder:
         owner = runs_as(fn)
         if owner is not None:
             namespace = vars(sys.modules[type(owner).__module__])
-            name = _global_holding(namespace, owner)
+            name = global_holding(namespace, owner)
             if name is not None:  # a trainer's ``self.scale`` is ``TRAINER.scale``
                 self.global_modules.setdefault(id(owner), (namespace, name))
             else:
@@ -151,7 +131,7 @@ class ReadRecorder:
         # Garbage-collection callbacks run inside any allocation; what they read is theirs.
         for callback in gc.callbacks:
             self.code_reads[getattr(callback, "__code__", None)] = None  # type: ignore[index]
-        self.watch = CallWatch(self.code_reads, _code_reads, self._look).__enter__()
+        self.watch = CallWatch(self.code_reads, code_reads, self._look).__enter__()
         ENVIRONMENT_READS.enter(self._environment_read)
         OUTPUT_CALLS.enter(self._output_call)
         return self
@@ -173,9 +153,9 @@ class ReadRecorder:
         """A variable the user's code read from ``os.environ``: a global read of it."""
         file = frame.f_code.co_filename
         key = ("global", "os", ("environ", name))
-        if key in self.reads or file.startswith((_TORCH_ROOT, _PACKAGE_ROOT)):
+        if key in self.reads or file.startswith((TORCH_ROOT, PACKAGE_ROOT)):
             return
-        if _in_standard_library(file) or (file.startswith("<") and "<ipython" not in file):
+        if in_standard_library(file) or (file.startswith("<") and "<ipython" not in file):
             return
         where = f"{Path(file).name}:{frame.f_lineno} ({frame.f_code.co_name})"
         self.namespaces["os"] = vars(os)
@@ -184,9 +164,9 @@ class ReadRecorder:
 
     def _look(self, frame: types.FrameType) -> None:
         code = frame.f_code
-        reads = self.code_reads.get(code, _UNSEEN)
-        if reads is _UNSEEN:
-            reads = self.code_reads[code] = _code_reads(code)
+        reads = self.code_reads.get(code, UNSEEN)
+        if reads is UNSEEN:
+            reads = self.code_reads[code] = code_reads(code)
         if reads is None:
             return
         where = f"{Path(code.co_filename).name}:{{}} ({code.co_name})"
@@ -197,7 +177,7 @@ class ReadRecorder:
             index = self.index.get(id(owner))
             if index is None and isinstance(owner, type):  # a classmethod's ``cls``
                 index = self.class_index.get(id(owner))
-                reads = _CodeReads(
+                reads = CodeReads(
                     reads.self_name,
                     tuple((("__class__", *p), line) for p, line in reads.paths),
                     reads.globals,
@@ -228,14 +208,14 @@ class ReadRecorder:
             elif holder is not None:  # a call reads it through the global holding the function
                 namespace, function = holder
                 self._global_read(namespace, (function, "__closure__", name), where.format(line))
-            elif (code, name) not in self.closed_over and _closure_value(value):
+            elif (code, name) not in self.closed_over and is_closure_constant(value):
                 if self._checked_code(frame, code):
                     continue  # a helper read as a global: its digest holds its plain cells
                 self.closed_over[code, name] = f"{name}={value!r} ({where.format(line)})"
-            elif (code, name) not in self.closed_over and _is_plain_object(value):
+            elif (code, name) not in self.closed_over and is_plain_object(value):
                 # What fn reads off an object of the user's is out of sight: each plain value
                 # it holds is named (``setting.scale=3.0``).
-                for inner, encoded in _object_values(value):
+                for inner, encoded in object_values(value):
                     shown = f"{'.'.join((name, *inner))}={shown_value(encoded)}"
                     self.closed_over[code, name, inner] = f"{shown} ({where.format(line)})"
 
@@ -250,7 +230,7 @@ class ReadRecorder:
         found = [
             (namespace, name)
             for namespace, name, function in self.global_functions.get(code, ())
-            if all(seen.get(v, _UNSEEN) is c for v, c in _cells(function).items())
+            if all(seen.get(v, UNSEEN) is c for v, c in closure_cells(function).items())
         ]
         return found[0] if len(found) == 1 else None  # two alike: which one ran is unknown
 
@@ -265,7 +245,7 @@ class ReadRecorder:
     def _name_closed_over(self, owner: Any, label: str, path: tuple[str, ...], where: str) -> None:
         """Name the plain value at ``path`` off ``owner`` (``label`` in the report)."""
         value = _value_at(owner, path)
-        if (id(owner), path) not in self.closed_over and _closure_value(value):
+        if (id(owner), path) not in self.closed_over and is_closure_constant(value):
             shown = f"{'.'.join((label, *path))}={value!r}"
             self.closed_over[id(owner), path] = f"{shown} ({where})"
 
@@ -282,9 +262,9 @@ class ReadRecorder:
             if module is owner or index is None:
                 continue
             for name, by_call, line in reads:
-                held = vars(module).get(name, _UNSEEN)
+                held = vars(module).get(name, UNSEEN)
                 # A plain value only: an object or a tensor under a common name is no setting.
-                if (by_call and held is _UNSEEN) or encode_read(held) is not None:
+                if (by_call and held is UNSEEN) or encode_read(held) is not None:
                     self._module_read(index, (name,), where.format(line))
 
     def _module_read(self, index: int, path: tuple[str, ...], where: str) -> None:
@@ -294,8 +274,8 @@ class ReadRecorder:
         module = self.submodules[index]
         if path[0] == "__class__":  # ``type(self).factor``, ``cls.factor``: the class's value
             own = len(path) > 1 and not path[1].startswith("__")  # not __name__, __module__
-            found = _class_value(type(module), path[1]) if own else _UNSEEN
-            encoded = None if found is _UNSEEN else encode_read(found)
+            found = _class_value(type(module), path[1]) if own else UNSEEN
+            encoded = None if found is UNSEEN else encode_read(found)
             if encoded is not None:
                 self.reads[key] = ReadValue(index, None, path[:2], encoded, where)
             return
@@ -303,14 +283,14 @@ class ReadRecorder:
         if path[0] == "__dict__":  # ``self.__dict__["s"]``, ``vars(self)``: every plain value
             for name, value in namespace.items():
                 encoded = encode_read(value)
-                if encoded is not None and name not in _NOT_READS:
+                if encoded is not None and name not in NOT_READS:
                     found = ("module", index, (name,))
                     self.reads.setdefault(found, ReadValue(index, None, (name,), encoded, where))
             return
         for depth, name in enumerate(path):
             if name in namespace:
                 value = namespace[name]
-            elif depth == 0 and (found := _class_value(type(module), name)) is not _UNSEEN:
+            elif depth == 0 and (found := _class_value(type(module), name)) is not UNSEEN:
                 value = found  # ``factor = 2.0`` in the class body, read as ``self.factor``
             elif depth == 0 and (method := _users_method(type(module), name)) is not None:
                 # ``self.helper(x)``: the graph holds what the method computed, so one set
@@ -338,12 +318,12 @@ class ReadRecorder:
             if encoded is not None:
                 self.reads[key] = ReadValue(index, None, path[: depth + 1], encoded, where)
                 return
-            if not _is_plain_object(value):
+            if not is_plain_object(value):
                 return
-            namespace = _namespace(value)
+            namespace = held_values(value)
         # The path ends on an object (``cfg = self.cfg``, ``helper(x, self.cfg)``): what is
         # read off it later is not in this code, so every plain value it holds is recorded.
-        for inner, encoded in _object_values(value):
+        for inner, encoded in object_values(value):
             key = ("module", index, (*path, *inner))
             self.reads.setdefault(key, ReadValue(index, None, key[2], encoded, where))
 
@@ -366,11 +346,11 @@ class ReadRecorder:
                     return
                 continue  # a function whose closure variable is read: that value is checked
             if depth and path[depth - 1] == "__closure__":
-                holder = _cells(value)
+                holder = closure_cells(value)
             elif depth:
-                followed = _followed(value) or id(value) in self.global_modules
-                holder = _namespace(value) if followed else {}
-                if name not in holder and _is_plain_object(value):
+                followed = is_followed(value) or id(value) in self.global_modules
+                holder = held_values(value) if followed else {}
+                if name not in holder and is_plain_object(value):
                     path = path[:depth]  # a method of a plain object: the object read whole
                     break
             if depth:
@@ -387,11 +367,11 @@ class ReadRecorder:
                     None, module, path[: depth + 1], encoded, where, script_name(module, namespace)
                 )
                 return
-        if not _is_plain_object(value):
+        if not is_plain_object(value):
             return
         self.namespaces[module] = namespace
         script = script_name(module, namespace)
-        for inner, encoded in _object_values(value):  # a global object read whole
+        for inner, encoded in object_values(value):  # a global object read whole
             key = ("global", module, (*path, *inner))
             self.reads.setdefault(key, ReadValue(None, module, key[2], encoded, where, script))
 
@@ -443,20 +423,17 @@ class ReadRecorder:
         )
 
 
-_UNSEEN: Any = object()
-
-
 def _class_value(cls: type, name: str) -> Any:
     """The plain value a class of the user's (not one of torch's) holds under ``name``, as an
-    instance without its own reads it; ``_UNSEEN`` for anything else (methods, properties,
+    instance without its own reads it; ``UNSEEN`` for anything else (methods, properties,
     descriptors, torch's own class constants)."""
     for klass in cls.__mro__:
         if name in vars(klass):
             value = vars(klass)[name]
             user_class = not klass.__module__.startswith(("torch.", "builtins"))
             descriptor = hasattr(type(value), "__get__")
-            return value if user_class and not descriptor else _UNSEEN
-    return _UNSEEN
+            return value if user_class and not descriptor else UNSEEN
+    return UNSEEN
 
 
 def _child(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
@@ -488,23 +465,6 @@ def _users_method(cls: type, name: str) -> types.FunctionType | None:
     return None
 
 
-def users_file(filename: str) -> bool:
-    """Whether ``filename`` is the user's own code: not torch, this package, the standard
-    library or an installed package."""
-    return not (
-        filename.startswith((_TORCH_ROOT, _PACKAGE_ROOT))
-        or _in_standard_library(filename)
-        or any(p in filename for p in _INSTALLED)
-    )
-
-
-def script_name(module: str, namespace: dict[str, Any]) -> str | None:
-    """For ``__main__``, the base name of its script: a later process whose ``__main__`` is
-    another script has none of these globals to compare."""
-    file = namespace.get("__file__")
-    return os.path.basename(file) if module == "__main__" and isinstance(file, str) else None
-
-
 _CLOCKS = (
     *(time.time, time.time_ns, time.perf_counter, time.perf_counter_ns, time.monotonic),
     *(time.monotonic_ns, time.process_time, time.process_time_ns, time.thread_time),
@@ -527,382 +487,11 @@ def _reads_clock(namespace: dict[str, Any], path: Sequence[str]) -> bool:
 
 def _value_at(owner: Any, path: Sequence[str]) -> Any:
     """The value at the attribute ``path`` off ``owner``, through instance dicts only (no
-    property runs); ``_UNSEEN`` where there is none."""
+    property runs); ``UNSEEN`` where there is none."""
     value = owner
     for name in path:
-        value = getattr(value, "__dict__", {}).get(name, _UNSEEN)
+        value = getattr(value, "__dict__", {}).get(name, UNSEEN)
     return value
-
-
-def runs_as_function(fn: Any) -> Any:
-    """The function whose code runs first when ``fn`` is called: a partial's, a bound
-    method's, a callable object's ``__call__``."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    if isinstance(fn, types.MethodType):
-        return fn.__func__
-    if isinstance(fn, types.FunctionType):
-        return fn
-    method = getattr(type(fn), "forward" if isinstance(fn, torch.nn.Module) else "__call__", None)
-    return getattr(method, "__func__", method)
-
-
-def function_home(fn: Any) -> tuple[types.CodeType, dict[str, Any], str] | None:
-    """fn's code, its module's globals and the global there that holds fn (the first, by
-    identity), where fn is a function of the user's that closes over values; None otherwise."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    if not isinstance(fn, types.FunctionType) or not fn.__closure__:
-        return None
-    module = sys.modules.get(fn.__module__)
-    if module is None or not users_file(fn.__code__.co_filename):
-        return None
-    namespace = vars(module)
-    held = _global_holding(namespace, fn)
-    return None if held is None else (fn.__code__, namespace, held)
-
-
-def _global_holding(namespace: dict[str, Any], value: Any) -> str | None:
-    """The first global of ``namespace`` that holds ``value`` itself, if any."""
-    return next((k for k, v in namespace.items() if v is value and not k.startswith("__")), None)
-
-
-def _cells(function: types.FunctionType) -> Mapping[str, Any]:
-    """A function's filled closure cells by variable name."""
-    cells = {}
-    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=False):
-        try:
-            cells[name] = cell.cell_contents
-        except ValueError:  # a cell not yet filled
-            continue
-    return cells
-
-
-def runs_as(function: Any) -> Any:
-    """The object of the user's that ``function`` belongs to (a trainer whose bound ``step`` it
-    is, an object with ``__call__``), or None."""
-    while isinstance(function, functools.partial):
-        function = function.func
-    owner = function.__self__ if isinstance(function, types.MethodType) else function
-    plain = not isinstance(
-        owner, types.FunctionType | types.BuiltinFunctionType | type | torch.nn.Module
-    )
-    file = getattr(sys.modules.get(type(owner).__module__), "__file__", None)
-    users = isinstance(file, str) and users_file(file)
-    return owner if plain and users and hasattr(owner, "__dict__") else None
-
-
-def _closure_value(value: Any) -> bool:
-    """Whether a value read from a closure is one the graph may hold as a constant: a plain
-    value, not code (a helper function) or an object."""
-    return not callable(value) and encode_read(value) is not None and value is not None
-
-
-def _in_standard_library(filename: str) -> bool:
-    """Whether ``filename`` is a module of Python's standard library (not an installed
-    package, though a virtual environment keeps those under its own lib/)."""
-    return filename.startswith(_STDLIB_ROOTS) and not any(p in filename for p in _INSTALLED)
-
-
-def _code_reads(code: types.CodeType) -> _CodeReads | None:
-    """The reads in ``code`` worth recording, or None (torch's internals, this package)."""
-    filename = code.co_filename
-    if (
-        filename.startswith(_PACKAGE_ROOT)
-        or _in_standard_library(filename)
-        or (filename.startswith("<") and not filename.startswith(("<ipython", "<stdin")))
-    ):
-        return None  # this package, the standard library, code made by exec (namedtuple)
-    in_torch = filename.startswith(_TORCH_ROOT)
-    if in_torch and not filename.startswith(_TORCH_MODULES):
-        return None
-    self_name = code.co_varnames[0] if code.co_argcount else None
-    # Closures read in the user's own code (a library's are its own: transformers' masks).
-    users = not in_torch and not any(p in filename for p in _INSTALLED)
-    frees = frozenset(code.co_freevars)
-    paths: dict[tuple[str, ...], int] = {}
-    names: dict[tuple[str, ...], int] = {}
-    closed_over: dict[str, int] = {}
-    off_others: dict[tuple[str, bool], int] = {}
-    line = code.co_firstlineno
-    instructions = list(dis.get_instructions(code))
-    chained: set[int] = set()  # attribute loads that a path off self or a global holds
-    for i, instruction in enumerate(instructions):
-        line = (instruction.positions and instruction.positions.lineno) or line
-        if (name := _global_named(instruction)) is not None and users:  # a library's are its own
-            chain = tuple(_attribute_chain(instructions, i + 1))
-            chained.update(range(i + 1, i + 1 + len(chain)))
-            names.setdefault((name, *chain), line)
-        elif _loads_last(instruction) == self_name:
-            chain = tuple(_attribute_chain(instructions, i + 1))
-            chained.update(range(i + 1, i + 1 + len(chain)))
-            path = chain or _named_by_call(instructions, i) or _type_of(instructions, i)
-            if path and path[0] not in _NOT_READS and not (in_torch and path[0] == "__dict__"):
-                paths.setdefault(path, line)
-        elif users and instruction.opname == "LOAD_DEREF" and instruction.argval in frees:
-            closed_over.setdefault(instruction.argval, line)
-        elif users and _loads_last(instruction) is not None:
-            for name in _named_by_call(instructions, i):  # getattr(layer, "on", True)
-                off_others.setdefault((name, True), line)
-        elif users and instruction.opname in _ATTR_LOADS and i not in chained:
-            name = instruction.argval  # .scale off a loop variable, an item, a call's result
-            name = name[1] if isinstance(name, tuple) else name
-            if isinstance(name, str) and name not in _NOT_READS:
-                off_others.setdefault((name, False), line)
-    if not paths and not names and not closed_over and not off_others:
-        return None
-    return _CodeReads(
-        self_name,
-        tuple(paths.items()),
-        tuple(names.items()),
-        tuple(closed_over.items()),
-        tuple((name, by_call, line) for (name, by_call), line in off_others.items()),
-    )
-
-
-_NAMING_CALLS = frozenset({"getattr", "hasattr"})
-
-
-def _named_by_call(instructions: Sequence[dis.Instruction], at: int) -> tuple[str, ...]:
-    """``(name,)`` where the local loaded at ``at`` is the first argument of ``getattr`` or
-    ``hasattr`` with a constant name (``getattr(self, "mult", 1.0)``); else ``()``."""
-    if at == 0 or at + 1 >= len(instructions):
-        return ()
-    before, after = instructions[at - 1], instructions[at + 1]
-    if _global_named(before) in _NAMING_CALLS and after.opname == "LOAD_CONST":
-        return (after.argval,) if isinstance(after.argval, str) else ()
-    return ()
-
-
-def _global_named(instruction: dis.Instruction) -> str | None:
-    """The global an instruction loads (``LOAD_GLOBAL`` may also push a NULL: a pair)."""
-    if instruction.opname not in _GLOBAL_LOADS:
-        return None
-    name = instruction.argval
-    return name[-1] if isinstance(name, tuple) and name else name if isinstance(name, str) else None
-
-
-_CALLS = frozenset({"PRECALL", "CALL"})
-
-
-def _type_of(instructions: Sequence[dis.Instruction], at: int) -> tuple[str, ...]:
-    """``("__class__", name)`` where the local loaded at ``at`` is the argument of ``type``
-    and ``name`` is read off the result (``type(self).factor``); ``("__dict__",)`` where it is
-    the argument of ``vars``; else ``()``."""
-    called = _global_named(instructions[at - 1]) if at else None
-    if called not in ("type", "vars"):
-        return ()
-    if called == "vars":
-        return ("__dict__",)
-    after = at + 1
-    while after < len(instructions) and instructions[after].opname in _CALLS:
-        after += 1
-    chain = tuple(_attribute_chain(instructions, after))
-    return ("__class__", *chain[:1]) if chain else ()
-
-
-def _loads_last(instruction: dis.Instruction) -> str | None:
-    """The local an instruction leaves on top of the stack (Python 3.13 loads two at once)."""
-    if instruction.opname in _SELF_LOADS:
-        return cast(str, instruction.argval)
-    if instruction.opname in _PAIR_LOADS:
-        return cast(str, instruction.argval[1])
-    return None
-
-
-def _attribute_chain(instructions: Sequence[dis.Instruction], start: int) -> Iterator[str]:
-    """The attribute names loaded one after another from ``start`` (``.config.eps``)."""
-    for instruction in instructions[start : start + 2]:
-        if instruction.opname not in _ATTR_LOADS:
-            return
-        name = instruction.argval
-        yield name[1] if isinstance(name, tuple) else name
-
-
-def _followed(value: Any) -> bool:
-    """Whether a read follows attributes off a global: a plain object, or a module of the
-    user's own (not torch, the standard library or an installed package, whose constants are
-    theirs)."""
-    if isinstance(value, types.ModuleType):
-        file = getattr(value, "__file__", None)
-        return (
-            isinstance(file, str)
-            and not file.startswith((_TORCH_ROOT, *_STDLIB_ROOTS, _PACKAGE_ROOT))
-            and not any(p in file for p in _INSTALLED)
-        )
-    if isinstance(value, type):  # a class of the user's as settings (``Config.SCALE``)
-        file = getattr(sys.modules.get(value.__module__), "__file__", None)
-        return isinstance(file, str) and users_file(file)
-    return _is_plain_object(value)
-
-
-def _namespace(value: Any) -> Mapping[str, Any]:
-    """What an object holds: its instance dict, and the values in its slots (``__slots__``)."""
-    held = getattr(value, "__dict__", None)
-    slots = _slots(type(value))
-    if not slots:
-        return held if held is not None else {}
-    found = {s: v for s in slots if (v := getattr(value, s, _UNSEEN)) is not _UNSEEN}
-    return {**found, **(held or {})}
-
-
-def _slots(cls: type) -> tuple[str, ...]:
-    """The slot names a class and its bases declare (not ``__dict__`` or ``__weakref__``)."""
-    names: list[str] = []
-    for klass in cls.__mro__:
-        declared = vars(klass).get("__slots__", ())
-        names += [declared] if isinstance(declared, str) else list(declared)
-    return tuple(n for n in names if n not in ("__dict__", "__weakref__"))
-
-
-def _is_plain_object(value: Any) -> bool:
-    """An object whose attributes a read may follow (a config), not a module or tensor."""
-    return (hasattr(value, "__dict__") or bool(_slots(type(value)))) and not isinstance(
-        value,
-        torch.nn.Module
-        | torch.Tensor
-        | type
-        | types.ModuleType
-        | types.FunctionType
-        | types.MethodType
-        | Callable,
-    )
-
-
-_MOST_ITEMS = 256  # a longer tuple, list or dict read is a table, not a setting: not recorded
-_OBJECT_DEPTH = 2  # how far a whole object's plain values are followed into objects it holds
-
-
-def _object_values(
-    obj: Any, depth: int = _OBJECT_DEPTH
-) -> Iterator[tuple[tuple[str, ...], EncodedValue]]:
-    """The plain values ``obj`` holds (and the objects it holds, ``depth`` deep), each with
-    its attribute path off ``obj``. Objects of the standard library and of torch are not
-    followed: their state is theirs (a logger's level), not a setting of the user's."""
-    if _library_object(obj):
-        return
-    for name, value in list(_namespace(obj).items()):
-        encoded = encode_read(value)
-        if encoded is not None:
-            yield (name,), encoded
-        elif depth > 0 and _is_plain_object(value):
-            for inner, deeper in _object_values(value, depth - 1):
-                yield (name, *inner), deeper
-
-
-def _library_object(obj: Any) -> bool:
-    """An object of the standard library or of torch: its state is its own (a logger's level),
-    not a setting of the user's."""
-    module = getattr(type(obj), "__module__", "") or ""
-    return module.split(".")[0] in (
-        "torch",
-        "builtins",
-        *sys.stdlib_module_names,
-    ) and not isinstance(obj, types.SimpleNamespace)
-
-
-def _encode_item(value: Any, depth: int) -> EncodedValue | None:
-    """An item of a list, tuple or dict read: a plain value, or an object of the user's
-    (``self.specs[0].s``: what is read off it is out of the trace's sight, so it is compared
-    whole)."""
-    encoded = encode_read(value, depth)
-    return encoded if encoded is not None or depth <= 0 else _encode_object(value, depth)
-
-
-def _encode_object(value: Any, depth: int) -> EncodedValue | None:
-    """An object of the user's as its class and the plain values it holds (objects it holds
-    ``depth`` deep); None for anything else."""
-    if not _is_plain_object(value) or _library_object(value):
-        return None
-    fields = []
-    for name, held in list(_namespace(value).items()):
-        encoded = encode_read(held, depth - 1)
-        if encoded is None and depth > 1:
-            encoded = _encode_object(held, depth - 1)
-        if encoded is not None:  # a tensor or a module it holds is not a Python value
-            fields.append((name, encoded))
-    return ("object", (qualified_name(type(value)), tuple(fields)))
-
-
-def encode_object(value: Any) -> EncodedValue | None:
-    """An object of the user's as its class and the plain values it holds; None for any
-    other value."""
-    return _encode_object(value, _OBJECT_DEPTH)
-
-
-def encode_read(value: Any, depth: int = _OBJECT_DEPTH) -> EncodedValue | None:
-    """A read value as the spec holds it; None for a value that is not a plain one. Objects
-    of the user's inside lists, tuples and dicts are followed ``depth`` deep."""
-    if value is None:
-        return ("none", None)
-    if type(value) in (tuple, list) and len(value) <= _MOST_ITEMS:
-        items = [_encode_item(v, depth) for v in value]  # a list: compared by value each call
-        kind = type(value).__name__
-        return None if any(i is None for i in items) else (kind, tuple(items))
-    if type(value) is dict and len(value) <= _MOST_ITEMS:
-        pairs = [(encode_read(k), _encode_item(v, depth)) for k, v in value.items()]
-        plain = all(k is not None and v is not None for k, v in pairs)
-        return ("dict", tuple(pairs)) if plain else None  # compared item by item, in order
-    if type(value) in (set, frozenset) and len(value) <= _MOST_ITEMS:
-        items = [encode_read(v) for v in value]  # in a set's order, which may differ by run
-        kind = type(value).__name__
-        return None if any(i is None for i in items) else (kind, tuple(sorted(items, key=repr)))
-    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        return _encode_named_tuple(value)
-    numpy = sys.modules.get("numpy")  # a NumPy value is one where numpy is loaded
-    if numpy is not None and isinstance(value, numpy.generic):
-        item = encode_read(value.item())  # numpy.float32(2.0): 2.0, and the type
-        return None if item is None else ("numpy", (qualified_name(type(value)), item))
-    if numpy is not None and type(value) is numpy.ndarray and value.size <= _MOST_ITEMS:
-        items = [encode_read(v) for v in value.ravel().tolist()]
-        if any(i is None for i in items):
-            return None
-        return ("ndarray", (str(value.dtype), tuple(value.shape), tuple(items)))
-    if _named_callable(value):
-        return ("callable", callable_name(value))
-    if isinstance(value, types.FunctionType) and (digest := code_digest(value)) is not None:
-        return ("code", (qualified_name(value), digest))  # a lambda: by what it computes
-    if isinstance(value, enum.Enum | torch.dtype | torch.device) or type(value) in (
-        bool,
-        int,
-        float,
-        complex,
-        str,
-        bytes,
-    ):
-        try:
-            return encode_value("a read value", value)
-        except PrecompileError:
-            return None
-    return None
-
-
-def _encode_named_tuple(value: tuple[Any, ...]) -> EncodedValue | None:
-    """A named tuple as a frozen record: its class by qualified name, and each field."""
-    if len(value) > _MOST_ITEMS:
-        return None
-    names: tuple[str, ...] = cast(Any, value)._fields
-    fields = [(name, encode_read(getattr(value, name))) for name in names]
-    if any(encoded is None for _, encoded in fields):
-        return None
-    return ("frozen", (qualified_name(type(value)), tuple(fields)))
-
-
-def _named_callable(value: Any) -> bool:
-    """A callable that its name tells apart from others (``torch.relu``, a function of the
-    user's, a method set on a module, a partial binding plain values), not a lambda, whose
-    name would say nothing, nor a method bound to some object."""
-    if isinstance(value, functools.partial):
-        bound = (*value.args, *value.keywords.values())
-        return _named_callable(value.func) and all(encode_read(v) is not None for v in bound)
-    if isinstance(value, types.MethodType):
-        owner, value = value.__self__, value.__func__
-        if not isinstance(owner, torch.nn.Module):
-            return False
-    if isinstance(value, types.BuiltinFunctionType):
-        owner = value.__self__
-        return owner is None or isinstance(owner, types.ModuleType)
-    return isinstance(value, types.FunctionType) and "<" not in value.__qualname__
 
 
 def drop_changed_reads(recorder: ReadRecorder) -> None:
@@ -918,13 +507,13 @@ def drop_changed_reads(recorder: ReadRecorder) -> None:
                 if name == "__closure__" and isinstance(value, types.FunctionType):
                     function = value
                 elif function is not None:
-                    value, function = _cells(function).get(name), None
+                    value, function = closure_cells(function).get(name), None
                 else:
                     value = value.get(name) if value is os.environ else getattr(value, name, None)
         else:
             value = recorder.submodules[read.submodule]
             for name in read.path:
-                value = getattr(value, name, _UNSEEN)
-        now = ("absent", None) if value is _UNSEEN else encode_read(value)
+                value = getattr(value, name, UNSEEN)
+        now = ("absent", None) if value is UNSEEN else encode_read(value)
         if now != read.expected:
             del recorder.reads[key]
