@@ -19,6 +19,7 @@ from torch_precompile.spec import ArtifactSpec
 from torch_precompile.trace import checks, data_parallel, dynamo_guards
 from torch_precompile.trace.arguments import Layout, read_layout
 from torch_precompile.trace.distributed import check_graph, name_collectives
+from torch_precompile.trace.dynamo_breaks import refuse_breaks
 from torch_precompile.trace.guards import GuardRecorder
 from torch_precompile.trace.hooks import (
     assigned_names,
@@ -203,7 +204,7 @@ def _read_with_dynamo(fn: Callable[..., Any], layout: Layout, before: Any) -> Dy
             for group, options in zip(optimizer.param_groups, groups, strict=True):
                 group.update(options)
     put_back(before)
-    dynamo_guards.refuse_breaks(reading)
+    refuse_breaks(reading)
     return reading
 
 

@@ -37,13 +37,27 @@ from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import dynamo
 from torch_precompile.internals.origin import shown_path
 from torch_precompile.spec import GuardNote, ReadValue
-from torch_precompile.trace.code_homes import TORCH_ROOT, script_name, users_file
+from torch_precompile.trace.code_homes import script_name, users_file
+from torch_precompile.trace.dynamo_breaks import break_line, carried, resumes
+from torch_precompile.trace.guard_paths import (
+    MISSING,
+    attribute_names,
+    below,
+    cells_named,
+    covers,
+    is_code,
+    is_object,
+    shown_briefly,
+    users_module,
+    walk,
+    walk_from,
+)
 from torch_precompile.trace.read_values import encode_object, encode_read
 
 log = logging.getLogger("torch_precompile")
 
-CHECKED, FIXED, DROPPED = "checked", "fixed", "dropped"
 
+CHECKED, FIXED, DROPPED = "checked", "fixed", "dropped"
 # Torch's thread state, and the artifact's check that insists on the capture's.
 _STATE_CHECKS = {
     "GRAD_MODE": (CHECKED, "grad mode (a variant per mode; results' history)"),
@@ -72,35 +86,9 @@ _HOOK_DICTS = frozenset(
         "_load_state_dict_pre_hooks",
     }
 )
+
+
 _STRUCTURE = frozenset({"_parameters", "_buffers", "_modules", "__dict__", "forward"})
-# Graph breaks the make_fx trace carries, by words of Dynamo's reason (lowercased): the trace
-# records the backward, and checks at every call (or refuses by name) the values read off
-# tensors, the seeds, generators and draws, the clock and torch's settings that fn reads.
-_TENSOR_VALUE = "the make_fx trace checks the values read off tensors at every call"
-_WATCHED = "the make_fx trace watches it (checked at every call, named, or refused)"
-_CARRIED_BREAKS = (
-    ("backward()", "the make_fx trace records the backward"),
-    ("autograd.grad", "the make_fx trace records the backward"),
-    (".item()", _TENSOR_VALUE),
-    ("tolist()", _TENSOR_VALUE),
-    ("generic_jump", _TENSOR_VALUE),
-    ("data-dependent", _TENSOR_VALUE),
-    ("data dependent", _TENSOR_VALUE),
-    ("dynamic shape operator", _TENSOR_VALUE),
-    ("untypedstorage", _TENSOR_VALUE),
-    ("numpy", _TENSOR_VALUE),
-    ("manual_seed", _WATCHED),
-    ("seed", _WATCHED),
-    ("rng_state", _WATCHED),
-    ("random", _WATCHED),
-    ("perf_counter", _WATCHED),
-    ("time.time", _WATCHED),
-    ("monotonic", _WATCHED),
-    ("torch.* op returned non-tensor", _WATCHED),
-    # Dynamo skips it (a break at the user's call, with or without a graph before it); the
-    # trace steps the optimizers passed to fn, their gradients cleared as eager clears them.
-    ("`Optimizer.zero_grad`", "the make_fx trace carries the optimizers passed to fn"),
-)
 
 
 @dataclass(frozen=True)
@@ -159,41 +147,9 @@ def _note(globals_: dict[str, Any], arguments: dict[str, Any], path: dynamo.Guar
     fn then changes in place is seen as it was)."""
     frame = dynamo.FrameRead(_NO_CODE, globals_, arguments, ())
     try:
-        return encode_read(_walk(frame, path)[-1])
+        return encode_read(walk(frame, path)[-1])
     except Exception:  # a value whose encoding fails is no plain value
         return None
-
-
-def refuse_breaks(reading: dynamo.DynamoReading) -> None:
-    """Refuse a graph break the make_fx trace does not carry, naming its line and reason."""
-    for brk in reading.breaks:
-        if _carried(brk) is None:
-            raise PrecompileError(
-                f"tracer='dynamo' could not read fn past {_where(brk)}: "
-                f"{brk.reason.rstrip('.')}. Code Dynamo cannot read would run once, at "
-                "capture, and never at a call: move it out of fn, around the artifact's call, "
-                "or capture with tracer='make_fx' (the default), which runs it once at capture "
-                "too and warns of each print, logging or warnings call it ran."
-            )
-
-
-def _where(brk: dynamo.GraphBreak) -> str:
-    if not brk.line:
-        return "an unknown line"
-    file, _, line = brk.line.rpartition(":")
-    code = f" ({brk.text.strip()})" if brk.text else ""
-    return f"{shown_path(file)}:{line}{code}"
-
-
-def _carried(brk: dynamo.GraphBreak) -> str | None:
-    """Why the make_fx trace carries ``brk``; None where it does not."""
-    text = brk.reason.lower()
-    why = next((why for key, why in _CARRIED_BREAKS if key.lower() in text), None)
-    if why is None and brk.line and not users_file(brk.line.rpartition(":")[0]):
-        # torch's, the standard library's or an installed package's code: the trace runs it
-        # and its watchers see what it reads of the model (module attributes, hooks, ...)
-        why = "code not the user's, which the make_fx trace runs and watches"
-    return why
 
 
 def _as_function(fn: Any, args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -224,7 +180,7 @@ def translate(
 ) -> Translated:
     """Each guard of each frame Dynamo read, as a check, a fixed fact or a dropped guard."""
     fn_code = code_of(fn)
-    if not any(f.code is fn_code or _resumes(f.code, fn_code) for f in reading.frames):
+    if not any(f.code is fn_code or resumes(f.code, fn_code) for f in reading.frames):
         why = f": {reading.unread[0]}" if reading.unread else ""
         raise PrecompileError(
             f"tracer='dynamo' could not read fn's own code (Dynamo ran it unread{why}); "
@@ -235,7 +191,7 @@ def translate(
         for guard in frame.guards:
             translator.add(frame, guard)
     for brk in reading.breaks:  # each carried (refuse_breaks refused the others)
-        translator.counts[("GRAPH_BREAK", _where(brk), CHECKED, str(_carried(brk)))] += 1
+        translator.counts[("GRAPH_BREAK", break_line(brk), CHECKED, str(carried(brk)))] += 1
     return Translated(tuple(translator.reads), translator.notes())
 
 
@@ -256,7 +212,7 @@ class _Home:
         function = getattr(target, "__func__", target)
         name = getattr(function, "__module__", None)
         module = sys.modules.get(name) if isinstance(name, str) else None
-        if module is None or not _users_module(name):
+        if module is None or not users_module(name):
             return None
         # The first global of a name holds an object (an alias defined later reads the same).
         held = {id(v): k for k, v in reversed(vars(module).items()) if not k.startswith("__")}
@@ -282,7 +238,7 @@ class _Translator:
 
     def notes(self) -> tuple[GuardNote, ...]:
         for key, kind, text in self.objects:
-            held = sorted(".".join(k[2]) for k in self.keys if k[:2] == key[:2] and _below(k, key))
+            held = sorted(".".join(k[2]) for k in self.keys if k[:2] == key[:2] and below(k, key))
             outcome, by = (
                 (CHECKED, f"read values off it ({', '.join(held[:3])})")
                 if held
@@ -311,7 +267,7 @@ class _Translator:
             return DROPPED, f"no check of the artifact reads {guard.text}"
         if path.root == "state":
             return _STATE_CHECKS.get(guard.kind, (DROPPED, "torch state no check reads"))
-        chain = _walk(frame, path)
+        chain = walk(frame, path)
         anchored = self._anchored(chain, path, guard)
         if anchored is not None:
             return anchored
@@ -345,7 +301,7 @@ class _Translator:
             return CHECKED, "hook checks"
         if first in _STRUCTURE:
             return CHECKED, "module structure (class, forward, attributes, members)"
-        names = _attribute_names(rest)
+        names = attribute_names(rest)
         if names is None:
             return DROPPED, f"no check of the artifact reads {guard.text}"
         value = chain[-1]
@@ -365,8 +321,8 @@ class _Translator:
         module = frame.globals.get("__name__")
         if path.name.startswith("__import_"):  # Dynamo's handle on a module it imported
             root = sys.modules.get(path.name.removeprefix("__import_").replace("_dot_", "."))
-            chain = [root, *_walk_from(root, path.steps)]
-        chain, path = _cells_named(chain, path)
+            chain = [root, *walk_from(root, path.steps)]
+        chain, path = cells_named(chain, path)
         value = chain[-1]
         steps: tuple[dynamo.Step, ...] = path.steps
         names: tuple[str, ...] = (path.name,)
@@ -381,7 +337,7 @@ class _Translator:
             return FIXED, "torch's own code, fixed by the torch build the artifact runs on"
         if module.startswith("_torch_precompile"):  # a loaded artifact's process-wide count
             return FIXED, "torch-precompile's own state (a loaded artifact's)"
-        if not _users_module(module):
+        if not users_module(module):
             return self._library(module, names, steps, held, guard)
         if steps[:2] == (dynamo.Step("type"), dynamo.Step("typedict")):
             # A class attribute read through an instance: the artifact reads it off the class,
@@ -392,7 +348,7 @@ class _Translator:
                 return DROPPED, f"{guard.text}: a class attribute of a class no check can find"
             names = (cls.__name__,)
             steps = (dynamo.Step("attr", steps[2].key), *steps[3:]) if len(steps) > 2 else ()
-        more = _attribute_names(steps, through_classes=False, cells=True)
+        more = attribute_names(steps, through_classes=False, cells=True)
         if more is None or not (*names, *more):
             return DROPPED, f"no check of the artifact reads {guard.text}"
         return self._value(None, module, (*names, *more), value, guard)
@@ -410,10 +366,10 @@ class _Translator:
         if module == "os" and not names and steps[:1] == (dynamo.Step("attr", "environ"),):
             return CHECKED, "environment variable checks (each variable the user's code reads)"
         value = held[-1] if held else sys.modules.get(module)  # the module itself
-        if _is_code(value) or any(isinstance(obj, type) for obj in held[:-1]):
+        if is_code(value) or any(isinstance(obj, type) for obj in held[:-1]):
             package = module.split(".")[0]
             return FIXED, f"code of {package}, as installed (not the user's to change)"
-        more = _attribute_names(steps, through_classes=False, cells=True)
+        more = attribute_names(steps, through_classes=False, cells=True)
         if more is None or not (*names, *more):
             return DROPPED, f"state of module {module} that no check reads ({guard.text})"
         return self._value(None, module, (*names, *more), value, guard)
@@ -423,11 +379,11 @@ class _Translator:
     ) -> tuple[str, str]:
         code = frame.code
         own = code is self.fn_code
-        if path.name in code.co_freevars and (own or _resumes(code, self.fn_code)):
+        if path.name in code.co_freevars and (own or resumes(code, self.fn_code)):
             if self.home is not None and self.home.function is not None:
                 held = (self.home.function, "__closure__", path.name)
                 return self._through(held, path, value, guard)
-            shown = _shown(value)
+            shown = shown_briefly(value)
             return DROPPED, (
                 f"a value fn closes over ({path.name}={shown}): no call can reach it; pass it "
                 "as an argument, or hold fn in a global of its module (a call then reads it "
@@ -436,8 +392,8 @@ class _Translator:
         if own and path.name in self.anchors.arguments:
             return CHECKED, f"input checks of argument {path.name} (its value or layout)"
         if own:  # the object a bound method fn belongs to, or a callable object itself
-            root = frame.arguments.get(path.name, _MISSING)
-            name = self.home.globals.get(id(root)) if self.home and _is_object(root) else None
+            root = frame.arguments.get(path.name, MISSING)
+            name = self.home.globals.get(id(root)) if self.home and is_object(root) else None
             if name is not None:
                 return self._through((name,), path, value, guard)
             return DROPPED, (
@@ -445,7 +401,7 @@ class _Translator:
                 "call can reach it; pass what changes as an argument, or hold the object in a "
                 "global of its module (a call then reads it there)"
             )
-        if _resumes(code, self.fn_code):
+        if resumes(code, self.fn_code):
             return FIXED, "a value fn computed before a graph break, from what it read"
         if not users_file(code.co_filename):
             return FIXED, "an argument torch's own code passed itself"
@@ -460,7 +416,7 @@ class _Translator:
     ) -> tuple[str, str]:
         """A local of fn's own frame read through the global that ``held`` names (fn's
         function then its closure variable, or the object fn belongs to)."""
-        more = _attribute_names(path.steps, through_classes=False, cells=True)
+        more = attribute_names(path.steps, through_classes=False, cells=True)
         if more is None or self.home is None:
             return DROPPED, f"no check of the artifact reads {guard.text}"
         return self._value(None, self.home.module, (*held, *more), value, guard)
@@ -475,9 +431,9 @@ class _Translator:
     ) -> tuple[str, str]:
         key = (submodule, module, names)
         shown = ".".join(names)
-        if any(_covers(k, key) for k in self.keys):
-            return CHECKED, f"read value {shown} == {_shown(value)}"
-        encoded = None if value is _MISSING else encode_read(value)
+        if any(covers(k, key) for k in self.keys):
+            return CHECKED, f"read value {shown} == {shown_briefly(value)}"
+        encoded = None if value is MISSING else encode_read(value)
         if guard.at_read is not None and encoded != guard.at_read:
             return DROPPED, f"{shown}: fn changes it as it runs, so no call could pass its check"
         if encoded is None and guard.kind in _OBJECT_KINDS:
@@ -495,10 +451,9 @@ class _Translator:
             where = f"{shown_path(file)}:{line}"
         self.reads.append(ReadValue(submodule, module, names, encoded, where, script))
         self.keys.add(key)
-        return CHECKED, f"read value {shown} == {_shown(value)}"
+        return CHECKED, f"read value {shown} == {shown_briefly(value)}"
 
 
-_MISSING: Any = object()
 # Checks a model holds once per member (each submodule's hooks, each tensor): their guards are
 # listed once per kind and place, with a count, not once per submodule or tensor.
 _PER_MEMBER = ("module structure", "hook checks", "tensor checks of model", "optimizer checks")
@@ -519,149 +474,9 @@ def _one_per_kind(text: str) -> str:
 
 _NO_CODE = (lambda: None).__code__
 _LATER = "later"  # an object's guard, settled once every value read off it is known
+
+
 # Guards on an object as a whole: its class, its namespace's keys, its identity.
 _OBJECT_KINDS = frozenset(
     {"TYPE_MATCH", "ID_MATCH", "NOT_PRESENT_IN_GENERIC_DICT", "HASATTR", "DICT_KEYS_MATCH"}
 )
-
-
-def _below(
-    made: tuple[Any, Any, tuple[str, ...]], holder: tuple[Any, Any, tuple[str, ...]]
-) -> bool:
-    return len(made[2]) > len(holder[2]) and made[2][: len(holder[2])] == holder[2]
-
-
-def _walk(frame: dynamo.FrameRead, path: dynamo.GuardPath) -> list[Any]:
-    """Each object from the path's root to the guarded value (``_MISSING`` past a failed
-    step)."""
-    scope = frame.arguments if path.root == "local" else frame.globals
-    root = scope.get(path.name, _MISSING)
-    return [root, *_walk_from(root, path.steps)]
-
-
-def _walk_from(obj: Any, steps: Sequence[dynamo.Step]) -> list[Any]:
-    chain = []
-    for step in steps:
-        obj = _step(obj, step)
-        chain.append(obj)
-    return chain
-
-
-def _step(obj: Any, step: dynamo.Step) -> Any:
-    if obj is _MISSING:
-        return _MISSING
-    try:
-        if step.kind == "attr":
-            return getattr(obj, step.key)
-        if step.kind == "item":
-            return obj[step.key]
-        if step.kind == "type":
-            return type(obj)
-        if step.kind == "typedict":
-            return dict(obj.__dict__)
-    except Exception:  # a place that no longer exists: nothing to anchor on
-        return _MISSING
-    return _MISSING
-
-
-def _attribute_names(
-    steps: Sequence[dynamo.Step], through_classes: bool = True, cells: bool = False
-) -> tuple[str, ...] | None:
-    """The attribute names of ``steps`` where they are all plain attribute reads; with
-    ``through_classes``, a class attribute read through an instance (type, class namespace,
-    item) reads as its name (as ``getattr`` finds it, not a global's ``__dict__`` walk); with
-    ``cells``, ``__closure__`` (a global read's step into a function's closure variable)."""
-    names: list[str] = []
-    kinds = [s.kind for s in steps]
-    i = 0
-    while i < len(steps):
-        step = steps[i]
-        plain = step.kind == "attr" and not str(step.key).startswith("__")
-        if plain or (cells and step == _CELLS):
-            names.append(str(step.key))
-            i += 1
-        elif (
-            through_classes
-            and kinds[i : i + 3] == ["type", "typedict", "item"]
-            and isinstance(steps[i + 2].key, str)
-        ):
-            names.append(steps[i + 2].key)
-            i += 3
-        else:
-            return None
-    return tuple(names)
-
-
-_CELLS = dynamo.Step("attr", "__closure__")
-
-
-def _cells_named(chain: list[Any], path: dynamo.GuardPath) -> tuple[list[Any], dynamo.GuardPath]:
-    """``chain`` and ``path`` with each read of a function's cell (``__closure__``, ``[i]``,
-    ``cell_contents``) as ``__closure__`` then the closure variable's name (``chain[k]`` is the
-    object before ``path.steps[k]``)."""
-    steps, objects = list(path.steps), list(chain)
-    for k in range(len(steps) - 3, -1, -1):
-        function, (cell, index, contents) = objects[k], steps[k : k + 3]
-        if not (
-            cell == _CELLS
-            and isinstance(function, types.FunctionType)
-            and index.kind == "item"
-            and isinstance(index.key, int)
-            and contents == dynamo.Step("attr", "cell_contents")
-            and index.key < len(function.__code__.co_freevars)
-        ):
-            continue
-        name = function.__code__.co_freevars[index.key]
-        steps[k : k + 3] = [_CELLS, dynamo.Step("attr", name)]
-        del objects[k + 2]  # the cell itself: after it, the tuple then the cell's value
-    return objects, dynamo.GuardPath(path.root, path.name, tuple(steps))
-
-
-def _covers(
-    made: tuple[Any, Any, tuple[str, ...]], wanted: tuple[Any, Any, tuple[str, ...]]
-) -> bool:
-    """Whether a read the make_fx trace made holds ``wanted`` (the same place, or an object
-    on its path, whose values it all holds)."""
-    return made[:2] == wanted[:2] and wanted[2][: len(made[2])] == made[2]
-
-
-def _is_code(value: Any) -> bool:
-    """Modules, classes, functions and methods: code, not settings."""
-    return isinstance(
-        value,
-        types.ModuleType
-        | type
-        | types.FunctionType
-        | types.BuiltinFunctionType
-        | types.MethodType
-        | types.MethodWrapperType
-        | types.WrapperDescriptorType
-        | types.MethodDescriptorType,
-    )
-
-
-def _is_object(value: Any) -> bool:
-    """An object of the user's holding values (not a plain value, code or a container)."""
-    return isinstance(getattr(value, "__dict__", None), dict) and not _is_code(value)
-
-
-def _users_module(name: Any) -> bool:
-    module = sys.modules.get(name) if isinstance(name, str) else None
-    file = getattr(module, "__file__", None)
-    if name == "__main__":
-        return True
-    return isinstance(file, str) and users_file(file) and not file.startswith(TORCH_ROOT)
-
-
-def _resumes(code: types.CodeType, fn_code: types.CodeType) -> bool:
-    """Whether ``code`` is one of Dynamo's resume functions for fn (after a graph break)."""
-    return code.co_filename == fn_code.co_filename and code.co_name.startswith(
-        "torch_dynamo_resume_in_"
-    )
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    if " object at 0x" in text:  # the default repr: an address that differs per process
-        return f"a {type(value).__qualname__}"
-    return text if len(text) <= 40 else f"{type(value).__name__}(...)"
