@@ -24,6 +24,7 @@ from torch_precompile.internals.distributed import (
     non_functional_collectives,
 )
 from torch_precompile.shipped.driver.distributed import bind_groups, placement_text
+from torch_precompile.shipped.driver.refusals import qualified_name
 from torch_precompile.spec import DistributedTensor, Mesh
 
 if TYPE_CHECKING:
@@ -227,7 +228,7 @@ def _refuse_nested(tensor: Any, name: str) -> None:
     local = type(tensor.to_local())
     if local not in (torch.Tensor, torch.nn.Parameter):
         raise PrecompileError(
-            f"{name} is a DTensor whose local shard is a {local.__module__}.{local.__qualname__} "
+            f"{name} is a DTensor whose local shard is a {qualified_name(local)} "
             "(a quantized DTensor, say); nested tensor subclasses are not carried. Shard plain "
             "tensors, or quantize an unsharded model."
         )

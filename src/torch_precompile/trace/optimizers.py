@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.optim import step_count_dtype, step_hooks
 from torch_precompile.internals.tracing import compiling
+from torch_precompile.shipped.driver.refusals import qualified_name
 from torch_precompile.spec import EncodedValue, Optimizer, OptimizerState, ParamGroup
 from torch_precompile.trace.state import ModelState
 
@@ -148,7 +149,7 @@ def _check_class(optimizer: torch.optim.Optimizer, name: str) -> None:
     if cls not in _RULES:
         carried = ", ".join(f"torch.optim.{c.__name__}" for c in _RULES)
         raise PrecompileError(
-            f"optimizer {name} is a {cls.__module__}.{cls.__qualname__}; a step inside fn is "
+            f"optimizer {name} is a {qualified_name(cls)}; a step inside fn is "
             f"carried for {carried}, whose state and first step capture knows. Call "
             f"{name}.step() outside the artifact (loss = run(model, x, t); {name}.step(); "
             f"{name}.zero_grad()), or use one of those."
@@ -267,7 +268,7 @@ def only_arguments_step(optimizers: Sequence[OptimizerArg]) -> Iterator[None]:
         if id(optimizer) not in passed:
             cls = type(optimizer)
             raise PrecompileError(
-                f"fn steps a {cls.__module__}.{cls.__qualname__} that is not one of its "
+                f"fn steps a {qualified_name(cls)} that is not one of its "
                 "arguments (a global, a closure value or an attribute): the artifact would "
                 "replay the step from the state it had at capture at every call. Pass the "
                 "optimizer as an argument, as the model is: fn(model, opt, x, ...) and "
@@ -378,9 +379,7 @@ def optimizer_records(
     for number, arg in enumerate(optimizers):
         optimizer = arg.optimizer
         cls = type(optimizer)
-        records.append(
-            Optimizer(arg.name, f"{cls.__module__}.{cls.__qualname__}", arg.zero_grad_first)
-        )
+        records.append(Optimizer(arg.name, qualified_name(cls), arg.zero_grad_first))
         rule = _RULES[cls]
         index_of = {id(t): i for i, t in enumerate(state.tensors)}
         for group in optimizer.param_groups:

@@ -179,7 +179,7 @@ def refuse_mixed(wrapping: Wrapping, sharded: bool) -> None:
 
 
 def _record(flattened: Flattened, role: str, index: int, name: str) -> WrappedTensor:
-    cls = f"{flattened.cls.__module__}.{flattened.cls.__qualname__}"
+    cls = qualified_name(flattened.cls)
     context = encode_context(flattened.context, name)
     try:
         rebuilt = decode_context(context) == flattened.context

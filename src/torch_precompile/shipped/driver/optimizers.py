@@ -20,7 +20,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from torch_precompile.shipped.driver.core import Driver
 from torch_precompile.shipped.driver.planned import TensorPlan, check_planned
-from torch_precompile.shipped.driver.refusals import PrecompileError
+from torch_precompile.shipped.driver.refusals import PrecompileError, qualified_name
 
 
 class OptimizerSteps:
@@ -146,11 +146,11 @@ class OptimizerPlan:
 
     def check(self, optimizer: Any, state: Sequence[torch.Tensor]) -> tuple[Any, dict[Any, Any]]:
         """``optimizer`` checked; the zero state to give parameters that have none yet."""
-        cls = type(optimizer)
-        if f"{cls.__module__}.{cls.__qualname__}" != self.cls:
+        given = qualified_name(type(optimizer))
+        if given != self.cls:
             raise PrecompileError(
-                f"argument {self.name} was a {self.cls} at capture; got {cls.__module__}."
-                f"{cls.__qualname__}. Pass an optimizer of the captured class."
+                f"argument {self.name} was a {self.cls} at capture; got {given}. Pass an "
+                "optimizer of the captured class."
             )
         self._check_hooks(optimizer)
         self._check_groups(optimizer, state)

@@ -52,7 +52,7 @@ PLAIN = (torch.Tensor, torch.nn.Parameter)
 def subclass_error(what: str, tensor: torch.Tensor) -> PrecompileError:
     """A tensor subclass where the artifact was captured with a plain tensor: the kernels
     would read its wrapper as if it held the data."""
-    kind = f"{type(tensor).__module__}.{type(tensor).__qualname__}"
+    kind = qualified_name(type(tensor))
     if kind == "torch.distributed.tensor.DTensor":
         fix = (
             "A module the artifact runs was sharded after capture (fully_shard, say): its "
