@@ -83,9 +83,20 @@ def plain_binding(spec: ArtifactSpec, history: str) -> list[str]:
         "forward = PlainForward(",
         "    call,",
         "    check_call,",
-        *(f"    {a}," for a in arguments),
+        *(line for a in arguments for line in argument_lines(a, "    ")),
         ")",
     ]
+
+
+def argument_lines(argument: str, indent: str) -> list[str]:
+    """``argument,`` at ``indent``; a call that would pass 100 columns (``autograd=
+    differentiable(...)`` with four graphs) gets its own arguments on a line below."""
+    line = f"{indent}{argument},"
+    opened = argument.find("(")
+    if len(line) <= 100 or opened < 0 or not argument.endswith(")"):
+        return [line]
+    inner = argument[opened + 1 : -1]
+    return [f"{indent}{argument[: opened + 1]}", f"{indent}    {inner}", f"{indent}),"]
 
 
 def _constants(spec: ArtifactSpec, training: bool) -> list[str]:

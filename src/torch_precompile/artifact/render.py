@@ -17,7 +17,12 @@ from types import ModuleType
 
 from torch_precompile.artifact.checks import check_function
 from torch_precompile.artifact.header import header
-from torch_precompile.artifact.plain_checks import is_plain, plain_binding, plain_checks
+from torch_precompile.artifact.plain_checks import (
+    argument_lines,
+    is_plain,
+    plain_binding,
+    plain_checks,
+)
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
 from torch_precompile.lower import LoweredGraph, VariantGraphs
@@ -324,6 +329,11 @@ def _sections_line(named: Sequence[_NamedGraph], plain_spec: bool) -> str:
         graphs = (
             "the compiled graphs: the plain one, and the forward and backward that give "
             "results autograd history"
+            + (
+                " (and the same for calls where an input tensor requires grad)"
+                if any(str(g.keyword).startswith("input_") for g in named)
+                else ""
+            )
         )
     else:
         graphs = "the compiled graphs, one per variant"
@@ -352,7 +362,8 @@ def _binding(variants: Sequence[ArtifactSpec], named: Sequence[Sequence[_NamedGr
         arguments = ["ARTIFACT_SPEC", "call", "check_call", *keywords(variants[0], named[0])]
         line = f"forward = Driver({', '.join(arguments)})"
         if len(line) > 100:  # one argument a line, as a reader would wrap it
-            line = "\n".join(["forward = Driver(", *(f"    {a}," for a in arguments), ")"])
+            wrapped = [row for a in arguments for row in argument_lines(a, "    ")]
+            line = "\n".join(["forward = Driver(", *wrapped, ")"])
         return ["# forward: the driver over this spec and graph.", line]
     return [
         "# forward: a driver over each variant's spec and graph; a call runs the variant it fits.",
@@ -507,7 +518,11 @@ def _structure(dumped: str, names: Sequence[object] | None) -> str:
 
 
 def _section(number: int, title: str) -> str:
-    return f"\n{_RULE}\n# {number}. {title}\n{_RULE}\n"
+    lead = f"# {number}. "
+    lines = textwrap.wrap(
+        title, width=80, initial_indent=lead, subsequent_indent="#" + " " * (len(lead) - 1)
+    )
+    return "\n".join(["", _RULE, *lines, _RULE, ""])
 
 
 def _top_level_names(source: str) -> set[str]:
