@@ -304,33 +304,57 @@ def logger_first(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("fn", "call"),
+    ("fn", "call", "what"),
     [
-        (print_first, 'print("step")'),
-        (print_after, 'print("step")'),
-        (log_first, 'logging.info("step")'),
-        (log_after, 'logging.info("step")'),
-        (logger_first, 'STEP_LOG.warning("step")'),
+        (print_first, 'print("step")', "print"),
+        (print_after, 'print("step")', "print"),
+        (log_first, 'logging.info("step")', "logging.info"),
+        (log_after, 'logging.info("step")', "logging.info"),
+        (logger_first, 'STEP_LOG.warning("step")', "logging.warning"),
     ],
     ids=["print-first", "print-after", "logging-first", "logging-after", "logger-first"],
 )
-def test_a_graph_break_the_trace_cannot_carry_is_refused_naming_the_line(
-    fn: Any, call: str
-) -> None:
-    """Code Dynamo cannot read (a print, a logging call) is refused by its line, before the
+def test_a_print_or_logging_call_is_refused_naming_the_line(fn: Any, call: str, what: str) -> None:
+    """A print or logging call would run once, at capture: refused by its line, before the
     first tensor operation (where Dynamo has no graph to end) as after it."""
     m, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
     lines, first = inspect.getsourcelines(fn)
     line = first + next(i for i, text in enumerate(lines) if call in text)
     with pytest.raises(
         PrecompileError,
-        match=rf"^tracer='dynamo' could not read fn past \S*test_dynamo_tracer\.py:{line} "
-        rf"\({re.escape(call)}\): .+\. Code Dynamo cannot read would run once, at capture, "
-        r"and never at a call: move it out of fn, around the artifact's call, or capture with "
-        r"tracer='make_fx' \(the default\), which runs it once at capture too and warns of "
-        r"each print, logging or warnings call it ran\.$",
+        match=rf"^tracer='dynamo' refuses what fn prints, logs or warns: {re.escape(what)} "
+        rf"\(test_dynamo_tracer\.py:{line} \({fn.__name__}\)\)\. Each would run once, at "
+        r"capture, and never at a call of the artifact: move it out of fn, around the "
+        r"artifact's call, or capture with tracer='make_fx' \(the default\), which runs it "
+        r"once at capture and warns of it\.$",
     ):
         _pair(fn, m, x)
+
+
+class RecurrentHead(torch.nn.Module):
+    """An LSTM first, then more: Dynamo breaks on the LSTM with no graph before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return out.relu() * 2
+
+
+def run_model(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x)
+
+
+def test_a_torch_module_dynamo_does_not_read_is_carried_first_as_later() -> None:
+    """Dynamo does not read an LSTM; the make_fx trace carries it, as a module's first
+    operation too (where Dynamo has no graph before it)."""
+    torch.manual_seed(0)
+    m, x = RecurrentHead(), torch.randn(5, 1, 4)
+    run = precompile.load(*_pair(run_model, m, x))
+    with torch.no_grad():
+        torch.testing.assert_close(run(m, x), m(x))
 
 
 def test_an_internal_error_of_dynamo_is_refused_and_changes_nothing(

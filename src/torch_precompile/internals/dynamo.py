@@ -8,16 +8,13 @@ its reason and user line. Only capture imports this module; the artifact never d
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import sys
-import threading
 import types
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,17 +123,12 @@ def read(
 
     known = set(counters["unimplemented"])
     dynamo.reset()
-    logged: list[GraphBreak] = []
     try:
-        with _strict_config(), warnings.catch_warnings(), _logged_breaks(logged):
+        with _strict_config(), warnings.catch_warnings():
             # About Dynamo's own guards' speed; the artifact never runs them.
             warnings.filterwarnings("ignore", message="Guards may run slower")
             result = dynamo.optimize(backend, guard_export_fn=export)(fn)(*args)
         reading.unread = [_first_line(r) for r in counters["unimplemented"] if r not in known]
-        # A break with no graph before it (a print before any tensor operation) reaches no
-        # backend: only Dynamo's log of it tells of it.
-        told = {(b.line, b.reason) for b in reading.breaks}
-        reading.breaks += [b for b in dict.fromkeys(logged) if (b.line, b.reason) not in told]
     except Exception as error:
         # fn ran whole in the trace before this, so what is raised here is Dynamo's: its own
         # exceptions, or an internal error (an assertion, a KeyError) of a release's Dynamo.
@@ -145,67 +137,6 @@ def read(
         dynamo.reset()
         quiet.setLevel(level)
     return reading, result
-
-
-_LOGGING = threading.local()  # the list each thread's reading collects logged breaks in
-_LOGGING_LOCK = threading.Lock()
-_logging_users = 0
-_unlogged: Any = None  # Dynamo's own log_graph_break while it is wrapped
-
-
-@contextlib.contextmanager
-def _logged_breaks(found: list[GraphBreak]) -> Iterator[None]:
-    """Collect into ``found`` each graph break Dynamo logs in this thread (it logs every
-    break, and tells the backend only of those that end a graph)."""
-    global _logging_users, _unlogged
-    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
-
-    translator: Any = InstructionTranslatorBase
-    with _LOGGING_LOCK:
-        if _logging_users == 0:
-            _unlogged = original = translator.log_graph_break
-
-            def log_graph_break(self: Any, code_options: Any, reason: Any, exc: Any) -> None:
-                collected = getattr(_LOGGING, "found", None)
-                if collected is not None:
-                    collected.append(_logged_break(str(reason), exc))
-                original(self, code_options, reason, exc)
-
-            translator.log_graph_break = log_graph_break
-        _logging_users += 1
-    _LOGGING.found = found
-    try:
-        yield
-    finally:
-        _LOGGING.found = None
-        with _LOGGING_LOCK:
-            _logging_users -= 1
-            if _logging_users == 0:
-                translator.log_graph_break = _unlogged
-
-
-def _logged_break(reason: str, exc: Any) -> GraphBreak:
-    """A break as Dynamo logs it: its exception's message (else the reason it gives) at the
-    last frame of the exception's user stack, or of the frame being translated."""
-    from torch._guards import TracingContext
-
-    stack = getattr(exc, "real_stack", None)
-    stack = list(stack if stack is not None else TracingContext.extract_stack())
-    return GraphBreak(_first_line(str(getattr(exc, "msg", None) or reason)), *_called_at(stack))
-
-
-_LOGGING_FILES = str(Path(logging.__file__).parent)
-
-
-def _called_at(stack: list[Any]) -> tuple[str | None, str | None]:
-    """The file:line and source of the last frame of ``stack`` outside the logging package: a
-    break inside ``logging.info`` is one at the line that called it."""
-    while len(stack) > 1 and stack[-1].filename.startswith(_LOGGING_FILES):
-        stack = stack[:-1]
-    last = stack[-1] if stack else None
-    if last is None:
-        return None, None
-    return f"{last.filename}:{last.lineno}", last.line or None
 
 
 def _strict_config() -> Any:
@@ -232,7 +163,12 @@ def _frame_being_compiled() -> Any:
 
 def _graph_break(reason: Any) -> GraphBreak:
     stack = list(getattr(reason, "user_stack", None) or ())
-    return GraphBreak(_first_line(str(reason.reason)), *_called_at(stack))
+    last = stack[-1] if stack else None
+    return GraphBreak(
+        reason=_first_line(str(reason.reason)),
+        line=f"{last.filename}:{last.lineno}" if last is not None else None,
+        text=(last.line or None) if last is not None else None,
+    )
 
 
 def _first_line(text: str) -> str:

@@ -112,11 +112,14 @@ def capture(
     watch.draws.refuse()
     watch.tensor_reads.refuse_addresses(layout.inputs.names)
     drop_changed_reads(watch.reads)
+    said = watch.reads.output_report(tracer)
+    if said is not None and tracer == "dynamo":
+        raise PrecompileError(said)
     reports = (
         # Under Dynamo, each value fn closes over is a dropped guard, said with the others.
         watch.reads.closure_report() if tracer != "dynamo" else None,
         watch.reads.clock_report(),
-        watch.reads.output_report(),
+        said,
         outputs.returned_reads_report(),
     )
     for unchecked in reports:

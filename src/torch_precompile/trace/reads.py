@@ -400,17 +400,25 @@ class ReadRecorder:
             "outside fn."
         )
 
-    def output_report(self) -> str | None:
+    def output_report(self, tracer: str) -> str | None:
         """The print, logging and warnings.warn calls of the traced code, said once; None
-        where it made none."""
+        where it made none. The make_fx tracer warns of them; under Dynamo, whose reading of
+        fn would not carry them either, they are refused."""
         if not self.output_calls:
             return None
         calls = [f"{what} ({where})" for where, what in self.output_calls.items()]
-        more = f" and {len(calls) - 6} more" if len(calls) > 6 else ""
+        listed = ", ".join(calls[:6]) + (f" and {len(calls) - 6} more" if len(calls) > 6 else "")
+        if tracer == "dynamo":
+            return (
+                f"tracer='dynamo' refuses what fn prints, logs or warns: {listed}. Each would "
+                "run once, at capture, and never at a call of the artifact: move it out of fn, "
+                "around the artifact's call, or capture with tracer='make_fx' (the default), "
+                "which runs it once at capture and warns of it."
+            )
         return (
-            f"fn prints, logs or warns: {', '.join(calls[:6])}{more}. Each ran once, at "
-            "capture, and will not run at a call of the artifact, which runs the graph alone; "
-            "move it outside fn, around the artifact's call."
+            f"fn prints, logs or warns: {listed}. Each ran once, at capture, and will not run "
+            "at a call of the artifact, which runs the graph alone; move it outside fn, around "
+            "the artifact's call."
         )
 
     def records(self) -> tuple[ReadValue, ...]:
