@@ -18,12 +18,14 @@ import torch_precompile
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.lower.inductor import GENERATED_END, GENERATED_START
 from torch_precompile.shipped.driver import (
+    call_state,
     core,
     distributed,
     dynamic,
     guards,
     hook_values,
     memo,
+    module_rules,
     plain,
     refusals,
     values,
@@ -242,8 +244,16 @@ def test_driver_parts_are_the_package_modules_verbatim(backend: str, artifacts) 
     plain_code, _ = artifacts.pair("mlp_infer", backend)  # a plain artifact
     generic_code, _ = artifacts.pair("pytree", backend)  # nested inputs: the generic driver
     for code, shipped, absent in (
-        (plain_code, (refusals, guards, plain), (core, memo, values, dynamic, hook_values)),
-        (generic_code, (refusals, guards, core, memo, values), (plain, dynamic, distributed)),
+        (
+            plain_code,
+            (refusals, call_state, module_rules, guards, plain),
+            (core, memo, values, dynamic, hook_values),
+        ),
+        (
+            generic_code,
+            (refusals, call_state, module_rules, guards, core, memo, values),
+            (plain, dynamic, distributed),
+        ),
     ):
         for module in shipped:
             _definitions_verbatim_or_absent(shipped_source(module).body, code, module.__name__)

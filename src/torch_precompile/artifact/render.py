@@ -28,6 +28,7 @@ from torch_precompile.internals import pytree
 from torch_precompile.lower import LoweredGraph, VariantGraphs
 from torch_precompile.shipped.driver import (
     autograd,
+    call_state,
     core,
     data_parallel,
     distributed,
@@ -37,6 +38,7 @@ from torch_precompile.shipped.driver import (
     guards,
     hook_values,
     memo,
+    module_rules,
     no_history,
     optimizers,
     plain,
@@ -182,7 +184,8 @@ def render(
     graph_section = _graph_section(named)
     plain_spec = len(variants) == 1 and is_plain(spec, not _has_values(spec))
     if plain_spec:
-        parts = [refusals, guards, *([encoded] if spec.read_values else []), plain]
+        parts = [refusals, call_state, module_rules, guards]
+        parts += [*([encoded] if spec.read_values else []), plain]
         parts += [facts] if any(r.submodule is None for r in spec.read_values) else []
         parts += [planned, optimizers] if spec.optimizers else []
         if spec.autograd is not None:
@@ -195,7 +198,13 @@ def render(
             _records(variants),
             *(
                 shipped_source(m)
-                for m in (refusals, core, *(p.module for p in _all_parts(variants)))
+                for m in (
+                    refusals,
+                    call_state,
+                    module_rules,
+                    core,
+                    *(p.module for p in _all_parts(variants)),
+                )
             ),
         ]
         checks = [

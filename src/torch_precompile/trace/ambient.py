@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from torch_precompile.shipped.driver.refusals import ambient_now
+from torch_precompile.shipped.driver.call_state import ambient_now
 from torch_precompile.spec import Ambient
 
 # Functions that build a tensor of the default dtype when given no dtype (for float data).

@@ -23,7 +23,7 @@ import torch
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.tracing import BatchNormBase, forward_pre_hooks
 from torch_precompile.shipped.driver.hook_values import hook_values
-from torch_precompile.shipped.driver.refusals import (
+from torch_precompile.shipped.driver.module_rules import (
     GLOBAL_HOOKS,
     MODULE_HOOKS,
     TENSOR_HOOKS,

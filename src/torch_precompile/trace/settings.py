@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from torch_precompile.shipped.driver.refusals import SETTINGS
+from torch_precompile.shipped.driver.call_state import SETTINGS
 from torch_precompile.trace.code_homes import PACKAGE_ROOT, TORCH_ROOT
 from torch_precompile.trace.listening import Listeners
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torch_precompile.shipped.driver.refusals import forward_name, qualified_name
+from torch_precompile.shipped.driver.module_rules import forward_name
+from torch_precompile.shipped.driver.refusals import qualified_name
 from torch_precompile.spec import HookSet, ModelTensor, Submodule
 from torch_precompile.trace.hooks import tensor_hooks
 

@@ -18,6 +18,26 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from torch_precompile.shipped.driver.call_state import AmbientPlan
+from torch_precompile.shipped.driver.module_rules import (
+    GLOBAL_HOOKS,
+    GLOBAL_HOOKS_OWNER,
+    MODULE_HOOKS,
+    TENSOR_HOOKS,
+    check_is_model,
+    check_module,
+    hook_sets,
+    hooks_error,
+    members_differ,
+    members_missing,
+    no_values,
+    shown_member,
+    shown_module,
+    submodules_differ,
+    tied_apart,
+    tied_since,
+    walk_owner,
+)
 from torch_precompile.shipped.driver.records import (
     SPEC_DEFAULTS,
     SPEC_LISTS,
@@ -25,31 +45,13 @@ from torch_precompile.shipped.driver.records import (
     SPEC_SINGLE,
 )
 from torch_precompile.shipped.driver.refusals import (
-    GLOBAL_HOOKS,
-    GLOBAL_HOOKS_OWNER,
-    MODULE_HOOKS,
-    TENSOR_HOOKS,
-    AmbientPlan,
     LeafPlan,
     accumulate_grads,
     arguments_error,
     check_input,
-    check_is_model,
     check_model_tensor,
-    check_module,
     check_reads,
-    hook_sets,
-    hooks_error,
-    members_differ,
-    members_missing,
-    no_values,
     positional_inputs,
-    shown_member,
-    shown_module,
-    submodules_differ,
-    tied_apart,
-    tied_since,
-    walk_owner,
     written_apart,
 )
 

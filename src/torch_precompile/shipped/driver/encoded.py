@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from torch_precompile.shipped.driver.refusals import PrecompileError, qualified_name, shown_module
+from torch_precompile.shipped.driver.module_rules import shown_module
+from torch_precompile.shipped.driver.refusals import PrecompileError, qualified_name
 
 
 def value_matches(encoded: Any, value: Any) -> bool:

@@ -35,7 +35,7 @@ from torch_precompile.shipped.driver.guards import (
     same_value,
     tensor_guard,
 )
-from torch_precompile.shipped.driver.refusals import GLOBAL_HOOKS, MODULE_HOOKS, TENSOR_HOOKS
+from torch_precompile.shipped.driver.module_rules import GLOBAL_HOOKS, MODULE_HOOKS, TENSOR_HOOKS
 
 
 class RememberedModels:

@@ -26,12 +26,11 @@ from torch_precompile.shipped.driver.guards import (
     registration_counter,
     tensor_guard,
 )
-from torch_precompile.shipped.driver.refusals import (
+from torch_precompile.shipped.driver.module_rules import (
     GLOBAL_HOOKS,
     GLOBAL_HOOKS_OWNER,
     MODULE_HOOKS,
     TENSOR_HOOKS,
-    accumulate_grads,
     hook_sets,
     hooks_error,
     members_differ,
@@ -42,6 +41,7 @@ from torch_precompile.shipped.driver.refusals import (
     tied_apart,
     tied_since,
 )
+from torch_precompile.shipped.driver.refusals import accumulate_grads
 
 
 class PlainForward:

@@ -1,12 +1,13 @@
-"""The rules every driver checks a call by, and what each refusal says.
+"""The error a broken rule raises, and the rules for a call's tensors and arguments.
 
 Shared by the generic ``Driver`` (``core``) and the checks generated for a plain artifact
-(``plain``): a tensor against its captured shape, dtype, device and layout, a module against
-its captured class, forward, mode and hooks, the state a call is made in. Each broken rule
-raises ``PrecompileError`` naming what was captured, what was given and the fix.
+(``plain``): the arguments and the structure of the inputs, an input or a model tensor
+against its captured shape, dtype, device and layout, tensors the graph writes in place, and
+gradients put on ``.grad``. Each broken rule raises ``PrecompileError`` naming what was
+captured, what was given and the fix. The state a call is made in is ``call_state``'s; the
+rules for models, submodules and hooks are ``module_rules``'.
 """
 
-import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -118,253 +119,9 @@ def check_layout(
     )
 
 
-def walk_owner(name: str, arguments: Sequence[str]) -> tuple[str, str]:
-    """(argument, name within that model) of a walk name: with several model arguments
-    (``arguments``, their names) the walk calls a member or submodule ``m<index>.<name>``."""
-    if len(arguments) <= 1:
-        return (arguments[0] if arguments else ""), name
-    head, _, local = name.partition(".")
-    return arguments[int(head[1:])], local
-
-
-def shown_module(name: str, arguments: Sequence[str] = ()) -> str:
-    """A submodule as messages name it, by its walk name."""
-    if len(arguments) <= 1:
-        return f"module {name!r}" if name else "the model"
-    argument, local = walk_owner(name, arguments)
-    return (
-        f"module {local!r} of model argument {argument}" if local else f"model argument {argument}"
-    )
-
-
-def shown_member(kind: str, name: str, arguments: Sequence[str] = ()) -> str:
-    """A parameter or buffer as messages name it, by its walk name."""
-    if len(arguments) > 1:
-        argument, local = walk_owner(name, arguments)
-        return f"{kind} {local!r} of model argument {argument}"
-    return f"model {kind} {name!r}"
-
-
 def qualified_name(obj: Any) -> str:
     """``module.qualname`` of a class or function (a hook's name in the spec)."""
     return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', '?')}"
-
-
-def forward_name(module: Any) -> str | None:
-    """None where ``module`` runs its class's own forward (as the class, or the base that
-    defines it, wrote it); otherwise the name of what it runs instead: a forward set on the
-    instance, or one patched into the class."""
-    if "forward" in vars(module):
-        return hook_name(vars(module)["forward"])
-    for klass in type(module).__mro__:
-        function = vars(klass).get("forward")
-        if function is not None:
-            own = klass is torch.nn.Module or (
-                getattr(function, "__qualname__", None) == f"{klass.__qualname__}.forward"
-                and getattr(function, "__module__", None) == klass.__module__
-            )
-            return None if own else hook_name(function)
-    return None
-
-
-def forward_error(what: str, captured: str | None, now: str | None) -> PrecompileError:
-    def shown(name: str | None) -> str:
-        return "its class's own forward" if name is None else f"the forward {name}"
-
-    return PrecompileError(
-        f"{what} runs {shown(now)}, but ran {shown(captured)} at capture: the artifact runs "
-        "the code the captured forward ran. Set the forward back, or precompile again with "
-        "this one."
-    )
-
-
-# Where nn.Module keeps hooks, by the kind the spec names them.
-MODULE_HOOKS = (
-    ("forward_pre", "_forward_pre_hooks"),
-    ("forward", "_forward_hooks"),
-    ("backward_pre", "_backward_pre_hooks"),
-    ("backward", "_backward_hooks"),
-)
-GLOBAL_HOOKS = (
-    ("forward_pre", "_global_forward_pre_hooks"),
-    ("forward", "_global_forward_hooks"),
-    ("backward_pre", "_global_backward_pre_hooks"),
-    ("backward", "_global_backward_hooks"),
-)
-TENSOR_HOOKS = (
-    ("grad", "_backward_hooks"),
-    ("post_accumulate_grad", "_post_accumulate_grad_hooks"),
-)
-
-
-def hook_name(hook: Any) -> str:
-    """A hook by the name of the code it runs (a bound method by its function, a partial by
-    the function it wraps), the same in every process."""
-    while isinstance(hook, functools.partial):
-        hook = hook.func
-    hook = getattr(hook, "__func__", hook)
-    return qualified_name(hook if hasattr(hook, "__qualname__") else type(hook))
-
-
-def no_values(hook: Any) -> list[tuple[str, str, Callable[[], Any]]]:
-    """The values of hooks where the capture had none: any hook now is one too many."""
-    return []
-
-
-def hook_sets(
-    owner: Any, places: Sequence[tuple[str, str]], values: Callable[[Any], Any] = no_values
-) -> tuple[Any, ...]:
-    """The hooks found on ``owner`` (a module, a tensor, or torch's module of global hooks)
-    as (kind, hook labels) pairs, kinds without hooks left out: a hook by its name and the
-    plain ``values`` it holds. torch.distributed's own hooks (FSDP2, distribute_module) are
-    left to the parts that check sharding."""
-    found = []
-    for kind, attribute in places:
-        hooks = getattr(owner, attribute, None)
-        labels = tuple(
-            hook_name(h) + "".join(f" {n}={v}" for n, v, _ in values(h))
-            for h in (hooks or {}).values()
-            if not hook_name(h).startswith(DISTRIBUTED_HOOKS)
-        )
-        if labels:
-            found.append((kind, labels))
-    return tuple(found)
-
-
-DISTRIBUTED_HOOKS = "torch.distributed."
-GLOBAL_HOOKS_OWNER = "the process (global module hooks, as register_module_forward_hook adds)"
-
-
-def hooks_error(what: str, captured: Any, now: Any) -> PrecompileError:
-    def shown(sets: Any) -> str:
-        return "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sets) or "none"
-
-    return PrecompileError(
-        f"{what} has hooks {shown(now)}, but had {shown(captured)} at capture (each hook "
-        "with the plain values it holds). The artifact holds what the hooks present at "
-        "capture computed with those values, so a hook added since would never run, one "
-        "removed would still act and a changed value would not be seen. Register the same "
-        "hooks, holding the same values, as at capture, or precompile again with the hooks "
-        "you want."
-    )
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-# The torch settings fn's Python may read and branch on, by the call that reads them: how to
-# read each now, and how the spec holds the value it gives.
-SETTINGS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
-    "torch.is_grad_enabled": (torch.is_grad_enabled, bool),
-    "torch.is_inference_mode_enabled": (torch.is_inference_mode_enabled, bool),
-    "torch.get_default_dtype": (torch.get_default_dtype, _dtype_name),
-    "torch.get_num_threads": (torch.get_num_threads, int),
-    "torch.get_float32_matmul_precision": (torch.get_float32_matmul_precision, str),
-}
-
-
-class AmbientPlan:
-    """Thread and process state the graph was specialized to: autocast, the default dtype
-    (where fn built tensors from it), deterministic algorithms, active modes, and the torch
-    settings fn's Python read (``settings``: the reading call, its value, where it was read)."""
-
-    def __init__(
-        self,
-        recorded: bool = True,
-        autocast: Sequence[Any] = (),
-        default_dtype: str | None = None,
-        deterministic: bool = False,
-        modes: Sequence[str] = (),
-        settings: Sequence[tuple[str, Any, str]] = (),
-    ) -> None:
-        self.recorded = recorded  # artifacts before ambient state was recorded check none
-        self.autocast = tuple(autocast)
-        self.default_dtype = _dtype(default_dtype) if default_dtype else None
-        self.deterministic = deterministic
-        self.modes = tuple(modes)
-        self.settings = tuple(
-            (*SETTINGS[name], value, name, where) for name, value, where in settings
-        )
-
-    def check(self) -> None:
-        """A few C calls when nothing differs; the full comparison names what does."""
-        if not self.recorded:
-            return
-        if (
-            (_ANY_AUTOCAST() or self.autocast)
-            or _DETERMINISTIC() is not self.deterministic
-            or _FUNCTION_MODES() + _DISPATCH_MODES() != len(self.modes)
-            or (
-                self.default_dtype is not None
-                and torch.get_default_dtype() is not self.default_dtype
-            )
-        ):
-            self._compare()
-        for read, held, value, name, where in self.settings:
-            if held(read()) != value:
-                raise PrecompileError(
-                    f"{name}() gives {held(read())!r} at this call, but gave {value!r} when fn "
-                    f"read it at capture ({where}): the trace took fn's Python branch for that "
-                    "value. Call it in the same setting, or precompile again in this one."
-                )
-
-    def _compare(self) -> None:
-        now = ambient_now()
-        for what, captured, current in (
-            ("autocast", self.autocast, now[0]),
-            ("the default dtype", self.default_dtype or now[1], now[1]),
-            ("deterministic algorithms", self.deterministic, now[2]),
-            ("active torch function and dispatch modes", self.modes, now[3]),
-        ):
-            if captured != current:
-                raise PrecompileError(
-                    f"{what} at this call: {_shown_state(current)}; at capture: "
-                    f"{_shown_state(captured)}. The graph was traced under the capture's "
-                    "state (autocast's casts, the dtype of tensors fn builds, the modes' "
-                    "behaviour are in it), so this call would not compute what fn computes "
-                    "now. Call it as at capture, or precompile again in this state."
-                )
-
-
-def ambient_now() -> tuple[Any, ...]:
-    """(autocast per device type, default dtype, deterministic algorithms, modes) now."""
-    autocast = tuple(
-        (device, str(torch.get_autocast_dtype(device)).removeprefix("torch."))
-        for device in ("cpu", "cuda")
-        if torch.is_autocast_enabled(device)
-    )
-    modes = tuple(
-        qualified_name(type(m))
-        for m in (
-            *torch.overrides._get_current_function_mode_stack(),
-            *torch.utils._python_dispatch._get_current_dispatch_mode_stack(),
-        )
-    )
-    return autocast, torch.get_default_dtype(), _DETERMINISTIC(), modes
-
-
-def _shown_state(value: Any) -> str:
-    if isinstance(value, tuple):
-        return (
-            ", ".join(" ".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in value)
-            or "none"
-        )
-    return str(value)
-
-
-_ANY_AUTOCAST = torch._C._is_any_autocast_enabled
-_DETERMINISTIC = torch._C._get_deterministic_algorithms
-_FUNCTION_MODES = torch._C._len_torch_function_stack
-_DISPATCH_MODES = torch._C._len_torch_dispatch_stack
-
-
-def grad_mode_error() -> PrecompileError:
-    return PrecompileError(
-        "fn runs a backward, but this call is under torch.no_grad() (or inference_mode), "
-        "where eager fn would fail: no gradient can flow. Call the artifact with gradients "
-        "enabled."
-    )
 
 
 def accumulate_grads(
@@ -483,7 +240,7 @@ def _requires_grad_message(what: str, captured: bool) -> str:
     )
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_named(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
@@ -524,7 +281,7 @@ class LeafPlan:
         self.static = None not in shape
         self.shape = torch.Size(shape) if self.static else tuple(shape)  # type: ignore[arg-type]
         self.shown = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-        self.dtype = _dtype(dtype) if dtype is not None else None
+        self.dtype = dtype_named(dtype) if dtype is not None else None
         self.device = torch.device(device) if device is not None else None
         self.strides = strides
         self.bounds = bounds or {}
@@ -651,11 +408,11 @@ def check_model_tensor(
     not checked, ``carried``: a subclass a driver part unwraps."""
     if (
         tensor.shape != torch.Size(shape)
-        or tensor.dtype != _dtype(dtype)
+        or tensor.dtype != dtype_named(dtype)
         or tensor.device != torch.device(device)
     ):
         raise PrecompileError(
-            f"{what}: expected shape {tuple(shape)}, dtype {_dtype(dtype)}, device {device}; "
+            f"{what}: expected shape {tuple(shape)}, dtype {dtype_named(dtype)}, device {device}; "
             f"got shape {tuple(tensor.shape)}, dtype {tensor.dtype}, device {tensor.device}. "
             "Load a checkpoint of the same architecture."
         )
@@ -667,92 +424,3 @@ def check_model_tensor(
         raise dense_error(what, tensor)
     if strides is not None:
         check_layout(tensor, strides, what)
-
-
-def members_differ(expected: tuple[str, str, str], found: tuple[str, str, str]) -> PrecompileError:
-    """A model whose walk finds ``found`` (argument, kind, name) where the capture's found
-    ``expected``, or found nothing more (``expected`` empty)."""
-    owner, kind, local = found
-    where = (
-        f"where the captured model {expected[0]} has {expected[1]} {expected[2]!r}, the "
-        f"runtime model has {kind} {local!r}"
-        + (f" (of argument {owner})" if owner != expected[0] else "")
-        if expected[0]
-        else f"it has {kind} {local!r} beyond the captured model's parameters and buffers"
-    )
-    return PrecompileError(
-        f"model argument {owner} does not match the captured model: {where}. Pass a model "
-        "with the same parameters and buffers, in the same order."
-    )
-
-
-def check_is_model(value: Any, argument: str) -> None:
-    if not isinstance(value, torch.nn.Module):
-        raise PrecompileError(
-            f"argument {argument} was a torch.nn.Module at capture; got "
-            f"{type(value).__name__}. Pass the model in the same position."
-        )
-
-
-def tied_since(kind: str, name: str, owner: str) -> PrecompileError:
-    """A member that is the very tensor of member ``owner`` at a call, but was not at capture."""
-    return PrecompileError(
-        f"model {kind} {name!r} is tied to {owner!r} at runtime but was a separate "
-        "tensor at capture. Use a model with the same weight tying."
-    )
-
-
-def tied_apart(kind: str, name: str, tied_to: str) -> PrecompileError:
-    """A member tied to another at capture that is a tensor of its own now."""
-    return PrecompileError(
-        f"model {kind} {name!r} was tied to {tied_to!r} at capture; at runtime it is a "
-        "separate tensor. Tie the weights as in the example model."
-    )
-
-
-def members_missing(missing: Sequence[str]) -> PrecompileError:
-    """The parameters and buffers (``kind 'name'``) a runtime model lacks."""
-    return PrecompileError(
-        f"the runtime model lacks {', '.join(missing[:5])}"
-        f"{' and more' if len(missing) > 5 else ''}, which the captured model had. Pass a "
-        "model with the same parameters and buffers."
-    )
-
-
-def submodules_differ(names: Sequence[str], captured: Sequence[str]) -> PrecompileError:
-    """The submodule names a walk found, where the capture's were ``captured``."""
-    added = sorted(set(names) - set(captured))
-    return PrecompileError(
-        "the runtime model's submodules differ from the captured model's"
-        + (f" (new: {', '.join(repr(n or '<root>') for n in added[:5])})" if added else "")
-        + ". Pass a model with the same modules as the example."
-    )
-
-
-def check_module(
-    module: Any,
-    name: str,
-    cls: str | None,
-    forward: str | None = None,
-    training: bool = True,
-    arguments: Sequence[str] = (),
-) -> None:
-    """One submodule (``name`` in the walk of the model ``arguments``) against its captured
-    class, forward and mode."""
-    shown = shown_module(name, arguments)
-    if cls is not None and qualified_name(type(module)) != cls:
-        raise PrecompileError(
-            f"{shown} is a {qualified_name(type(module))}, but was a {cls} at "
-            "capture: the artifact runs the code the captured class ran. Pass a model "
-            "built like the example, or precompile again with this one."
-        )
-    if cls is not None and forward_name(module) != forward:
-        raise forward_error(shown, forward, forward_name(module))
-    if module.training != training:
-        mode, fix = ("training", ".train()") if training else ("eval", ".eval()")
-        raise PrecompileError(
-            f"{shown} is in {'training' if module.training else 'eval'} mode, "
-            f"but was captured in {mode} mode (dropout and BatchNorm behave differently). Call "
-            f"{fix} on the model before calling the artifact, or precompile again in this "
-            "mode."
-        )
