@@ -70,6 +70,7 @@ ONE_RELEASE_FILES = frozenset(
         "test_plain_artifact.py",
         "test_capture_session.py",
         "test_house.py",
+        "test_values.py",
     }
 )
 # Files of the driver's checks (what fn read, refused calls, layouts): a check is the same

@@ -22,12 +22,12 @@ from torch_precompile.shipped.driver import (
     core,
     distributed,
     dynamic,
-    guards,
     hook_values,
     memo,
     module_rules,
     plain,
-    refusals,
+    rechecks,
+    tensor_rules,
     values,
 )
 from torch_precompile.shipped.source import defined_names, shipped_source
@@ -246,12 +246,12 @@ def test_driver_parts_are_the_package_modules_verbatim(backend: str, artifacts) 
     for code, shipped, absent in (
         (
             plain_code,
-            (refusals, call_state, module_rules, guards, plain),
+            (tensor_rules, call_state, module_rules, rechecks, plain),
             (core, memo, values, dynamic, hook_values),
         ),
         (
             generic_code,
-            (refusals, call_state, module_rules, guards, core, memo, values),
+            (tensor_rules, call_state, module_rules, rechecks, core, memo, values),
             (plain, dynamic, distributed),
         ),
     ):

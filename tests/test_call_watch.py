@@ -8,7 +8,7 @@ import threading
 import types
 from typing import Any
 
-from torch_precompile.trace.call_watch import CallWatch
+from torch_precompile.trace.facts.call_watch import CallWatch
 
 
 def interesting(x: int) -> int:

@@ -1,5 +1,6 @@
 """The package's shape: no module imports another that imports it back, lazily or not (a
-cycle ties two concerns into one, and makes import order matter)."""
+cycle ties two concerns into one, and makes import order matter); no module is longer than
+a reader takes in; every folder says in its docstring what it holds."""
 
 from __future__ import annotations
 
@@ -76,3 +77,19 @@ def test_the_scan_sees_a_cycle_through_a_lazy_import(tmp_path: Path) -> None:
     graph = import_graph(package)
     assert graph[f"{PACKAGE.name}.c"] == {f"{PACKAGE.name}.a"}
     assert cycles(graph) == [[f"{PACKAGE.name}.a", f"{PACKAGE.name}.b"]]
+
+
+def test_no_module_is_longer_than_six_hundred_lines() -> None:
+    lengths = {
+        str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")
+    }
+    assert len(lengths) > 100  # the scan sees the whole package
+    assert {name: n for name, n in lengths.items() if n > 600} == {}
+
+
+def test_every_folder_of_the_package_says_what_it_holds() -> None:
+    folders = [p.parent for p in PACKAGE.rglob("__init__.py")]
+    assert len(folders) >= 10
+    for folder in folders:
+        docstring = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+        assert docstring and len(docstring.split()) >= 8, folder

@@ -76,8 +76,8 @@ def test_inspect_names_each_subclass_its_inner_tensors_and_context(tmp_path: Pat
         "class": "scaled_tensor.ScaledTensor",
         "shape": [16, 8],
         "inner": {"qdata": "(16, 8) int8", "scale": "(16, 1) float32"},
-        "context": "{'blocks': Blocks(size=(1, 8), rounding=Rounding.NEAREST), "
-        "'dtype': torch.float32}",
+        "context": "{'blocks': scaled_tensor.Blocks(size=(1, 8), "
+        "rounding=scaled_tensor.Rounding.NEAREST), 'dtype': torch.float32}",
     }
     assert (
         "subclass  : model parameter '0.weight' is a scaled_tensor.ScaledTensor: qdata "

@@ -856,7 +856,7 @@ def test_checkpointed_dropout_uses_the_forwards_mask() -> None:
 def test_the_remembered_check_reads_any_attribute_name() -> None:
     """The generated check of remembered models reads a name that is no Python identifier
     with getattr, and fails (so the call walks the models) when the value changes."""
-    from torch_precompile.shipped.driver.guards import _CheckSource
+    from torch_precompile.shipped.driver.rechecks import _CheckSource
 
     model = nn.Linear(2, 2)
     model.options = type("Options", (), {})()
@@ -923,7 +923,7 @@ def test_callables_the_model_and_globals_hold_are_checked(backend: str) -> None:
 def test_the_remembered_check_follows_a_method_to_its_function() -> None:
     """A method is a new bound object at every read: the remembered check compares the
     function behind it, so an unchanged model passes and a patched method fails."""
-    from torch_precompile.shipped.driver.guards import _CheckSource
+    from torch_precompile.shipped.driver.rechecks import _CheckSource
 
     model = Activated()
     check = _CheckSource([model])

@@ -4,7 +4,7 @@ It is defined in ``driver`` because artifacts raise it too and must not import t
 ``load`` points every loaded artifact at this same class.
 """
 
-from torch_precompile.shipped.driver.refusals import PrecompileError
+from torch_precompile.shipped.driver.tensor_rules import PrecompileError
 
 PrecompileError.__module__ = "torch_precompile"
 

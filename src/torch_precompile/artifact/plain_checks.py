@@ -14,38 +14,14 @@ import textwrap
 from collections.abc import Sequence
 
 from torch_precompile.artifact.checks import ambient_comment, few, global_name, tensor_type
-from torch_precompile.shipped.driver.refusals import written_apart
+from torch_precompile.shipped.driver.tensor_rules import written_apart
 from torch_precompile.spec import ArtifactSpec, InputLeaf, ModelTensor, ReadValue
-
-# Fields a plain spec leaves at their defaults: each is a feature of the generic driver.
-_GENERIC_FIELDS = (
-    "value_guards",
-    "dynamic_dims",
-    "size_relations",
-    "output_aliases",
-    "meshes",
-    "distributed",
-    "wrapped",
-    "wrapped_inner",
-    "data_parallel",
-    "fully_sharded",
-    "global_hooks",
-    "variants",
-)
 
 
 def is_plain(spec: ArtifactSpec, positional: bool) -> bool:
     """Whether ``spec`` needs no more than the plain runtime; ``positional``: its inputs are
     positional tensors."""
-    return (
-        positional
-        and len(spec.model_names) <= 1
-        and spec.seed is None
-        and not any(getattr(spec, name) for name in _GENERIC_FIELDS)
-        and all(not t.hooks and t.old_grad is None for t in spec.model)
-        and all(not s.hooks for s in spec.submodules)
-        and all(not leaf.read for leaf in spec.inputs)
-    )
+    return positional and not spec.needs_generic_driver
 
 
 def plain_checks(spec: ArtifactSpec) -> str:

@@ -35,7 +35,6 @@ from torch_precompile.shipped.driver import (
     dynamic,
     encoded,
     facts,
-    guards,
     hook_values,
     memo,
     module_rules,
@@ -43,9 +42,10 @@ from torch_precompile.shipped.driver import (
     optimizers,
     plain,
     planned,
+    rechecks,
     records,
-    refusals,
     subclasses,
+    tensor_rules,
     values,
     variants,
 )
@@ -79,7 +79,7 @@ class DriverPart:
 _VALUES = DriverPart(values, "values", "InputValues")
 _FACTS = DriverPart(facts, "facts", "PythonFacts")
 _HOOK_VALUES = DriverPart(hook_values, "hooks", "hook_values")
-_GUARDS = DriverPart(guards, None, None)
+_RECHECKS = DriverPart(rechecks, None, None)
 _MEMO = DriverPart(memo, "memo", "ModelMemo")
 _SIZES = DriverPart(dynamic, "sizes", "DynamicSizes")
 _DISTRIBUTED = DriverPart(distributed, "distributed", "DistributedCall")
@@ -96,7 +96,7 @@ _PART_ORDER = (
     _VALUES,
     _FACTS,
     _HOOK_VALUES,
-    _GUARDS,
+    _RECHECKS,
     _MEMO,
     _PLANNED,
     _SIZES,
@@ -112,8 +112,8 @@ _USED_BY = {
     id(_VALUES): _ENCODED,
     id(_FACTS): _ENCODED,
     id(_AUTOGRAD): _NO_HISTORY,
-    id(_MEMO): _GUARDS,
-    id(_SUBCLASSES): _GUARDS,
+    id(_MEMO): _RECHECKS,
+    id(_SUBCLASSES): _RECHECKS,
 }
 
 
@@ -184,13 +184,14 @@ def render(
     graph_section = _graph_section(named)
     plain_spec = len(variants) == 1 and is_plain(spec, not _has_values(spec))
     if plain_spec:
-        parts = [refusals, call_state, module_rules, guards]
+        parts = [tensor_rules, call_state, module_rules, rechecks]
         parts += [*([encoded] if spec.read_values else []), plain]
         parts += [facts] if any(r.submodule is None for r in spec.read_values) else []
         parts += [planned, optimizers] if spec.optimizers else []
         if spec.autograd is not None:
             parts += [no_history, *([autograd] if spec.gives_history else [])]
         shipped = [shipped_source(m) for m in parts]
+        shipped = [*([_records(variants)] if spec.autograd is not None else []), *shipped]
         checks = [plain_checks(spec)]
         binding = plain_binding(spec, _differentiable_call(named[0]))
     else:
@@ -199,7 +200,7 @@ def render(
             *(
                 shipped_source(m)
                 for m in (
-                    refusals,
+                    tensor_rules,
                     call_state,
                     module_rules,
                     core,
@@ -505,7 +506,7 @@ def _structure_notes(spec: ArtifactSpec) -> dict[str, str]:
     leaves = [
         leaf.path
         if leaf.kind == "tensor" or leaf.value is None
-        else refusals.Shown(repr(leaf.value[1]))
+        else tensor_rules.Shown(repr(leaf.value[1]))
         for leaf in spec.inputs
     ]
     notes = {"out_spec": "fn's result: " + _structure(spec.out_spec, None)}
@@ -519,9 +520,11 @@ def _structure_notes(spec: ArtifactSpec) -> dict[str, str]:
 
 def _structure(dumped: str, names: Sequence[object] | None) -> str:
     spec = pytree.treespec_loads(dumped)
-    shown = names if names is not None else [refusals.Shown("Tensor")] * spec.num_leaves
+    shown = names if names is not None else [tensor_rules.Shown("Tensor")] * spec.num_leaves
     text = repr(
-        pytree.tree_unflatten([refusals.Shown(n) if isinstance(n, str) else n for n in shown], spec)
+        pytree.tree_unflatten(
+            [tensor_rules.Shown(n) if isinstance(n, str) else n for n in shown], spec
+        )
     )
     return text if len(text) <= 80 else text[:77] + "..."
 

@@ -33,6 +33,7 @@ from torch_precompile.artifact.kernel_payload import (
 )
 from torch_precompile.errors import PrecompileError
 from torch_precompile.lower import WRAPPER_LINE
+from torch_precompile.shipped.driver.encoded import shown_value
 from torch_precompile.shipped.driver.variants import variant_label
 from torch_precompile.spec import ArtifactSpec, Autograd, InputLeaf, parse_spec, shown_version
 from torch_precompile.storage import cache_path, find_cache
@@ -235,7 +236,7 @@ def _describe_subclasses(spec: ArtifactSpec) -> list[dict[str, Any]]:
             "name": w.name,
             "class": w.cls,
             "shape": list(w.shape),
-            "context": _shown_context(w.context),
+            "context": shown_value(w.context),
             "inner": {
                 t.attr: f"{tuple(t.shape)} {t.dtype.removeprefix('torch.')}"
                 for t in spec.wrapped_inner
@@ -244,30 +245,6 @@ def _describe_subclasses(spec: ArtifactSpec) -> list[dict[str, Any]]:
         }
         for number, w in enumerate(spec.wrapped)
     ]
-
-
-def _shown_context(encoded: Any) -> str:
-    """An encoded flatten context as it reads in Python (nothing is imported to show it)."""
-    kind, value = encoded
-    if kind in ("list", "tuple"):
-        items = [_shown_context(v) for v in value]
-        return (
-            f"[{', '.join(items)}]"
-            if kind == "list"
-            else f"({', '.join(items)}{',' if len(items) == 1 else ''})"
-        )
-    if kind == "dict":
-        return "{" + ", ".join(f"{_shown_context(k)}: {_shown_context(v)}" for k, v in value) + "}"
-    if kind in ("dataclass", "frozen"):
-        fields = ", ".join(f"{name}={_shown_context(v)}" for name, v in value[1])
-        return f"{value[0].rsplit('.', 1)[-1]}({fields})"
-    if kind == "enum":
-        return f"{value[0].rsplit('.', 1)[-1]}.{value[1]}"
-    if kind == "dtype":
-        return f"torch.{value}"
-    if kind in ("device", "size"):
-        return f"{'device' if kind == 'device' else 'Size'}({value!r})"
-    return repr(value) if kind != "float" else value
 
 
 def _describe_autograd(spec: ArtifactSpec) -> dict[str, Any] | None:

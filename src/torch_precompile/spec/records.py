@@ -9,20 +9,33 @@ literal is in ``literal``; how they map onto the graph's flat inputs, in ``layou
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, ClassVar
 
 from torch_precompile.errors import PrecompileError
+from torch_precompile.shipped.driver.tensor_rules import argument_kind, runs_backward
 from torch_precompile.spec.versions import SchemaVersion, since
 
-# (kind, value) for a Python value: ("const", 3), ("float", "nan"), ("dtype", "float16"),
-# ("device", "cpu"), ("enum", ("pkg.Mode", "FAST")), ("frozen", ("pkg.Cfg", (("n", ("const",
-# 2)),))). Flatten contexts also hold ("none", None), ("list", (items...)), ("tuple", (...)),
-# ("dict", ((key, value), ...)), ("size", (2, 3)) and ("dataclass", like "frozen"). Schema 3
-# and older also wrote ("repr", (type name, repr)). Read values also hold ("set", (items
-# sorted by repr...)), ("frozenset", (...)), named tuples as "frozen", ("numpy",
-# ("numpy.float32", ("const", 2.0))), ("ndarray", ("float32", (2,), (items...))) and, in a
-# list, tuple or dict, ("object", ("pkg.Spec", (("s", ("const", 2.0)),))).
+# Field metadata: a feature only the generic driver has. A spec that holds anything but the
+# default in such a field, at any depth, is run by the generic ``Driver``; the rest by the
+# plain runtime (``artifact.plain_checks``).
+GENERIC: dict[str, bool] = {"generic": True}
+
+# (kind, value) for a Python value, written by ``trace.values.encode``: ("none", None),
+# ("const", 3) (a bool, int, float, complex, str or bytes), ("float", "nan") (a non-finite
+# float), ("dtype", "float16"), ("device", "cpu"), ("enum", ("pkg.Mode", "FAST")), ("list",
+# (items...)), ("tuple", (...)), ("dict", ((key, value), ...)), ("set", (items sorted by
+# repr...)), ("frozenset", (...)), ("frozen", ("pkg.Cfg", (("n", ("const", 2)),))) (a record
+# compared field by field: a frozen dataclass or a named tuple), ("dataclass", like "frozen")
+# (a record built again from its init fields: in a flatten context), ("size", (2, 3)),
+# ("numpy", ("numpy.float32", ("const", 2.0))), ("ndarray", ("float32", (2,), (items...))),
+# ("callable", "torch.relu"), ("code", ("f.<locals>.g", digest)) and ("object", ("pkg.Spec",
+# (("s", ("const", 2.0)),))) (an object of the user's by the plain values it holds). Which
+# kinds a value may take depends on what it is kept for (``trace.values.Use``): inputs are
+# scalars and "frozen"; flatten contexts add containers, "size" and "dataclass"; read values
+# all but "size" and "dataclass"; optimizer options are ("const", value), a tuple of plain
+# values included; a read of an attribute a module lacks is ("absent", None). Schema 3 and
+# older also wrote ("repr", (type name, repr)).
 EncodedValue = tuple[str, Any]
 Shape = tuple[int | None, ...]
 Layout = tuple[int, ...] | str | None
@@ -50,7 +63,7 @@ class Argument:
     @property
     def kind(self) -> str:
         """``"model"``, ``"optimizer"`` or ``"input"``."""
-        return "model" if self.is_model else "optimizer" if self.is_optimizer else "input"
+        return argument_kind(self)
 
 
 @dataclass(frozen=True)
@@ -73,10 +86,10 @@ class ModelTensor:
     requires_grad: bool
     gets_grad: bool
     # tensor hooks on a parameter of a training step
-    hooks: tuple[HookSet, ...] = field(default=(), metadata=since(8))
+    hooks: tuple[HookSet, ...] = field(default=(), metadata=since(8) | GENERIC)
     # What fn does with the .grad a call finds: None, its backward adds to it; "read", fn
     # reads it (a call must come without one); "replaced", fn drops it before any read.
-    old_grad: str | None = field(default=None, metadata=since(10, 2))
+    old_grad: str | None = field(default=None, metadata=since(10, 2) | GENERIC)
 
 
 @dataclass(frozen=True)
@@ -88,7 +101,7 @@ class Submodule:
     name: str
     training: bool
     cls: str | None = field(default=None, metadata=since(8))
-    hooks: tuple[HookSet, ...] = field(default=(), metadata=since(8))
+    hooks: tuple[HookSet, ...] = field(default=(), metadata=since(8) | GENERIC)
     forward: str | None = field(default=None, metadata=since(10, 1))
 
 
@@ -113,7 +126,7 @@ class InputLeaf:
     bounds: dict[int, tuple[int | None, int | None]] | None = None
     value: EncodedValue | None = None
     read: tuple[tuple[str, tuple[int, ...] | int | bool, str], ...] = field(
-        default=(), metadata=since(10, 4)
+        default=(), metadata=since(10, 4) | GENERIC
     )
 
 
@@ -410,25 +423,25 @@ class ArtifactSpec:
     inputs: tuple[InputLeaf, ...]
     in_spec: str | None
     out_spec: str
-    value_guards: tuple[ValueGuard, ...] = ()
-    dynamic_dims: tuple[DynamicDim, ...] = ()
-    size_relations: tuple[SizeRelation, ...] = ()
-    output_aliases: tuple[OutputAlias, ...] = ()
-    meshes: tuple[Mesh, ...] = field(default=(), metadata=since(2))
-    distributed: tuple[DistributedTensor, ...] = field(default=(), metadata=since(2))
+    value_guards: tuple[ValueGuard, ...] = field(default=(), metadata=GENERIC)
+    dynamic_dims: tuple[DynamicDim, ...] = field(default=(), metadata=GENERIC)
+    size_relations: tuple[SizeRelation, ...] = field(default=(), metadata=GENERIC)
+    output_aliases: tuple[OutputAlias, ...] = field(default=(), metadata=GENERIC)
+    meshes: tuple[Mesh, ...] = field(default=(), metadata=since(2) | GENERIC)
+    distributed: tuple[DistributedTensor, ...] = field(default=(), metadata=since(2) | GENERIC)
     kernels: tuple[KernelObject, ...] = field(default=(), metadata=since(3))
     optimizers: tuple[Optimizer, ...] = field(default=(), metadata=since(4))
     param_groups: tuple[ParamGroup, ...] = field(default=(), metadata=since(4))
     optimizer_state: tuple[OptimizerState, ...] = field(default=(), metadata=since(4))
-    wrapped: tuple[WrappedTensor, ...] = field(default=(), metadata=since(5))
-    wrapped_inner: tuple[InnerTensor, ...] = field(default=(), metadata=since(5))
-    data_parallel: tuple[DataParallel, ...] = field(default=(), metadata=since(6))
-    fully_sharded: tuple[FullyShardedGroup, ...] = field(default=(), metadata=since(6))
-    global_hooks: tuple[HookSet, ...] = field(default=(), metadata=since(8))
+    wrapped: tuple[WrappedTensor, ...] = field(default=(), metadata=since(5) | GENERIC)
+    wrapped_inner: tuple[InnerTensor, ...] = field(default=(), metadata=since(5) | GENERIC)
+    data_parallel: tuple[DataParallel, ...] = field(default=(), metadata=since(6) | GENERIC)
+    fully_sharded: tuple[FullyShardedGroup, ...] = field(default=(), metadata=since(6) | GENERIC)
+    global_hooks: tuple[HookSet, ...] = field(default=(), metadata=since(8) | GENERIC)
     read_values: tuple[ReadValue, ...] = field(default=(), metadata=since(8))
     ambient: Ambient | None = field(default=None, metadata=since(8))
     mutated: tuple[int, ...] = field(default=(), metadata=since(8))
-    seed: int | None = field(default=None, metadata=since(8))
+    seed: int | None = field(default=None, metadata=since(8) | GENERIC)
     autograd: Autograd | None = field(default=None, metadata=since(9))
     # The same for calls where a floating-point input tensor requires grad that did not at
     # capture: its backward also gives their gradients (see Autograd).
@@ -437,7 +450,7 @@ class ArtifactSpec:
     wrappers: tuple[str, ...] = field(default=(), metadata=since(10))
     # tracer="dynamo": what its guards became (see GuardNote)
     guards: tuple[GuardNote, ...] = field(default=(), metadata=since(10, 5))
-    variants: tuple[ArtifactSpec, ...] = field(default=(), metadata=since(7))
+    variants: tuple[ArtifactSpec, ...] = field(default=(), metadata=since(7) | GENERIC)
 
     # What every variant has in common, held once at the top level (the first variant's).
     SHARED: ClassVar[tuple[str, ...]] = ("schema_version", "backend", "torch", "args", "kernels")
@@ -488,10 +501,16 @@ class ArtifactSpec:
         return tuple(leaf for leaf in self.inputs if leaf.kind == "tensor")
 
     @property
+    def needs_generic_driver(self) -> bool:
+        """Whether a field only the generic driver handles (``GENERIC``) holds anything, here
+        or in a record the spec holds, or the call takes more than one model."""
+        return len(self.model_names) > 1 or _holds_generic(self)
+
+    @property
     def runs_backward(self) -> bool:
         """Whether fn runs a backward itself: a model tensor gets a gradient from it, or it
         steps an optimizer argument."""
-        return any(t.gets_grad for t in self.model) or bool(self.optimizers)
+        return runs_backward(self)
 
     @property
     def gives_history(self) -> bool:
@@ -534,6 +553,17 @@ class ArtifactSpec:
             kernels=kept,
             variants=tuple(replace(o, kernels=kept, variants=()) for o in others),
         )
+
+
+def _holds_generic(record: Any) -> bool:
+    for f in fields(record):
+        value = getattr(record, f.name)
+        if f.metadata.get("generic") and value != f.default:
+            return True
+        held = value if type(value) is tuple else (value,)
+        if any(is_dataclass(v) and _holds_generic(v) for v in held):
+            return True
+    return False
 
 
 def _arguments(spec: ArtifactSpec) -> str:

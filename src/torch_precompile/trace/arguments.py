@@ -12,10 +12,7 @@ import torch.fx
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.distributed import sharding_wrapper
-from torch_precompile.trace import data_parallel, dynamic, fully_shard
-from torch_precompile.trace.data_parallel import DataParallelArg
-from torch_precompile.trace.distributed import Distribution, find_dtensors
-from torch_precompile.trace.fully_shard import FullySharded
+from torch_precompile.trace import dynamic
 from torch_precompile.trace.inputs import (
     UserInputs,
     arg_names_of,
@@ -23,6 +20,10 @@ from torch_precompile.trace.inputs import (
     refuse_unplain_tensors,
 )
 from torch_precompile.trace.optimizers import OptimizerArg, read_optimizers
+from torch_precompile.trace.parallel import data_parallel, fully_shard
+from torch_precompile.trace.parallel.data_parallel import DataParallelArg
+from torch_precompile.trace.parallel.dtensor import Distribution, find_dtensors
+from torch_precompile.trace.parallel.fully_shard import FullySharded
 from torch_precompile.trace.state import ModelState, intern_model_state
 from torch_precompile.trace.subclasses import Wrapping, find_wrapped, refuse_mixed
 

@@ -27,7 +27,7 @@ def _get_attrs(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, Any]]:
     return found
 
 
-def reject_control_flow(gm: torch.fx.GraphModule) -> None:
+def refuse_control_flow(gm: torch.fx.GraphModule) -> None:
     subgraphs = [str(n.target) for n, v in _get_attrs(gm) if isinstance(v, torch.fx.GraphModule)]
     if subgraphs:
         raise PrecompileError(
@@ -38,7 +38,7 @@ def reject_control_flow(gm: torch.fx.GraphModule) -> None:
         )
 
 
-def reject_own_generators(gm: torch.fx.GraphModule) -> None:
+def refuse_own_generators(gm: torch.fx.GraphModule) -> None:
     """A random op that draws from a ``torch.Generator`` of fn's own (a module's ``self.gen``)
     would need that generator, whose state moves at every draw, inside the artifact."""
     for node, value in _get_attrs(gm):
@@ -52,7 +52,7 @@ def reject_own_generators(gm: torch.fx.GraphModule) -> None:
             )
 
 
-def reject_effects(gm: torch.fx.GraphModule) -> None:
+def refuse_effects(gm: torch.fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if effect_of(node.target):
             raise PrecompileError(
@@ -78,7 +78,7 @@ def lift_literals(
         if not isinstance(value, torch.Tensor):
             continue
         if node.users and all(user.target is _LIFT_FRESH for user in node.users):
-            _check_literal(value)
+            _refuse_large_literal(value)
             anchor = last_placeholder[-1] if last_placeholder else next(iter(gm.graph.nodes))
             insert = gm.graph.inserting_after if last_placeholder else gm.graph.inserting_before
             with insert(anchor):
@@ -108,7 +108,7 @@ def lift_literals(
     return literals
 
 
-def _check_literal(value: torch.Tensor) -> None:
+def _refuse_large_literal(value: torch.Tensor) -> None:
     if value.numel() > MAX_LITERAL_ELEMENTS:
         raise PrecompileError(
             f"fn builds a tensor literal of {value.numel()} elements (shape "
@@ -140,7 +140,7 @@ def literal_source(value: torch.Tensor) -> str:
     )
 
 
-def check_result_leaves(leaves: Sequence[Any]) -> None:
+def refuse_result_leaves(leaves: Sequence[Any]) -> None:
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor | bool | int | float | str | type(None)):
             raise PrecompileError(

@@ -16,12 +16,9 @@ from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import storage_id
 from torch_precompile.internals.dynamo import DynamoReading
 from torch_precompile.spec import ArtifactSpec
-from torch_precompile.trace import checks, data_parallel, dynamo_guards
+from torch_precompile.trace import checks
 from torch_precompile.trace.arguments import Layout, read_layout
-from torch_precompile.trace.distributed import check_graph, name_collectives
-from torch_precompile.trace.dynamo_breaks import refuse_breaks
-from torch_precompile.trace.guards import GuardRecorder
-from torch_precompile.trace.hooks import (
+from torch_precompile.trace.facts.hooks import (
     assigned_names,
     hook_functions,
     named_function,
@@ -30,11 +27,12 @@ from torch_precompile.trace.hooks import (
     refuse_iterators,
     refuse_unreplayable_modules,
 )
-from torch_precompile.trace.optimizers import kept_entries
-from torch_precompile.trace.python_state import put_back, refuse_changes, take_snapshot
-from torch_precompile.trace.reads import drop_changed_reads
-from torch_precompile.trace.recorded import artifact_spec, name_placeholders, symbolic_names
-from torch_precompile.trace.traced_run import (
+from torch_precompile.trace.facts.python_state import put_back, refuse_changes, take_snapshot
+from torch_precompile.trace.facts.reads import drop_changed_reads
+from torch_precompile.trace.facts.value_guards import GuardRecorder
+from torch_precompile.trace.frontends import dynamo_guards
+from torch_precompile.trace.frontends.dynamo_breaks import refuse_breaks
+from torch_precompile.trace.frontends.make_fx import (
     Outputs,
     Traced,
     Watch,
@@ -42,6 +40,10 @@ from torch_precompile.trace.traced_run import (
     fork_rng,
     run_trace,
 )
+from torch_precompile.trace.optimizers import kept_entries
+from torch_precompile.trace.parallel import data_parallel
+from torch_precompile.trace.parallel.dtensor import name_collectives, refuse_inplace_collectives
+from torch_precompile.trace.recorded import artifact_spec, name_placeholders, symbolic_names
 
 log = logging.getLogger("torch_precompile")
 
@@ -129,10 +131,10 @@ def capture(
     traced = _drop_unstepped_state(traced, layout)
     _drop_constant_guards(traced.graph, recorder, outputs)
     gm = traced.graph
-    check_graph(gm)
-    checks.reject_control_flow(gm)
-    checks.reject_effects(gm)
-    checks.reject_own_generators(gm)
+    refuse_inplace_collectives(gm)
+    checks.refuse_control_flow(gm)
+    checks.refuse_effects(gm)
+    checks.refuse_own_generators(gm)
     if layout.sharding is not None or layout.data_parallel:
         stable = data_parallel.stable_group_names(layout.data_parallel)
         if layout.sharding is not None:

@@ -33,7 +33,7 @@ from torch_precompile.internals.tracing import (
 )
 from torch_precompile.spec import ArtifactSpec, Autograd
 from torch_precompile.trace.core import Capture
-from torch_precompile.trace.traced_run import fork_rng
+from torch_precompile.trace.frontends.make_fx import fork_rng
 
 if TYPE_CHECKING:
     from torch_precompile.spec import InputLeaf, ModelTensor

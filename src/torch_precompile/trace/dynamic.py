@@ -178,7 +178,7 @@ def fake_inputs(
     )
 
 
-def check_not_specialized(dynamic: DynamicInputs, names: Sequence[str]) -> None:
+def refuse_specialized(dynamic: DynamicInputs, names: Sequence[str]) -> None:
     """A trace may narrow a marked dim's range, but must not pin it to one value."""
     shape_env = dynamic.fake_mode.shape_env
     for symbol, places in zip(dynamic.symbols, dynamic.occurrences, strict=True):

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -13,8 +11,9 @@ import torch
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
-from torch_precompile.shipped.driver.refusals import qualified_name
+from torch_precompile.shipped.driver.tensor_rules import qualified_name
 from torch_precompile.spec import EncodedValue
+from torch_precompile.trace.values import Use, encode
 
 
 @dataclass(frozen=True)
@@ -72,33 +71,12 @@ def encode_value(name: str, value: Any) -> EncodedValue:
     such are compared by equality; anything else could change after capture without the
     artifact knowing, so it is refused.
     """
-    if value is None:  # an optional input left out (``mask=None``)
-        return ("none", None)
-    if isinstance(value, float) and not math.isfinite(value):
-        return ("float", repr(value))
-    if type(value) in (bool, int, float, complex, str, bytes):
-        return ("const", value)
-    if isinstance(value, torch.dtype):
-        return ("dtype", str(value).removeprefix("torch."))
-    if isinstance(value, torch.device):
-        return ("device", str(value))
-    if isinstance(value, enum.Enum):
-        return ("enum", (qualified_name(type(value)), value.name))
-    if (
-        dataclasses.is_dataclass(value)
-        and not isinstance(value, type)
-        and (cast(Any, type(value)).__dataclass_params__.frozen)  # not in typeshed
-    ):
-        return (
-            "frozen",
-            (
-                qualified_name(type(value)),
-                tuple(
-                    (f.name, encode_value(f"{name}.{f.name}", getattr(value, f.name)))
-                    for f in dataclasses.fields(value)
-                ),
-            ),
-        )
+    encoded = encode(value, Use.INPUT)
+    if encoded is not None:
+        return encoded
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):  # name the field to blame (``cfg.generator``)
+            encode_value(f"{name}.{f.name}", getattr(value, f.name))
     if isinstance(value, torch.Generator):
         raise PrecompileError(
             f"input {name} is a torch.Generator; the artifact cannot carry its state from "

@@ -28,9 +28,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.optim import step_count_dtype, step_hooks
 from torch_precompile.internals.tracing import compiling
-from torch_precompile.shipped.driver.refusals import qualified_name
+from torch_precompile.shipped.driver.tensor_rules import qualified_name
 from torch_precompile.spec import EncodedValue, Optimizer, OptimizerState, ParamGroup
 from torch_precompile.trace.state import ModelState
+from torch_precompile.trace.values import Use, encode
 
 CALL_TIME_OPTIONS = ("lr",)
 """Options read from each param group at every call; every other option is baked."""
@@ -111,7 +112,7 @@ class OptimizerArg:
     zero_grad_first: bool = False  # fn called zero_grad() before any gradient existed
 
 
-def check_returned_lrs(optimizers: Sequence[OptimizerArg], leaves: Sequence[Any]) -> None:
+def refuse_returned_lrs(optimizers: Sequence[OptimizerArg], leaves: Sequence[Any]) -> None:
     """Refuse a result that is a param group's lr as fn read it: lr is read at every call for
     the step, but a result leaf is baked, so the artifact would return the capture's lr after
     a scheduler had changed it."""
@@ -137,14 +138,14 @@ def read_optimizers(
     param_index = {id(t): i for i, t in enumerate(state.tensors[: state.num_params])}
     for arg, name in zip(args, arg_names, strict=True):
         if isinstance(arg, torch.optim.Optimizer):
-            _check_class(arg, name)
-            _check_hooks(arg, name)
+            _refuse_class(arg, name)
+            _refuse_step_hooks(arg, name)
             entries = list(_entries(arg, name, param_index, state))
             found.append(OptimizerArg(name, arg, entries, backend == "inductor"))
     return found
 
 
-def _check_class(optimizer: torch.optim.Optimizer, name: str) -> None:
+def _refuse_class(optimizer: torch.optim.Optimizer, name: str) -> None:
     cls = type(optimizer)
     if cls not in _RULES:
         carried = ", ".join(f"torch.optim.{c.__name__}" for c in _RULES)
@@ -170,7 +171,7 @@ def _check_class(optimizer: torch.optim.Optimizer, name: str) -> None:
             )
 
 
-def _check_hooks(optimizer: torch.optim.Optimizer, name: str) -> None:
+def _refuse_step_hooks(optimizer: torch.optim.Optimizer, name: str) -> None:
     hooks = step_hooks(optimizer)
     if hooks:
         raise PrecompileError(
@@ -197,13 +198,13 @@ def _entries(
                 )
             held = optimizer.state.get(param)
             if held:
-                _check_held(held, keys, name, state.param_names[where])
+                _refuse_held_state(held, keys, name, state.param_names[where])
             for key in keys:
                 example = held[key] if held else _zeros(key, param, group)
                 yield StateEntry(where, key, example)
 
 
-def _check_held(held: dict[str, Any], keys: tuple[str, ...], name: str, param: str) -> None:
+def _refuse_held_state(held: dict[str, Any], keys: tuple[str, ...], name: str, param: str) -> None:
     if tuple(sorted(held)) != tuple(sorted(keys)):
         raise PrecompileError(
             f"optimizer {name} holds state {sorted(held)} for parameter {param!r}, where its "
@@ -340,12 +341,12 @@ def _install(
                 vars(optimizer).pop(attribute, None)
             else:
                 setattr(optimizer, attribute, value)
-        _check_unchanged(arg.name, lifted, expected, params)
+        _refuse_changed_state(arg.name, lifted, expected, params)
 
     return undo
 
 
-def _check_unchanged(
+def _refuse_changed_state(
     name: str,
     lifted: dict[torch.Tensor, dict[str, Any]],
     expected: dict[int, dict[str, Any]],
@@ -409,9 +410,9 @@ def optimizer_records(
 
 
 def _baked(name: str, option: str, value: Any) -> EncodedValue:
-    plain = (bool, int, float, str, type(None))
-    if type(value) in plain or (type(value) is tuple and all(type(v) in plain for v in value)):
-        return ("const", value)
+    encoded = encode(value, Use.OPTION)
+    if encoded is not None:
+        return encoded
     raise PrecompileError(
         f"option {option!r} of optimizer {name} is a {type(value).__name__}; options other "
         "than lr are baked and compared at every call, so they must be numbers, strings, "

@@ -26,12 +26,12 @@ from torch_precompile.spec import (
 )
 from torch_precompile.trace import dynamic
 from torch_precompile.trace.arguments import Layout
-from torch_precompile.trace.distributed import Distribution
-from torch_precompile.trace.guards import GuardRecorder
+from torch_precompile.trace.facts.value_guards import GuardRecorder
+from torch_precompile.trace.frontends.make_fx import Outputs, Traced, Watch
 from torch_precompile.trace.inputs import encode_value
 from torch_precompile.trace.optimizers import optimizer_records
+from torch_precompile.trace.parallel.dtensor import Distribution
 from torch_precompile.trace.state import model_records, submodule_records
-from torch_precompile.trace.traced_run import Outputs, Traced, Watch
 
 
 def artifact_spec(
@@ -114,7 +114,7 @@ def _input_shapes(layout: Layout, dynamic_inputs: dynamic.DynamicInputs | None) 
     bounds: list[Any] = [None for _ in layout.inputs.leaves]
     if dynamic_inputs is None:
         return _InputShapes(shapes, bounds)
-    dynamic.check_not_specialized(dynamic_inputs, names)
+    dynamic.refuse_specialized(dynamic_inputs, names)
     relations = dynamic.shape_relations(dynamic_inputs, names)
     for leaf_index, leaf_marks in enumerate(layout.marks):
         if leaf_marks:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from torch_precompile.shipped.driver.module_rules import forward_name
-from torch_precompile.shipped.driver.refusals import qualified_name
+from torch_precompile.shipped.driver.tensor_rules import qualified_name
 from torch_precompile.spec import HookSet, ModelTensor, Submodule
-from torch_precompile.trace.hooks import tensor_hooks
+from torch_precompile.trace.facts.hooks import tensor_hooks
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,6 @@ layout; DTensors keep their own, richer path (``capture.distributed``).
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -24,9 +21,10 @@ import torch
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.distributed import is_dtensor
 from torch_precompile.internals.tracing import is_traceable_wrapper_subclass
-from torch_precompile.shipped.driver.refusals import qualified_name
 from torch_precompile.shipped.driver.subclasses import decode_context
+from torch_precompile.shipped.driver.tensor_rules import qualified_name
 from torch_precompile.spec import EncodedValue, InnerTensor, WrappedTensor
+from torch_precompile.trace.values import Use, encode, unencodable_part
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -203,42 +201,13 @@ def _inner_records(flattened: Flattened, wrapper: int) -> list[InnerTensor]:
 
 
 def encode_context(value: Any, name: str) -> EncodedValue:
-    """A flatten context as source-writable values (the spec's encoded kinds)."""
-    if value is None:
-        return ("none", None)
-    if isinstance(value, float) and not math.isfinite(value):
-        return ("float", repr(value))
-    if type(value) in (bool, int, float, str, bytes):
-        return ("const", value)
-    if isinstance(value, torch.dtype):
-        return ("dtype", str(value).removeprefix("torch."))
-    if isinstance(value, torch.device):
-        return ("device", str(value))
-    if type(value) is torch.Size:
-        return ("size", tuple(int(s) for s in value))
-    if isinstance(value, enum.Enum):
-        return ("enum", (qualified_name(type(value)), value.name))
-    if type(value) in (list, tuple):
-        return (type(value).__name__, tuple(encode_context(v, name) for v in value))
-    if type(value) is dict:
-        return (
-            "dict",
-            tuple((encode_context(k, name), encode_context(v, name)) for k, v in value.items()),
-        )
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (
-            "dataclass",
-            (
-                qualified_name(type(value)),
-                tuple(
-                    (f.name, encode_context(getattr(value, f.name), name))
-                    for f in dataclasses.fields(value)
-                    if f.init
-                ),
-            ),
-        )
+    """A flatten context as the spec holds it, to be built again by the artifact."""
+    encoded = encode(value, Use.CONTEXT)
+    if encoded is not None:
+        return encoded
+    culprit = type(unencodable_part(value, Use.CONTEXT))
     raise PrecompileError(
-        f"{name} is a tensor subclass whose flatten context holds a {qualified_name(type(value))}, "
+        f"{name} is a tensor subclass whose flatten context holds a {qualified_name(culprit)}, "
         "which the artifact cannot write as source (it writes numbers, strings, None, dtypes, "
         "devices, sizes, enum members, dataclasses, and lists, tuples and dicts of those)."
     )

@@ -1,7 +1,7 @@
 """The driver that every artifact carries as source: real modules, copied in only as needed.
 
-``refusals`` (the rules a call is checked by) is in every artifact. A plain artifact adds
-``guards``, ``encoded`` and ``plain``, the runtime its generated checks call; any other adds
+``tensor_rules`` (the rules a call is checked by) is in every artifact. A plain artifact adds
+``rechecks``, ``encoded`` and ``plain``, the runtime its generated checks call; any other adds
 ``core`` (the generic ``Driver``), with ``memo`` when the computation takes a model,
 ``dynamic`` when dims were marked dynamic, ``distributed`` when DTensors are involved,
 ``subclasses`` when other tensor subclasses (quantized weights) are, ``planned`` beside

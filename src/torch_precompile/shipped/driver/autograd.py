@@ -18,7 +18,7 @@ import torch
 
 from torch_precompile.shipped.driver.core import Driver
 from torch_precompile.shipped.driver.no_history import NoHistory
-from torch_precompile.shipped.driver.refusals import PrecompileError
+from torch_precompile.shipped.driver.tensor_rules import PrecompileError
 
 Graph = Callable[[list[Any]], list[Any]]
 Ready = Callable[[], Graph] | None

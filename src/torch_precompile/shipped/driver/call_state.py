@@ -7,7 +7,11 @@ from typing import Any
 
 import torch
 
-from torch_precompile.shipped.driver.refusals import PrecompileError, dtype_named, qualified_name
+from torch_precompile.shipped.driver.tensor_rules import (
+    PrecompileError,
+    dtype_named,
+    qualified_name,
+)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

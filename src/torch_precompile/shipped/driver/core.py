@@ -44,14 +44,16 @@ from torch_precompile.shipped.driver.records import (
     SPEC_RECORDS,
     SPEC_SINGLE,
 )
-from torch_precompile.shipped.driver.refusals import (
+from torch_precompile.shipped.driver.tensor_rules import (
     LeafPlan,
     accumulate_grads,
+    argument_kind,
     arguments_error,
     check_input,
     check_model_tensor,
     check_reads,
     positional_inputs,
+    runs_backward,
     written_apart,
 )
 
@@ -98,14 +100,12 @@ class Driver:
             i for i, a in enumerate(spec.args) if not a.is_model and not a.is_optimizer
         ]
         self.arity_text = (
-            ", ".join(f"{a.name} ({_argument_kind(a)})" for a in spec.args) or "no arguments"
+            ", ".join(f"{a.name} ({argument_kind(a)})" for a in spec.args) or "no arguments"
         )
         self.out_spec = pytree.treespec_loads(spec.out_spec)
         # A common shape of a call takes a shortcut: one tensor result.
         self.single_result = self.out_spec == pytree.tree_flatten(0)[1]
-        # A backward ran inside fn, as ArtifactSpec.runs_backward says (the driver ships
-        # without the package, so it reads the spec's records itself).
-        training = any(t.gets_grad for t in spec.model) or bool(spec.optimizers)
+        training = runs_backward(spec)
         # Flat inputs a driver part unwraps; every other one must be a plain tensor.
         carried = {d.index for d in (*spec.distributed, *spec.wrapped) if d.role == "input"}
         self.leaves = [leaf_plan(leaf, training) for leaf in spec.inputs]
@@ -284,10 +284,6 @@ def check_tensor_leaf(driver: Driver, plan: LeafPlan, leaf: Any) -> torch.Tensor
     if plan.read:  # what fn read of the caller's tensor, before any copy into a layout
         check_reads(plan, leaf)
     return checked
-
-
-def _argument_kind(arg: Any) -> str:
-    return "model" if arg.is_model else "optimizer" if arg.is_optimizer else "input"
 
 
 class ModelPlan:

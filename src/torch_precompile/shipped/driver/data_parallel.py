@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from torch_precompile.shipped.driver.core import Driver
-from torch_precompile.shipped.driver.refusals import PrecompileError
+from torch_precompile.shipped.driver.tensor_rules import PrecompileError
 
 
 class DataParallelSteps:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from torch_precompile.shipped.driver.core import Driver
-from torch_precompile.shipped.driver.refusals import PrecompileError, check_layout
+from torch_precompile.shipped.driver.tensor_rules import PrecompileError, check_layout
 
 
 class DistributedCall:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from torch_precompile.shipped.driver.refusals import LeafPlan, PrecompileError
+from torch_precompile.shipped.driver.tensor_rules import LeafPlan, PrecompileError
 
 _MEMORY_FORMATS = {
     "contiguous": torch.contiguous_format,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from torch_precompile.shipped.driver.module_rules import shown_module
-from torch_precompile.shipped.driver.refusals import PrecompileError, qualified_name
+from torch_precompile.shipped.driver.tensor_rules import PrecompileError, qualified_name
 
 
 def value_matches(encoded: Any, value: Any) -> bool:
@@ -186,7 +186,9 @@ def shown_value(encoded: Any) -> str:
         return "[" + ", ".join(map(shown_value, expected)) + "]"
     if kind == "dict":
         return "{" + ", ".join(f"{shown_value(k)}: {shown_value(v)}" for k, v in expected) + "}"
-    if kind in ("frozen", "object"):
+    if kind == "size":
+        return f"torch.Size({list(expected)!r})"
+    if kind in ("frozen", "object", "dataclass"):
         fields = ", ".join(f"{field}={shown_value(item)}" for field, item in expected[1])
         return f"{expected[0]}({fields})"
     if kind in ("set", "frozenset"):

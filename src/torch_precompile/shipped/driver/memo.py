@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from torch_precompile.shipped.driver.core import ModelPlan, WalkedModels
-from torch_precompile.shipped.driver.guards import (
+from torch_precompile.shipped.driver.module_rules import GLOBAL_HOOKS, MODULE_HOOKS, TENSOR_HOOKS
+from torch_precompile.shipped.driver.rechecks import (
     _DEREF,
     _HANDLES,
     _CheckSource,
@@ -35,7 +36,6 @@ from torch_precompile.shipped.driver.guards import (
     same_value,
     tensor_guard,
 )
-from torch_precompile.shipped.driver.module_rules import GLOBAL_HOOKS, MODULE_HOOKS, TENSOR_HOOKS
 
 
 class RememberedModels:

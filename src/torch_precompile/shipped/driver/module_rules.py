@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torch_precompile.shipped.driver.refusals import PrecompileError, qualified_name
+from torch_precompile.shipped.driver.tensor_rules import PrecompileError, qualified_name
 
 
 def walk_owner(name: str, arguments: Sequence[str]) -> tuple[str, str]:

@@ -20,7 +20,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from torch_precompile.shipped.driver.core import Driver
 from torch_precompile.shipped.driver.planned import TensorPlan, check_planned
-from torch_precompile.shipped.driver.refusals import PrecompileError, qualified_name
+from torch_precompile.shipped.driver.tensor_rules import PrecompileError, qualified_name
 
 
 class OptimizerSteps:
@@ -152,7 +152,7 @@ class OptimizerPlan:
                 f"argument {self.name} was a {self.cls} at capture; got {given}. Pass an "
                 "optimizer of the captured class."
             )
-        self._check_hooks(optimizer)
+        self._check_step_hooks(optimizer)
         self._check_groups(optimizer, state)
         return optimizer, self._fresh_state(optimizer, state)
 
@@ -167,7 +167,7 @@ class OptimizerPlan:
                 "a float (or a 1-element tensor)."
             ) from e
 
-    def _check_hooks(self, optimizer: Any) -> None:
+    def _check_step_hooks(self, optimizer: Any) -> None:
         global_hooks = (_global_optimizer_pre_hooks, _global_optimizer_post_hooks)
         own = (
             getattr(optimizer, "_optimizer_step_pre_hooks", None),

@@ -9,8 +9,8 @@ a line; ``PlainForward`` runs the graph on the tensors they return.
 
 import operator
 import threading
-import types
 import weakref
+from collections import namedtuple
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,14 +18,6 @@ import torch
 import torch.utils._pytree as pytree
 
 from torch_precompile.shipped.driver.encoded import MISSING, compare_read, module_read_name
-from torch_precompile.shipped.driver.guards import (
-    _DEREF,
-    _HANDLES,
-    _CheckSource,
-    module_facts,
-    registration_counter,
-    tensor_guard,
-)
 from torch_precompile.shipped.driver.module_rules import (
     GLOBAL_HOOKS,
     GLOBAL_HOOKS_OWNER,
@@ -41,7 +33,16 @@ from torch_precompile.shipped.driver.module_rules import (
     tied_apart,
     tied_since,
 )
-from torch_precompile.shipped.driver.refusals import accumulate_grads
+from torch_precompile.shipped.driver.rechecks import (
+    _DEREF,
+    _HANDLES,
+    _CheckSource,
+    module_facts,
+    registration_counter,
+    tensor_guard,
+)
+from torch_precompile.shipped.driver.records import SPEC_DEFAULTS, SPEC_RECORDS
+from torch_precompile.shipped.driver.tensor_rules import accumulate_grads
 
 
 class PlainForward:
@@ -108,16 +109,15 @@ class PlainForward:
 
 
 def _autograd(literal: Mapping[str, Any] | None) -> Any:
-    """An Autograd record of the spec's literal (fields at their defaults left out), as the
-    autograd part reads it."""
+    """An Autograd record of the spec's literal, as the autograd part reads it."""
     if literal is None:
         return None
-    return types.SimpleNamespace(
-        inputs=literal.get("inputs", ()),
-        outputs=literal.get("outputs", ()),
-        tangent_strides=literal.get("tangent_strides", ()),
-        unavailable=literal.get("unavailable"),
-    )
+    return _record_type("Autograd")(**literal)
+
+
+def _record_type(name: str) -> Any:
+    """A spec record as a named tuple with the fields and defaults the spec's table gives."""
+    return namedtuple(name, SPEC_RECORDS[name], defaults=SPEC_DEFAULTS.get(name, ()))
 
 
 def members(model: Any, argument: str, captured: Sequence[tuple[str, str, Any]]) -> list[Any]:
@@ -193,7 +193,7 @@ class RememberedCall:
     """The inputs' layouts and the last few models that passed the full checks.
 
     ``check_models`` is the artifact's full check of its model. A model it passed, while no
-    member or hook was registered anywhere since (``guards``), is unchanged if its submodules
+    member or hook was registered anywhere since (``rechecks``), is unchanged if its submodules
     keep their classes, modes and forwards and the sizes of their member dicts, and its tensors
     pass a tensor guard in C++.
     """

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_precompile.shipped.driver.refusals import PrecompileError, check_layout
+from torch_precompile.shipped.driver.tensor_rules import PrecompileError, check_layout
 
 
 class TensorPlan:

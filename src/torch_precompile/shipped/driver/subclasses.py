@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from torch_precompile.shipped.driver.core import Driver
-from torch_precompile.shipped.driver.guards import tensor_guard
 from torch_precompile.shipped.driver.planned import TensorPlan, check_planned
-from torch_precompile.shipped.driver.refusals import PrecompileError, qualified_name
+from torch_precompile.shipped.driver.rechecks import tensor_guard
+from torch_precompile.shipped.driver.tensor_rules import PrecompileError, qualified_name
 
 
 class WrappedCall:

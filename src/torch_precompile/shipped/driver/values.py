@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 
 from torch_precompile.shipped.driver.core import Driver
 from torch_precompile.shipped.driver.encoded import shown_value, value_matches
-from torch_precompile.shipped.driver.refusals import (
+from torch_precompile.shipped.driver.tensor_rules import (
     LeafPlan,
     PrecompileError,
     Shown,

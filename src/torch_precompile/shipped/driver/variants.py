@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch_precompile.shipped.driver.records import SPEC_SHARED
-from torch_precompile.shipped.driver.refusals import PrecompileError
+from torch_precompile.shipped.driver.tensor_rules import PrecompileError
 
 
 def variant_spec(literal: Mapping[str, Any], number: int) -> dict[str, Any]:

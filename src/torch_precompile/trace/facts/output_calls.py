@@ -19,7 +19,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from torch_precompile.trace.listening import Listeners
+from torch_precompile.trace.facts.listening import Listeners
 
 # A call: what was called (``print``, ``logging.info``) and the frame that called it.
 Listener = Callable[[str, FrameType], None]

@@ -39,12 +39,12 @@ from torch_precompile.internals.fsdp import (
     without_fsdp_hooks,
 )
 from torch_precompile.spec import FullyShardedGroup
-from torch_precompile.trace.gather_buckets import bucket_of, gather
+from torch_precompile.trace.parallel.gather_buckets import bucket_of, gather
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-    from torch_precompile.trace.gather_buckets import Bucket
+    from torch_precompile.trace.parallel.gather_buckets import Bucket
 
 
 @dataclass(frozen=True)

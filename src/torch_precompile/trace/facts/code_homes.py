@@ -21,7 +21,7 @@ TORCH_ROOT = str(Path(torch.__file__).parent)  # torch's own code
 _BASE_PATHS = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})
 STDLIB_ROOTS = tuple({_BASE_PATHS["stdlib"], _BASE_PATHS["platstdlib"]})
 INSTALLED = ("site-packages", "dist-packages")
-PACKAGE_ROOT = str(Path(__file__).parents[1])  # this package's code
+PACKAGE_ROOT = str(Path(__file__).parents[2])  # this package's code
 
 
 def users_file(filename: str) -> bool:

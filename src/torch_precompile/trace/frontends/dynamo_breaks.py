@@ -9,7 +9,7 @@ import types
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import dynamo
 from torch_precompile.internals.origin import shown_path
-from torch_precompile.trace.code_homes import users_file
+from torch_precompile.trace.facts.code_homes import users_file
 
 # Graph breaks the make_fx trace carries, by words of Dynamo's reason (lowercased): the trace
 # records the backward, and checks at every call (or refuses by name) the values read off

@@ -31,8 +31,8 @@ from torch_precompile.shipped.driver.module_rules import (
     hook_sets,
 )
 from torch_precompile.spec import HookSet
-from torch_precompile.trace.code_homes import runs_as, users_file
-from torch_precompile.trace.python_state import Held, Slot
+from torch_precompile.trace.facts.code_homes import runs_as, users_file
+from torch_precompile.trace.facts.python_state import Held, Slot
 
 _SIDE_EFFECT_FIX = (
     "A hook or fn that keeps tensors or counts in Python objects would do so once, at "

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from torch_precompile.errors import PrecompileError
-from torch_precompile.trace.code_homes import PACKAGE_ROOT, TORCH_ROOT
-from torch_precompile.trace.listening import Listeners, wrap_tensor_methods
+from torch_precompile.trace.facts.code_homes import PACKAGE_ROOT, TORCH_ROOT
+from torch_precompile.trace.facts.listening import Listeners, wrap_tensor_methods
 
 # Each method fn may read, and the property of the call's tensor the artifact compares.
 _PROPERTIES = {

@@ -25,10 +25,11 @@ import torch
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.tracing import FakeTensor, TorchDispatchMode
 from torch_precompile.trace.checks import MAX_LITERAL_ELEMENTS
-from torch_precompile.trace.listening import Listeners, wrap_tensor_methods
+from torch_precompile.trace.facts.code_homes import PACKAGE_ROOT, TORCH_ROOT
+from torch_precompile.trace.facts.listening import Listeners, wrap_tensor_methods
 
 aten = torch.ops.aten
-_SKIPPED_ROOTS = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
+_SKIPPED_ROOTS = (TORCH_ROOT, PACKAGE_ROOT)
 
 
 @dataclass(frozen=True)

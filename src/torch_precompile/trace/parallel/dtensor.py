@@ -24,7 +24,7 @@ from torch_precompile.internals.distributed import (
     non_functional_collectives,
 )
 from torch_precompile.shipped.driver.distributed import bind_groups, placement_text
-from torch_precompile.shipped.driver.refusals import qualified_name
+from torch_precompile.shipped.driver.tensor_rules import qualified_name
 from torch_precompile.spec import DistributedTensor, Mesh
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class Distribution:
         unwrapped = list(leaves)
         for index, leaf in enumerate(leaves):
             if is_dtensor(leaf):
-                self._check_placements(leaf, f"result leaf {index}")
+                self._refuse_placements(leaf, f"result leaf {index}")
                 self.results.append(
                     DistributedTensor(
                         role="result",
@@ -143,7 +143,7 @@ class Distribution:
         )
 
     @staticmethod
-    def _check_placements(tensor: Any, what: str) -> None:
+    def _refuse_placements(tensor: Any, what: str) -> None:
         odd = [p for p in tensor.placements if type(p).__name__ not in _PLACEMENTS]
         if odd:
             raise PrecompileError(
@@ -162,7 +162,7 @@ def find_dtensors(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> Dist
         if not is_dtensor(tensor):
             continue
         _refuse_nested(tensor, name)
-        Distribution._check_placements(tensor, name)
+        Distribution._refuse_placements(tensor, name)
         mesh = tensor.device_mesh
         if mesh.get_coordinate() is None:
             raise PrecompileError(
@@ -203,7 +203,7 @@ def name_collectives(gm: torch.fx.GraphModule, stable: dict[str, str]) -> None:
     gm.recompile()
 
 
-def check_graph(gm: torch.fx.GraphModule) -> None:
+def refuse_inplace_collectives(gm: torch.fx.GraphModule) -> None:
     """Collectives that mutate in place (``dist.all_reduce`` inside fn) are refused."""
     found = non_functional_collectives(gm)
     if found:

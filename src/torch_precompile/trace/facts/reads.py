@@ -42,10 +42,10 @@ from typing import Any
 import torch
 
 from torch_precompile.shipped.driver.encoded import shown_value
-from torch_precompile.shipped.driver.refusals import qualified_name
+from torch_precompile.shipped.driver.tensor_rules import qualified_name
 from torch_precompile.spec import EncodedValue, ReadValue
-from torch_precompile.trace.call_watch import CallWatch
-from torch_precompile.trace.code_homes import (
+from torch_precompile.trace.facts.call_watch import CallWatch
+from torch_precompile.trace.facts.code_homes import (
     PACKAGE_ROOT,
     TORCH_ROOT,
     function_home,
@@ -56,19 +56,16 @@ from torch_precompile.trace.code_homes import (
     script_name,
     users_file,
 )
-from torch_precompile.trace.code_reads import NOT_READS, CodeReads, code_reads
-from torch_precompile.trace.environment import ENVIRONMENT_READS
-from torch_precompile.trace.output_calls import OUTPUT_CALLS
-from torch_precompile.trace.read_values import (
-    UNSEEN,
+from torch_precompile.trace.facts.code_reads import NOT_READS, CodeReads, code_reads
+from torch_precompile.trace.facts.environment import ENVIRONMENT_READS
+from torch_precompile.trace.facts.output_calls import OUTPUT_CALLS
+from torch_precompile.trace.facts.read_values import (
     closure_cells,
-    encode_read,
-    held_values,
     is_closure_constant,
     is_followed,
-    is_plain_object,
     object_values,
 )
+from torch_precompile.trace.values import UNSEEN, Use, encode, held_values, is_plain_object
 
 
 class ReadRecorder:
@@ -159,7 +156,8 @@ class ReadRecorder:
             return
         where = f"{Path(file).name}:{frame.f_lineno} ({frame.f_code.co_name})"
         self.namespaces["os"] = vars(os)
-        expected = ("none", None) if value is None else ("const", value)
+        expected = encode(value, Use.READ)  # a str, or None where unset: always encoded
+        assert expected is not None
         self.reads[key] = ReadValue(None, "os", key[2], expected, where)
 
     def _look(self, frame: types.FrameType) -> None:
@@ -264,7 +262,7 @@ class ReadRecorder:
             for name, by_call, line in reads:
                 held = vars(module).get(name, UNSEEN)
                 # A plain value only: an object or a tensor under a common name is no setting.
-                if (by_call and held is UNSEEN) or encode_read(held) is not None:
+                if (by_call and held is UNSEEN) or encode(held, Use.READ) is not None:
                     self._module_read(index, (name,), where.format(line))
 
     def _module_read(self, index: int, path: tuple[str, ...], where: str) -> None:
@@ -275,14 +273,14 @@ class ReadRecorder:
         if path[0] == "__class__":  # ``type(self).factor``, ``cls.factor``: the class's value
             own = len(path) > 1 and not path[1].startswith("__")  # not __name__, __module__
             found = _class_value(type(module), path[1]) if own else UNSEEN
-            encoded = None if found is UNSEEN else encode_read(found)
+            encoded = None if found is UNSEEN else encode(found, Use.READ)
             if encoded is not None:
                 self.reads[key] = ReadValue(index, None, path[:2], encoded, where)
             return
         namespace: Mapping[str, Any] = vars(module)
         if path[0] == "__dict__":  # ``self.__dict__["s"]``, ``vars(self)``: every plain value
             for name, value in namespace.items():
-                encoded = encode_read(value)
+                encoded = encode(value, Use.READ)
                 if encoded is not None and name not in NOT_READS:
                     found = ("module", index, (name,))
                     self.reads.setdefault(found, ReadValue(index, None, (name,), encoded, where))
@@ -314,7 +312,7 @@ class ReadRecorder:
                 # it reads off the object is out of sight, so the object is read whole.
                 path = path[:depth]
                 break
-            encoded = encode_read(value)
+            encoded = encode(value, Use.READ)
             if encoded is not None:
                 self.reads[key] = ReadValue(index, None, path[: depth + 1], encoded, where)
                 return
@@ -360,7 +358,7 @@ class ReadRecorder:
             key = ("global", module, path[: depth + 1])
             if key in self.reads:
                 return
-            encoded = encode_read(value)
+            encoded = encode(value, Use.READ)
             if encoded is not None:
                 self.namespaces[module] = namespace
                 self.reads[key] = ReadValue(
@@ -522,6 +520,6 @@ def drop_changed_reads(recorder: ReadRecorder) -> None:
             value = recorder.submodules[read.submodule]
             for name in read.path:
                 value = getattr(value, name, UNSEEN)
-        now = ("absent", None) if value is UNSEEN else encode_read(value)
+        now = ("absent", None) if value is UNSEEN else encode(value, Use.READ)
         if now != read.expected:
             del recorder.reads[key]

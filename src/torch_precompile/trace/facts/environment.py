@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
-from torch_precompile.trace.listening import Listeners
+from torch_precompile.trace.facts.listening import Listeners
 
 # Frames of the mapping machinery between the reading code and ``__getitem__``.
 # (Both may be frozen modules, named "<frozen os>": their code objects say so.)

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from torch_precompile.internals.tracing import GRAD_ATTRIBUTE
-from torch_precompile.trace.code_homes import PACKAGE_ROOT
-from torch_precompile.trace.listening import Listeners
+from torch_precompile.trace.facts.code_homes import PACKAGE_ROOT
+from torch_precompile.trace.facts.listening import Listeners
 
 _GRAD = GRAD_ATTRIBUTE
 # This package's code, and optimizers': an optimizer argument's step and zero_grad have

@@ -172,7 +172,7 @@ def tracing(
                     stack.callback(handle.remove)
         yield
         for bucket in buckets:
-            bucket.check_finished()
+            bucket.refuse_unfinished_reduction()
 
 
 class _GradientBuckets:
@@ -219,7 +219,7 @@ class _GradientBuckets:
             start += grad.numel()
         self.pending = []
 
-    def check_finished(self) -> None:
+    def refuse_unfinished_reduction(self) -> None:
         if self.arrived:
             raise PrecompileError(
                 f"a backward in fn gave gradients to {self.arrived} of the {self.count} "

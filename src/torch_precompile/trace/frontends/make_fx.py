@@ -1,6 +1,6 @@
-"""The traced run: ``fn`` as a function of flat tensors, the examples it runs on, the watchers
-around it, and the ``make_fx`` trace itself (on real examples, or symbolic where dims are
-marked dynamic), with what the trace refuses as it goes."""
+"""The make_fx front-end: ``fn`` as a function of flat tensors, the examples it runs on, the
+watchers around it, and the ``make_fx`` trace itself (on real examples, or symbolic where
+dims are marked dynamic), with what the trace refuses as it goes."""
 
 from __future__ import annotations
 
@@ -30,20 +30,21 @@ from torch_precompile.internals.tracing import (
     written_inputs,
 )
 from torch_precompile.spec import Ambient, OutputAlias
-from torch_precompile.trace import checks, data_parallel, dynamic, fully_shard
-from torch_precompile.trace.ambient import DefaultDtypeUse, ambient_at_capture
+from torch_precompile.trace import checks, dynamic
 from torch_precompile.trace.arguments import Layout
-from torch_precompile.trace.distributed import Distribution
-from torch_precompile.trace.grads import GradUse
-from torch_precompile.trace.guards import GuardRecorder
-from torch_precompile.trace.hooks import global_hooks, module_hooks
-from torch_precompile.trace.optimizers import check_returned_lrs, only_arguments_step, stepping
-from torch_precompile.trace.param_writes import ParamWrites
-from torch_precompile.trace.random_state import PythonDraws, SeedWatch
-from torch_precompile.trace.reads import ReadRecorder
-from torch_precompile.trace.settings import SettingReads
+from torch_precompile.trace.facts.ambient import DefaultDtypeUse, ambient_at_capture
+from torch_precompile.trace.facts.grads import GradUse
+from torch_precompile.trace.facts.hooks import global_hooks, module_hooks
+from torch_precompile.trace.facts.param_writes import ParamWrites
+from torch_precompile.trace.facts.random_state import PythonDraws, SeedWatch
+from torch_precompile.trace.facts.reads import ReadRecorder
+from torch_precompile.trace.facts.settings import SettingReads
+from torch_precompile.trace.facts.tensor_reads import TensorReads
+from torch_precompile.trace.facts.value_guards import GuardRecorder
+from torch_precompile.trace.optimizers import only_arguments_step, refuse_returned_lrs, stepping
+from torch_precompile.trace.parallel import data_parallel, fully_shard
+from torch_precompile.trace.parallel.dtensor import Distribution
 from torch_precompile.trace.state import ModelState
-from torch_precompile.trace.tensor_reads import TensorReads
 
 
 @dataclass
@@ -172,11 +173,11 @@ def flat_function(
                 padded_lengths_in_python(),
             ):
                 result = fn(*call_args)
-        _reject_stray_gradients(state, flat, layout.num_params)
+        _refuse_stray_gradients(state, flat, layout.num_params)
         result_leaves, outputs.spec = pytree.tree_flatten(result)
-        checks.check_result_leaves(result_leaves)
+        checks.refuse_result_leaves(result_leaves)
         outputs.returned_reads = _returned_reads(recorder, result_leaves)
-        check_returned_lrs(layout.optimizers, result_leaves)
+        refuse_returned_lrs(layout.optimizers, result_leaves)
         grads = [(i, p.grad) for i, p in enumerate(flat[: layout.num_params]) if p.grad is not None]
         if sharding is not None:
             result_leaves = sharding.local_results(result_leaves)
@@ -242,7 +243,7 @@ def run_trace(
             return Traced(gm, dynamic_inputs.fakes, dynamic_inputs, False, mutated)
         examples = _examples(layout, buffers)
         versions = [version_of(e) for e in examples]
-        trace = _Trace(flat_fn, decompositions, examples, on_fakes)
+        trace = _MakeFxRun(flat_fn, decompositions, examples, on_fakes)
         gm = trace.run()
         _refuse_grad_flags_set(layout, examples)
         # Which examples the trace wrote shows which inputs the graph writes, and so do the
@@ -344,7 +345,7 @@ def learning_rate(group: dict[str, Any]) -> torch.Tensor:
     return torch.tensor(float(group["lr"]), dtype=torch.float64)
 
 
-class _Trace:
+class _MakeFxRun:
     """One make_fx trace of the flat function, on the examples or on fakes of them."""
 
     def __init__(
@@ -510,7 +511,7 @@ def fork_rng(tensors: list[torch.Tensor]) -> Any:
         yield
 
 
-def _reject_stray_gradients(
+def _refuse_stray_gradients(
     state: ModelState, flat: Sequence[torch.Tensor], num_params: int
 ) -> None:
     for name, tensor in zip(state.buffer_names, flat[num_params : len(state.tensors)], strict=True):

@@ -12,7 +12,7 @@ from typing import cast
 
 import torch
 
-from torch_precompile.trace.code_homes import (
+from torch_precompile.trace.facts.code_homes import (
     INSTALLED,
     PACKAGE_ROOT,
     TORCH_ROOT,

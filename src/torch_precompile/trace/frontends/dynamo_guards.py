@@ -37,9 +37,9 @@ from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import dynamo
 from torch_precompile.internals.origin import shown_path
 from torch_precompile.spec import GuardNote, ReadValue
-from torch_precompile.trace.code_homes import script_name, users_file
-from torch_precompile.trace.dynamo_breaks import break_line, carried, resumes
-from torch_precompile.trace.guard_paths import (
+from torch_precompile.trace.facts.code_homes import script_name, users_file
+from torch_precompile.trace.frontends.dynamo_breaks import break_line, carried, resumes
+from torch_precompile.trace.frontends.guard_paths import (
     MISSING,
     attribute_names,
     below,
@@ -52,7 +52,7 @@ from torch_precompile.trace.guard_paths import (
     walk,
     walk_from,
 )
-from torch_precompile.trace.read_values import encode_object, encode_read
+from torch_precompile.trace.values import Use, encode, encode_object
 
 log = logging.getLogger("torch_precompile")
 
@@ -147,7 +147,7 @@ def _note(globals_: dict[str, Any], arguments: dict[str, Any], path: dynamo.Guar
     fn then changes in place is seen as it was)."""
     frame = dynamo.FrameRead(_NO_CODE, globals_, arguments, ())
     try:
-        return encode_read(walk(frame, path)[-1])
+        return encode(walk(frame, path)[-1], Use.READ)
     except Exception:  # a value whose encoding fails is no plain value
         return None
 
@@ -433,7 +433,7 @@ class _Translator:
         shown = ".".join(names)
         if any(covers(k, key) for k in self.keys):
             return CHECKED, f"read value {shown} == {shown_briefly(value)}"
-        encoded = None if value is MISSING else encode_read(value)
+        encoded = None if value is MISSING else encode(value, Use.READ)
         if guard.at_read is not None and encoded != guard.at_read:
             return DROPPED, f"{shown}: fn changes it as it runs, so no call could pass its check"
         if encoded is None and guard.kind in _OBJECT_KINDS:

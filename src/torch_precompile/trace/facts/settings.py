@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from torch_precompile.shipped.driver.call_state import SETTINGS
-from torch_precompile.trace.code_homes import PACKAGE_ROOT, TORCH_ROOT
-from torch_precompile.trace.listening import Listeners
+from torch_precompile.trace.facts.code_homes import PACKAGE_ROOT, TORCH_ROOT
+from torch_precompile.trace.facts.listening import Listeners
 
 _GRAD = "torch.is_grad_enabled"
 _ENABLE_GRAD = torch.autograd.grad_mode.enable_grad

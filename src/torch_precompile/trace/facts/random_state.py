@@ -24,9 +24,9 @@ import torch
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.tracing import TorchDispatchMode
-from torch_precompile.trace.code_homes import users_file
-from torch_precompile.trace.guards import _user_location as user_location
-from torch_precompile.trace.listening import Listeners
+from torch_precompile.trace.facts.code_homes import PACKAGE_ROOT, TORCH_ROOT, users_file
+from torch_precompile.trace.facts.listening import Listeners
+from torch_precompile.trace.facts.value_guards import _user_location as user_location
 
 
 class SeedWatch(TorchDispatchMode):
@@ -107,7 +107,7 @@ class SeedWatch(TorchDispatchMode):
 # The default generator's state as torch.random (and torch) offer it.
 _STATE_FUNCTIONS = ("get_rng_state", "set_rng_state", "initial_seed", "seed")
 _TORCH_RANDOM = torch.random.__file__
-_SKIPPED = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
+_SKIPPED = (TORCH_ROOT, PACKAGE_ROOT)
 
 
 def _user_caller() -> str | None:

@@ -124,6 +124,18 @@ def qualified_name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', '?')}"
 
 
+def argument_kind(arg: Any) -> str:
+    """What an argument of fn is, by its spec record: ``"model"``, ``"optimizer"`` or
+    ``"input"``."""
+    return "model" if arg.is_model else "optimizer" if arg.is_optimizer else "input"
+
+
+def runs_backward(spec: Any) -> bool:
+    """Whether fn runs a backward itself, by its spec: a model tensor gets a gradient from
+    it, or it steps an optimizer argument."""
+    return any(t.gets_grad for t in spec.model) or bool(spec.optimizers)
+
+
 def accumulate_grads(
     state: Sequence[torch.Tensor], indices: Sequence[int], grads: Sequence[torch.Tensor]
 ) -> None:

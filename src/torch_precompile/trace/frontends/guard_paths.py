@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch_precompile.internals import dynamo
-from torch_precompile.trace.code_homes import TORCH_ROOT, users_file
+from torch_precompile.trace.facts.code_homes import TORCH_ROOT, users_file
 
 MISSING: Any = object()
 
