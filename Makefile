@@ -7,7 +7,7 @@ TORCH ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench test-matrix zoo
+.PHONY: demo test test-quick lint bench test-matrix zoo
 
 $(BIN)/.installed-base: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ lint: $(BIN)/.installed
 
 test: lint
 	$(BIN)/python -m pytest
+
+# A quick subset while working: the eager backend only, without the distributed worlds, the
+# pipelines and restarts, the documentation's fresh processes and the soaks (see
+# docs/development.md). make test runs everything.
+test-quick: $(BIN)/.installed
+	$(BIN)/python -m pytest -m "not soak" -k "not inductor" --ignore=tests/test_distributed.py \
+		--ignore=tests/test_pipeline.py --ignore=tests/test_elastic.py --ignore=tests/test_docs.py
 
 # The suite on the newer torch and Python releases, one venv per pair (see .ci/matrix).
 test-matrix:

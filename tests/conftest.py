@@ -48,6 +48,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "on the inductor twin of a driver check (EAGER_TWIN_FILES); .ci/matrix leaves it to "
         "the default release's run",
     )
+    config.addinivalue_line(
+        "markers",
+        "lowering: in a file of the driver's checks (EAGER_TWIN_FILES), a test whose inductor "
+        "twin is kept, because Inductor's lowering (random draws, writes in place, layouts, "
+        "backward graphs, optimizer steps, kernel caches) is what it checks",
+    )
 
 
 # Files that test the package's own logic (its CLI, reports, files, signing, threads, the plain
@@ -74,9 +80,10 @@ ONE_RELEASE_FILES = frozenset(
     }
 )
 # Files of the driver's checks (what fn read, refused calls, layouts): a check is the same
-# generated code for both backends, so the newer releases run each test's eager twin, and the
-# lowering itself is covered there by the files that test Inductor (artifact, models, golden,
-# kernel cache, C++ wrapper, dynamic dims, distributed).
+# generated code for both backends, so these tests run on the eager backend, and only those
+# marked ``lowering`` have an inductor twin too (on the default release; the lowering itself is
+# covered on every release by the files that test Inductor: artifact, models, golden, kernel
+# cache, C++ wrapper, dynamic dims, distributed).
 EAGER_TWIN_FILES = frozenset(
     {
         "test_trace_facts.py",
@@ -111,6 +118,22 @@ EAGER_TWIN_TESTS = frozenset(
 )
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``backend``: both, except in a file of the driver's checks, where only a test marked
+    ``lowering`` gets its inductor twin."""
+    if "backend" not in metafunc.fixturenames or _backend_given(metafunc):
+        return
+    eager_only = metafunc.definition.path.name in EAGER_TWIN_FILES and not (
+        metafunc.definition.get_closest_marker("lowering")
+    )
+    metafunc.parametrize("backend", ["eager"] if eager_only else BACKENDS)
+
+
+def _backend_given(metafunc: pytest.Metafunc) -> bool:
+    """Whether the test parametrizes ``backend`` itself."""
+    return any("backend" in m.args[0] for m in metafunc.definition.iter_markers("parametrize"))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         name = item.path.name
@@ -134,11 +157,6 @@ def _capture_with_dynamo() -> None:
         return plain(*args, tracer="dynamo", **kwargs)
 
     trace.capture = capture  # type: ignore[assignment]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    return request.param
 
 
 class Artifacts:

@@ -110,6 +110,7 @@ def test_the_pair_is_a_named_tuple() -> None:
     assert pickle.loads(pickle.dumps(pair)) == pair
 
 
+@pytest.mark.lowering
 def test_concurrent_captures_from_threads(backend: str) -> None:
     model, x, t = WORKLOADS["mlp_train"].args()
     results: dict[int, tuple[str, bytes]] = {}

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import ast
+import collections
 import inspect
+import json
 import os
 import re
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,17 +42,14 @@ from workloads import WORKLOADS
 # How the artifacts name the workloads' file: relative to the directory the tests run in.
 WORKLOADS_FILE = os.path.relpath(inspect.getsourcefile(WORKLOADS["mlp_infer"].fn))
 
+# One fresh process per backend and way of loading runs every workload's artifact in turn
+# (new weights and inputs, not the capture's example) and says for each whether it matched.
 FRESH_CHECK = """
-    import copy, torch
+    import json, traceback, torch
+    import torch.utils._pytree as pytree
     from workloads import WORKLOADS
-    expected = torch.load({expected!r}, weights_only=False)
-    workload = WORKLOADS[{name!r}]
-    args = workload.args(1)
-    code = open({code!r}).read()
-    {load}
-    result = run(*args)
+
     def same(a, b):
-        import torch.utils._pytree as pytree
         la, sa = pytree.tree_flatten(a); lb, sb = pytree.tree_flatten(b)
         assert sa == sb, (sa, sb)
         for u, v in zip(la, lb):
@@ -57,20 +57,76 @@ FRESH_CHECK = """
                 torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-5, equal_nan=True)
             else:
                 assert u == v
-    same(result, expected["result"])
-    grads = [None if p.grad is None else p.grad for m in args if isinstance(m, torch.nn.Module)
-             for p in m.parameters()]
-    same(grads, expected["grads"])
-    print("FRESH-OK")
+
+    def check(name, code_path, cache_path, expected_path):
+        expected = torch.load(expected_path, weights_only=False)
+        args = WORKLOADS[name].args(1)
+        code = open(code_path).read()
+        {load}
+        same(run(*args), expected["result"])
+        modules = [m for m in args if isinstance(m, torch.nn.Module)]
+        same([p.grad for m in modules for p in m.parameters()], expected["grads"])
+
+    for name, code_path, cache_path, expected_path in {cases!r}:
+        try:
+            check(name, code_path, cache_path, expected_path)
+            print("FRESH", json.dumps([name, "ok"]))
+        except Exception:
+            print("FRESH", json.dumps([name, traceback.format_exc()[-3000:]]))
 """
 
 LOADERS = {
-    "standalone": 'namespace = {{}}\n    exec(code, namespace)\n    run = namespace["forward"]',
-    "load-with-cache": "from torch_precompile import precompile\n    run = precompile.load("
-    "code, open({cache!r}, 'rb').read())",
-    "load-without-cache": "from torch_precompile import precompile\n    run = precompile.load("
-    "code, None)",
+    "standalone": "namespace = {}\n        exec(code, namespace)\n        "
+    'run = namespace["forward"]',
+    "load-with-cache": "from torch_precompile import precompile\n        "
+    "run = precompile.load(code, open(cache_path, 'rb').read())",
+    "load-without-cache": "from torch_precompile import precompile\n        "
+    "run = precompile.load(code, None)",
 }
+
+
+@pytest.fixture(scope="module")
+def fresh_runs(request, artifacts, tmp_path_factory) -> Callable[[str, str, str], str]:
+    """``fresh(name, how, backend)``: "ok", or how the workload's artifact failed in a fresh
+    process; the process runs every workload this session's tests ask of that backend and
+    loader at once."""
+    wanted = collections.defaultdict(list)
+    for item in request.session.items:
+        if getattr(item, "originalname", None) != "test_runs_in_a_fresh_process":
+            continue
+        params = item.callspec.params
+        wanted[params["how"], params["backend"]].append(params["name"])
+    said: dict[tuple[str, str], dict[str, str]] = {}
+
+    def fresh(name: str, how: str, backend: str) -> str:
+        if (how, backend) not in said:
+            folder = tmp_path_factory.mktemp(f"{how}-{backend}")
+            cases = [_fresh_case(n, backend, artifacts, folder) for n in wanted[how, backend]]
+            script = FRESH_CHECK.format(load=LOADERS[how], cases=cases)
+            proc = run_python(script, block_package=how == "standalone")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            lines = [
+                line.split(" ", 1)[1]
+                for line in proc.stdout.splitlines()
+                if line.startswith("FRESH ")
+            ]
+            said[how, backend] = dict(json.loads(line) for line in lines)
+        return said[how, backend].get(name, "not run")
+
+    return fresh
+
+
+def _fresh_case(name: str, backend: str, artifacts, folder: Path) -> tuple[str, ...]:
+    """The files a fresh process checks a workload with: its pair and eager's results."""
+    code, cache = artifacts.pair(name, backend)
+    args = WORKLOADS[name].args(1)  # the same new weights and inputs the process makes
+    result = WORKLOADS[name].fn(*args)
+    grads = [p.grad for m in args if isinstance(m, torch.nn.Module) for p in m.parameters()]
+    paths = [folder / f"{name}.py", folder / f"{name}.cache", folder / f"{name}.expected.pt"]
+    paths[0].write_text(code)
+    paths[1].write_bytes(cache)
+    torch.save({"result": result, "grads": grads}, paths[2])
+    return (name, *map(str, paths))
 
 
 # Ties, masks, literals and pytrees are the package's own spec; a fresh process on a newer
@@ -86,21 +142,8 @@ LOADERS = {
         ),
     ],
 )
-def test_runs_in_a_fresh_process(name: str, how: str, backend: str, artifacts, tmp_path) -> None:
-    code, cache = artifacts.pair(name, backend)
-    workload = WORKLOADS[name]
-    args = workload.args(1)  # new weights and inputs, not the capture's example
-    result = workload.fn(*args)
-    grads = [p.grad for m in args if isinstance(m, torch.nn.Module) for p in m.parameters()]
-    (tmp_path / "a.py").write_text(code)
-    (tmp_path / "a.cache").write_bytes(cache)
-    torch.save({"result": result, "grads": grads}, tmp_path / "expected.pt")
-    load = LOADERS[how].format(cache=str(tmp_path / "a.cache"))
-    script = FRESH_CHECK.format(
-        expected=str(tmp_path / "expected.pt"), name=name, code=str(tmp_path / "a.py"), load=load
-    )
-    proc = run_python(script, block_package=how == "standalone")
-    assert proc.returncode == 0 and "FRESH-OK" in proc.stdout, proc.stderr[-3000:]
+def test_runs_in_a_fresh_process(name: str, how: str, backend: str, fresh_runs) -> None:
+    assert fresh_runs(name, how, backend) == "ok"
 
 
 def test_standalone_artifact_imports_nothing_from_the_package(

@@ -180,6 +180,7 @@ def test_unsupported_result_leaf_is_rejected(backend: str) -> None:
         precompile(lambda m, x: (m(x), object()), model, x, backend=backend)
 
 
+@pytest.mark.lowering
 def test_decompositions_are_applied(backend: str) -> None:
     model, x = nn.Linear(4, 3), torch.randn(2, 4)
     table = {torch.ops.aten.relu.default: lambda t: torch.clamp(t, min=0)}

@@ -14,6 +14,9 @@ from torch_precompile.artifact import bytecode, envelope
 from conftest import assert_same, run_python
 from workloads import WORKLOADS
 
+# The inductor twin of each test here is kept: Inductor's lowering is part of what it checks.
+pytestmark = pytest.mark.lowering
+
 NAME = "mlp_train"
 
 

@@ -22,7 +22,8 @@ from torch_precompile import PrecompileError, precompile
 
 from conftest import BACKENDS, run_python
 
-pytestmark = pytest.mark.timeout(900)
+# Inductor's lowering of backward graphs is what these tests check, on both backends.
+pytestmark = [pytest.mark.timeout(900), pytest.mark.lowering]
 
 
 class Net(nn.Module):

@@ -27,7 +27,7 @@ import torch
 from torch_precompile import PrecompileError, precompile
 from torch_precompile.inspection import describe, render
 
-from conftest import BACKENDS, run_python
+from conftest import run_python
 
 SCALE = 2.0
 
@@ -96,7 +96,6 @@ def _pair(fn: Any, *args: Any, backend: str = "eager", **options: Any) -> tuple[
     return precompile(fn, *args, backend=backend, tracer="dynamo", **options)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_globals_read_by_fn_are_checked_at_every_call(backend: str, restore_globals: Any) -> None:
     m, x = Scaled(), torch.randn(2, 4)
     code, cache = _pair(scaled, m, x, backend=backend)
@@ -126,7 +125,6 @@ def _refused_while_bound(name: str, value: Any, match: str, f: Any, *args: Any) 
         globals()[name] = kept
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_closure_value_is_reported_dropped_and_refused_on_request(
     backend: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -144,7 +142,6 @@ def test_a_closure_value_is_reported_dropped_and_refused_on_request(
     assert not [g for g in precompile.inspect(code).guards if g.outcome == "dropped"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_closure_values_of_fn_held_in_a_global_are_checked_at_every_call(
     backend: str, restore_globals: Any
 ) -> None:
@@ -165,7 +162,6 @@ def test_closure_values_of_fn_held_in_a_global_are_checked_at_every_call(
     torch.testing.assert_close(f(m, x), CLOSED(m, x))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_helpers_closure_and_a_global_objects_values_are_checked(
     backend: str, restore_globals: Any
 ) -> None:

@@ -9,6 +9,9 @@ from torch_precompile import PrecompileError, precompile
 
 from conftest import assert_same
 
+# The inductor twin of each test here is kept: Inductor's lowering is part of what it checks.
+pytestmark = pytest.mark.lowering
+
 
 def branchy(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     y = x * 2 if bool((x > 0).all()) else x * 3

@@ -19,6 +19,7 @@ def _transposed_copy(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+@pytest.mark.lowering
 def test_input_in_another_layout(backend: str, artifacts) -> None:
     run = artifacts.load("mlp_train", backend)
     model, x, t = WORKLOADS["mlp_train"].args()
@@ -76,6 +77,7 @@ def test_an_unplain_example_input_is_refused_before_the_trace(make, match) -> No
         precompile(lambda m, x: m(x), nn.Linear(4, 4), make(torch.randn(2, 4)), backend="eager")
 
 
+@pytest.mark.lowering
 def test_parameter_in_another_layout(backend: str, artifacts) -> None:
     run = artifacts.load("mlp_infer", backend)
     model, x = WORKLOADS["mlp_infer"].args()
@@ -91,6 +93,7 @@ def test_parameter_in_another_layout(backend: str, artifacts) -> None:
         assert_same(run(model, x), expected)
 
 
+@pytest.mark.lowering
 def test_channels_last_example_round_trips(backend: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())

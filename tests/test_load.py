@@ -14,6 +14,9 @@ from torch_precompile.artifact import envelope
 
 from conftest import assert_runs_like_eager
 
+# The inductor twin of each test here is kept: Inductor's lowering is part of what it checks.
+pytestmark = pytest.mark.lowering
+
 
 def _envelope(**changes) -> bytes:
     payload = {

@@ -169,6 +169,7 @@ def train_side_by_side(
             eager_opt.zero_grad()
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("form", list(FORMS))
 def test_each_form_trains_like_eager_from_a_fresh_optimizer(form: str, backend: str) -> None:
     model = make_model(1)
@@ -504,6 +505,7 @@ _FRESH_PROCESS = """
 """
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("with_cache", [True, False], ids=["cache", "no-cache"])
 def test_a_fresh_process_trains_like_eager(backend: str, with_cache: bool, tmp_path: Path) -> None:
     pair = built("adamw", backend)

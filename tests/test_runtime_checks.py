@@ -366,6 +366,7 @@ def test_a_float_input_is_compared_with_its_sign(captured: float, other: float) 
         run(model, x, other)
 
 
+@pytest.mark.lowering
 def test_negative_and_conjugate_views_are_refused_by_compiled_kernels(
     backend: str, artifacts
 ) -> None:

@@ -14,6 +14,9 @@ from torch_precompile import PrecompileError, precompile
 from conftest import assert_same, model_state, modules_in, run_eager_and_compiled
 from workloads import WORKLOADS, mse_step
 
+# The inductor twin of each test here is kept: Inductor's lowering is part of what it checks.
+pytestmark = pytest.mark.lowering
+
 DETERMINISTIC = [
     "mlp_infer",
     "mlp_train",

@@ -20,6 +20,9 @@ from torch_precompile.storage import cache_path
 from conftest import assert_runs_like_eager
 from workloads import WORKLOADS
 
+# The inductor twin of each test here is kept: Inductor's lowering is part of what it checks.
+pytestmark = pytest.mark.lowering
+
 KEY = b"correct horse battery staple"
 
 

@@ -27,6 +27,9 @@ from torch_precompile.spec import parse_spec
 from conftest import run_python
 from scaled_tensor import Blocks, Rounding, ScaledTensor, quantized_linear
 
+# The inductor twin of each test here is kept: Inductor's lowering is part of what it checks.
+pytestmark = pytest.mark.lowering
+
 
 def run(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x)

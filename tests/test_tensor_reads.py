@@ -15,7 +15,7 @@ import torch
 
 from torch_precompile import PrecompileError, precompile
 
-from conftest import BACKENDS, run_python
+from conftest import run_python
 
 
 def _scaled(flag: bool, out: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,6 @@ READS: dict[str, tuple[Callable[..., Any], torch.Tensor, torch.Tensor, str]] = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("read", list(READS))
 def test_a_property_fn_reads_of_an_input_is_checked(backend: str, read: str) -> None:
     fn, example, other, refused = READS[read]

@@ -587,6 +587,7 @@ def add_both(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return m(x) + m(y)
 
 
+@pytest.mark.lowering
 def test_same_tensor_twice_without_writes(backend: str) -> None:
     """Without an in-place write, one tensor passed as two inputs computes what eager does."""
     model, other = mlp(0), mlp(1)
@@ -750,6 +751,7 @@ def test_legacy_weight_norm_is_refused_naming_its_replacement(backend: str, lega
         torch.testing.assert_close(run(fixed, x), fixed(x).detach())
 
 
+@pytest.mark.lowering
 @pytest.mark.timeout(900)
 def test_transformers_static_cache_wrapper_decodes_as_eager(backend: str) -> None:
     """transformers' TorchExportableModuleWithStaticCache registers its cache tensors as
@@ -805,6 +807,7 @@ def seeded_dropout(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.dropout(m(x), 0.5, training=True)
 
 
+@pytest.mark.lowering
 def test_a_seed_set_inside_fn_is_set_again_at_every_call(backend: str) -> None:
     """Before: the seed was not replayed, each call drew a new mask (off by 3.3). Now every
     call draws eager's own draws after that seed, on both backends."""
@@ -1278,6 +1281,7 @@ def noisy(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return m(x) + torch.rand(x.shape[0], 2) + torch.randn_like(x)[:, :2]
 
 
+@pytest.mark.lowering
 def test_torch_random_ops_draw_anew_at_every_call(backend: str) -> None:
     """torch.rand and its kin draw at every call, as eager does: after the same seed, the
     same numbers, and the generator left where eager leaves it. Before (0.13.0) the inductor
@@ -1918,6 +1922,7 @@ def moved_towards_one(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return m(x)
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("fn", [hand_sgd_step, moved_towards_one])
 def test_parameters_fn_writes_in_place_are_left_alone_by_capture(
     fn: Callable[..., Any], backend: str

@@ -62,7 +62,6 @@ def train(model: Any, out: Path) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_a_trainer_trains_the_module_form_like_the_model(tmp_path: Path, backend: str) -> None:
     eager_model, model = tiny_gpt2(), tiny_gpt2()
     example = dataset()[:BATCH]

@@ -26,8 +26,6 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from torch_precompile import PrecompileError, precompile
 
-from conftest import BACKENDS
-
 try:
     import numpy as np
 except ImportError:  # an optional dependency: the .numpy() test needs it
@@ -139,7 +137,7 @@ def second_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 # -- Tensor.tolist() ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=["eager"])
 def tolist_run(request: pytest.FixtureRequest) -> Callable[..., Any]:
     code, cache = precompile(
         mean_over_lengths, Tagger(0), x_of(0), lengths_of(5, 3, 2), backend=request.param
@@ -393,6 +391,7 @@ def normed_step(model: Normed, opt: torch.optim.Optimizer, x: torch.Tensor) -> t
     return loss.detach()
 
 
+@pytest.mark.lowering
 def test_a_refused_call_puts_back_the_batchnorm_statistics(backend: str) -> None:
     """before: the refused call left running_mean and running_var updated (num_batches_tracked
     and the input were put back): native_batch_norm writes them though its schema does not
@@ -457,7 +456,7 @@ def test_reading_a_tensor_through_its_storage_is_refused_at_capture() -> None:
 # -- pack_padded_sequence -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=["eager"])
 def packed_run(request: pytest.FixtureRequest) -> Callable[..., Any]:
     code, cache = precompile(
         packed_sum, PackedLSTM(0), x_of(0), lengths_of(5, 3, 2), backend=request.param
@@ -558,7 +557,6 @@ def unpack_lengths(x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor
     return out * 2, found
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_pad_packed_sequence_returns_the_lengths(backend: str) -> None:
     """The lengths pad_packed_sequence returns are written by the operator in C++. Before:
     the artifact returned uninitialized memory in their place (tensor([94330578363312, ...])
@@ -1121,7 +1119,7 @@ LOOPED_CHANGES = {
 }
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=["eager"])
 def looped_run(request: pytest.FixtureRequest) -> Callable[..., Any]:
     with torch.no_grad():
         return precompile.load(

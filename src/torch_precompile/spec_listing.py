@@ -75,15 +75,16 @@ def listing() -> str:
     )
 
 
-def driver_records(lists: Collection[str] | None = None) -> str:
+def driver_records(lists: Collection[str] | None = None, top: bool = True) -> str:
     """The source of ``driver/records.py``: each record's fields and defaults, each list's
     record and the fields variants share, as the driver (which ships without this package)
     reads ``ARTIFACT_SPEC``. With ``lists``, only the records of those spec fields: what an
-    artifact whose spec holds no others carries."""
+    artifact whose spec holds no others carries; without ``top``, not the spec's own fields
+    (a plain artifact reads only the records it is given)."""
     held = {
         name: cls for name, cls in ArtifactSpec.RECORDS.items() if lists is None or name in lists
     }
-    records = [ArtifactSpec, *dict.fromkeys(held.values())]
+    records = [*([ArtifactSpec] if top else []), *dict.fromkeys(held.values())]
     whose = "The spec's" if lists is None else "The artifact spec's"
     lines = [
         f'"""{whose} records as the driver reads ``ARTIFACT_SPEC``: the fields of each record',

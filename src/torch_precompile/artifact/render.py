@@ -191,7 +191,9 @@ def render(
         if spec.autograd is not None:
             parts += [no_history, *([autograd] if spec.gives_history else [])]
         shipped = [shipped_source(m) for m in parts]
-        shipped = [*([_records(variants)] if spec.autograd is not None else []), *shipped]
+        if spec.autograd is not None:  # the Autograd record's fields, for the autograd part
+            held = ("autograd", "autograd_for_inputs")
+            shipped.insert(0, shipped_text(driver_records(held, top=False), records.__name__))
         checks = [plain_checks(spec)]
         binding = plain_binding(spec, _differentiable_call(named[0]))
     else:
