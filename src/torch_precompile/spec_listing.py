@@ -75,6 +75,18 @@ def listing() -> str:
     )
 
 
+def _docstring_tail(whole: bool) -> tuple[str, ...]:
+    return (
+        "and the defaults of its last ones (a field at its default is left out of the literal),",
+        "which record each list of the spec holds (those in ``SPEC_SINGLE`` hold one record,",
+        "not a list), and the fields every variant takes from the top level. Generated from",
+        f'``torch_precompile.spec`` by ``{WRITE_COMMAND}``; do not edit."""'
+        if whole
+        else "``torch_precompile.spec`` for the records this artifact's spec holds; do not "
+        'edit."""',
+    )
+
+
 def driver_records(lists: Collection[str] | None = None, top: bool = True) -> str:
     """The source of ``driver/records.py``: each record's fields and defaults, each list's
     record and the fields variants share, as the driver (which ships without this package)
@@ -87,14 +99,11 @@ def driver_records(lists: Collection[str] | None = None, top: bool = True) -> st
     records = [*([ArtifactSpec] if top else []), *dict.fromkeys(held.values())]
     whose = "The spec's" if lists is None else "The artifact spec's"
     lines = [
-        f'"""{whose} records as the driver reads ``ARTIFACT_SPEC``: the fields of each record',
-        "and the defaults of its last ones (a field at its default is left out of the literal),",
-        "which record each list of the spec holds (those in ``SPEC_SINGLE`` hold one record,",
-        "not a list), and the fields every variant takes from the top level. Generated from",
-        f'``torch_precompile.spec`` by ``{WRITE_COMMAND}``; do not edit."""'
-        if lists is None
-        else "``torch_precompile.spec`` for the records this artifact's spec holds; do not "
-        'edit."""',
+        '"""The fields of the records a plain artifact reads, and the defaults of their last '
+        'ones (generated from ``torch_precompile.spec``; do not edit)."""'
+        if not top
+        else f'"""{whose} records as the driver reads ``ARTIFACT_SPEC``: the fields of each record',
+        *(() if not top else _docstring_tail(lists is None)),
         "",
         "from typing import Any",
         "",

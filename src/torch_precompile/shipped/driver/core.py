@@ -336,7 +336,7 @@ def walk_models(model: ModelPlan, models: Sequence[Any]) -> WalkedModels:
             _report_mismatch(model, index, kind, name)
     if len(members) < len(records):
         raise members_missing([f"{t.kind} {t.name!r}" for t in records[len(members) :]])
-    walked = WalkedModels(_interned(model, members), _checked_modes(model, models))
+    walked = WalkedModels(_untied_tensors(model, members), _checked_modes(model, models))
     check_hooks(model, walked)
     if model.facts is not None:
         model.facts.check_modules(walked.submodules)
@@ -365,7 +365,7 @@ def _report_mismatch(model: ModelPlan, index: int, kind: str, name: str) -> None
     raise members_differ(expected, (argument, kind, local))
 
 
-def _interned(model: ModelPlan, members: Sequence[Any]) -> list[torch.Tensor]:
+def _untied_tensors(model: ModelPlan, members: Sequence[Any]) -> list[torch.Tensor]:
     """One tensor per record not tied to an earlier one; ties must be as at capture."""
     tensors: list[torch.Tensor] = []
     first_name: dict[int, str] = {}

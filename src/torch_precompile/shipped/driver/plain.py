@@ -9,8 +9,8 @@ a line; ``PlainForward`` runs the graph on the tensors they return.
 
 import operator
 import threading
+import types
 import weakref
-from collections import namedtuple
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -109,15 +109,13 @@ class PlainForward:
 
 
 def _autograd(literal: Mapping[str, Any] | None) -> Any:
-    """An Autograd record of the spec's literal, as the autograd part reads it."""
+    """An Autograd record of the spec's literal, its left-out fields at the spec's defaults,
+    as the autograd part reads it."""
     if literal is None:
         return None
-    return _record_type("Autograd")(**literal)
-
-
-def _record_type(name: str) -> Any:
-    """A spec record as a named tuple with the fields and defaults the spec's table gives."""
-    return namedtuple(name, SPEC_RECORDS[name], defaults=SPEC_DEFAULTS.get(name, ()))
+    fields, defaults = SPEC_RECORDS["Autograd"], SPEC_DEFAULTS["Autograd"]
+    left_out = dict(zip(fields[len(fields) - len(defaults) :], defaults, strict=True))
+    return types.SimpleNamespace(**{**left_out, **literal})
 
 
 def members(model: Any, argument: str, captured: Sequence[tuple[str, str, Any]]) -> list[Any]:
