@@ -71,7 +71,9 @@ print({marker!r} + json.dumps({{"import_torch": imported - start, "load": loaded
 """
 
 
-def _python(script: str, src: Path) -> str:
+def run_in(script: str, src: Path) -> str:
+    """Run ``script`` in a fresh process with ``src`` (a checkout's ``src/``) importable; its
+    standard output."""
     env = {**os.environ, "PYTHONPATH": str(src)}
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1800
@@ -82,7 +84,7 @@ def _python(script: str, src: Path) -> str:
 
 
 def _measure(path: Path, depth: int, src: Path) -> dict[str, float]:
-    out = _python(
+    out = run_in(
         _LOAD.format(benchmarks=str(HERE), depth=depth, path=str(path), marker=MARKER), src
     )
     line = next(line for line in out.splitlines() if line.startswith(MARKER))
@@ -110,9 +112,7 @@ def main() -> None:
             for label, src in checkouts.items():
                 paths[label] = Path(work) / f"{label}_{depth}.py"
                 began = time.time()
-                _python(
-                    _BUILD.format(benchmarks=str(HERE), depth=depth, out=str(paths[label])), src
-                )
+                run_in(_BUILD.format(benchmarks=str(HERE), depth=depth, out=str(paths[label])), src)
                 print(f"depth {depth}: {label} built in {time.time() - began:.0f} s", flush=True)
             samples: dict[str, list[dict[str, float]]] = {label: [] for label in checkouts}
             for _ in range(args.runs):

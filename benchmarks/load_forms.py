@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from load_depth import run_in
 
 HERE = Path(__file__).resolve().parent
 FORMS = ("no_grad", "grad_mode", "training")
@@ -64,16 +63,6 @@ print("LOAD " + json.dumps(1000 * (loaded - began)))
 )
 
 
-def _python(script: str, src: Path) -> str:
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-3000:])
-    return proc.stdout
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", type=Path, required=True, help="the other checkout's src/")
@@ -87,11 +76,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for (form, backend), (side, src) in ((c, s) for c in cases for s in sides.items()):
             out = str(Path(tmp) / f"{side}-{form}-{backend}.py")
-            _python(_BUILD.format(form=form, backend=backend, out=out), src)
+            run_in(_BUILD.format(form=form, backend=backend, out=out), src)
         for _ in range(args.runs):
             for (form, backend), (side, src) in ((c, s) for c in cases for s in sides.items()):
                 path = str(Path(tmp) / f"{side}-{form}-{backend}.py")
-                said = _python(_LOAD.format(path=path, form=form), src)
+                said = run_in(_LOAD.format(path=path, form=form), src)
                 line = next(x for x in said.splitlines() if x.startswith("LOAD "))
                 loads.setdefault((form, backend, side), []).append(json.loads(line[5:]))
     print(f"Medians of {args.runs} fresh processes; `other` is `{args.src}`.\n")
