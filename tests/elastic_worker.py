@@ -164,6 +164,7 @@ def restart(out: Path) -> dict[str, object]:
         _checkpoint(model, index + 1, out / f"checkpoint{rank}.pt")
         if attempt == 0 and index + 1 == KILLED_AFTER and rank == 1:
             dist.barrier()
+            (out / "lost-rank").write_text(str(rank))
             os._exit(17)  # a lost rank: torchrun restarts every worker
         if attempt == 0 and index + 1 == KILLED_AFTER:
             dist.barrier()

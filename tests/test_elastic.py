@@ -95,5 +95,6 @@ def test_restart_resumes_from_the_saved_pair(tmp_path: Path) -> None:
     assert all(r["resumed_from"] == 3 for r in reports)
     assert all(r["param"] <= TOLERANCE for r in reports)
     assert not any(r["compiler_called"] for r in reports)  # loaded, never compiled
-    log = (tmp_path / "launch0.log").read_text()
-    assert "exitcode: 17" in log  # the lost rank
+    # Rank 1 was lost after step 3. (Which failure torchrun's log names first, the lost rank's
+    # or the other rank's, whose next collective fails, is a race.)
+    assert (tmp_path / "lost-rank").read_text() == "1"
