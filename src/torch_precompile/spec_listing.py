@@ -99,7 +99,7 @@ def driver_records(lists: Collection[str] | None = None, top: bool = True) -> st
     records = [*([ArtifactSpec] if top else []), *dict.fromkeys(held.values())]
     whose = "The spec's" if lists is None else "The artifact spec's"
     lines = [
-        '"""The fields of the records a plain artifact reads, and the defaults of their last '
+        '"""The fields of the records a plain artifact reads, and the defaults of their last\n'
         'ones (generated from ``torch_precompile.spec``; do not edit)."""'
         if not top
         else f'"""{whose} records as the driver reads ``ARTIFACT_SPEC``: the fields of each record',

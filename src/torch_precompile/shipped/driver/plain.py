@@ -240,7 +240,7 @@ class RememberedCall:
 
 class _CheckedModels:
     """Models as the full check found them, and a function of the models, generated for
-    them as one expression (``guards.module_facts``, as the generic memo's), that tells
+    them as one expression (``rechecks.module_facts``, as the generic memo's), that tells
     whether each fact the full check compared in Python still holds."""
 
     def __init__(
