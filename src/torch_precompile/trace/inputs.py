@@ -12,6 +12,7 @@ import torch
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
 from torch_precompile.shipped.driver.tensor_rules import qualified_name
+from torch_precompile.shipped.driver.values import CLASS_KEY, opened
 from torch_precompile.spec import EncodedValue
 from torch_precompile.trace.values import Use, encode
 
@@ -31,19 +32,33 @@ class UserInputs:
 
 
 def flatten_user_inputs(args: tuple[Any, ...], arg_names: list[str]) -> UserInputs:
-    """Flatten the runtime inputs ``args`` (already without the module arguments)."""
-    with_paths, spec = pytree.tree_flatten_with_path(args)
+    """Flatten the runtime inputs ``args`` (already without the module arguments); objects
+    that hold tensors are opened first, as the driver opens them."""
+    with_paths, spec = pytree.tree_flatten_with_path(opened(args))
     leaves: list[Any] = []
     names: list[str] = []
     values: list[EncodedValue | None] = []
     for path, leaf in with_paths:
         head, *rest = path
         # The top level is the args tuple: its keys are sequence indices.
-        name = arg_names[cast("pytree.SequenceKey[Any]", head).idx] + pytree.keystr(tuple(rest))
+        index = cast("pytree.SequenceKey[Any]", head).idx
+        name = arg_names[index] + _path_text(args[index], rest)
         leaves.append(leaf)
         names.append(name)
         values.append(None if isinstance(leaf, torch.Tensor) else encode_value(name, leaf))
     return UserInputs(leaves, names, spec, values)
+
+
+def _path_text(arg: Any, path: list[Any]) -> str:
+    """``path`` into ``arg`` as Python spells it: ``cache.layers[0].keys``."""
+    text, node = "", opened(arg)
+    for key in path:
+        if type(node) is dict and CLASS_KEY in node:
+            text += f".{cast('pytree.MappingKey[Any, Any]', key).key}"
+        else:
+            text += pytree.keystr((key,))
+        node = node[key.idx if isinstance(key, pytree.SequenceKey) else key.key]
+    return text
 
 
 def refuse_unplain_tensors(tensors: list[torch.Tensor], names: list[str]) -> None:
@@ -102,6 +117,14 @@ def encode_value(name: str, value: Any) -> EncodedValue:
             f"input {name} is an optimizer nested inside another argument. Pass each "
             "optimizer as its own positional argument of fn, as models are passed, so that "
             "its state and learning rate are read at every call."
+        )
+    if qualified_name(type(value)).startswith("transformers.cache_utils."):
+        raise PrecompileError(
+            f"input {name} is a {qualified_name(type(value))} that holds no tensors yet: its "
+            "layers create them on first use, and a DynamicCache makes new ones at every "
+            "step, neither of which an artifact replays. Pass a StaticCache created before "
+            "the call with cache.early_initialization(batch_size, num_heads, head_dim, dtype, "
+            "device); for generate(), precompile.for_generate(model, path) does so."
         )
     raise PrecompileError(
         f"input {name} is a {qualified_name(type(value))}, which is neither a tensor nor an "

@@ -1,6 +1,8 @@
 """The driver part for calls that are more than positional tensors: nested inputs (their
-structure checked), Python values (baked, so each call must pass the captured one), and the
-value guards (decisions the trace took on tensor values, re-checked after the graph ran)."""
+structure checked), objects that hold tensors (a KV cache: opened like a model, its tensors
+inputs and its other attributes values), Python values (baked, so each call must pass the
+captured one), and the value guards (decisions the trace took on tensor values, re-checked
+after the graph ran)."""
 
 from collections.abc import Sequence
 from typing import Any
@@ -14,9 +16,91 @@ from torch_precompile.shipped.driver.tensor_rules import (
     LeafPlan,
     PrecompileError,
     Shown,
+    qualified_name,
     sketch,
     structure_error,
 )
+
+# The key under which an opened object's class is kept, beside its attributes.
+CLASS_KEY = "__class__"
+_HOLDER_DEPTH = 4
+
+
+def holds_tensors(value: Any, depth: int = _HOLDER_DEPTH) -> bool:
+    """Whether ``value`` is an object of a user or library class (not a container, module,
+    optimizer or tensor) whose attributes hold a tensor, directly or a few levels down."""
+    if (
+        depth == 0
+        or type(value) in (list, tuple, dict)
+        or isinstance(value, torch.Tensor | torch.nn.Module | torch.optim.Optimizer | type)
+        or not isinstance(getattr(value, "__dict__", None), dict)
+        or callable(value)
+    ):
+        return False
+    return any(_has_tensor(v, depth - 1) for v in vars(value).values())
+
+
+def _has_tensor(value: Any, depth: int) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth == 0:
+        return False
+    if type(value) in (list, tuple):
+        return any(_has_tensor(v, depth - 1) for v in value)
+    if type(value) is dict:
+        return any(_has_tensor(v, depth - 1) for v in value.values())
+    return holds_tensors(value, depth)
+
+
+def opened(tree: Any) -> Any:
+    """``tree`` with each object that holds tensors replaced by a dict of its attributes (in
+    name order) and its class under ``CLASS_KEY``: its tensors become leaves as a model's
+    buffers do, and everything else about it a value each call must match."""
+    if type(tree) in (list, tuple):
+        return type(tree)(opened(v) for v in tree)
+    if type(tree) is dict:
+        return {k: opened(v) for k, v in tree.items()}
+    if holds_tensors(tree):
+        attributes = sorted(vars(tree).items())
+        return {CLASS_KEY: qualified_name(type(tree)), **{k: opened(v) for k, v in attributes}}
+    return tree
+
+
+def first_difference(expected: Any, given: Any, name: str) -> str | None:
+    """Where two opened structures first differ, said in the caller's terms; None when only
+    leaves differ."""
+    if type(expected) is dict and CLASS_KEY in expected:
+        # The expected class is shown as the driver shows a value: quoted.
+        was = str(expected[CLASS_KEY]).strip("'")
+        now = given.get(CLASS_KEY) if type(given) is dict else qualified_name(type(given))
+        if now != was:
+            return f"{name} is a {now}; at capture it was a {was}"
+        missing = [k for k in expected if k not in given]
+        if missing:
+            return f"{name} has no attribute {missing[0]!r}, which it had at capture"
+        extra = [k for k in given if k not in expected]
+        if extra:
+            return f"{name} has an attribute {extra[0]!r} it did not have at capture"
+        pairs = [(expected[k], given[k], f"{name}.{k}") for k in expected if k != CLASS_KEY]
+    elif type(expected) in (list, tuple, dict):
+        if type(given) is not type(expected):
+            return f"{name} is {sketch(given)}; at capture it was {sketch(expected)}"
+        if len(given) != len(expected):
+            return f"{name} holds {len(given)} items; at capture it held {len(expected)}"
+        if type(expected) is dict:
+            if list(expected) != list(given):
+                return f"{name} has the keys {list(given)}; at capture {list(expected)}"
+            pairs = [(expected[k], given[k], f"{name}[{k!r}]") for k in expected]
+        else:
+            both = enumerate(zip(expected, given, strict=True))
+            pairs = [(e, g, f"{name}[{i}]") for i, (e, g) in both]
+    else:
+        return None
+    for e, g, inner in pairs:
+        found = first_difference(e, g, inner)
+        if found is not None:
+            return found
+    return None
 
 
 class InputValues:
@@ -28,13 +112,21 @@ class InputValues:
         self.leaves = driver.leaves
         self.in_spec = None if spec.in_spec is None else pytree.treespec_loads(spec.in_spec)
         self.guards = driver.value_guards
+        self.names = [spec.args[i].name for i in self.positions]
 
     def input_leaves(self, args: Sequence[Any]) -> Sequence[Any]:
         """The leaves of the runtime inputs, after checking their structure."""
-        user_args = tuple([args[i] for i in self.positions])
+        user_args = opened(tuple([args[i] for i in self.positions]))
         leaves, structure = pytree.tree_flatten(user_args)
         if self.in_spec is not None and structure != self.in_spec:
             expected = pytree.tree_unflatten([_shown_leaf(p) for p in self.leaves], self.in_spec)
+            for name, e, g in zip(self.names, expected, user_args, strict=False):
+                found = first_difference(e, g, f"input {name}")
+                if found is not None:
+                    raise PrecompileError(
+                        f"{found}. The artifact takes inputs shaped as at capture: pass an "
+                        "object built the same way, or precompile again for this one."
+                    )
             raise structure_error(expected, user_args)
         if len(leaves) != len(self.leaves):
             raise PrecompileError(

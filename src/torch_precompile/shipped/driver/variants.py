@@ -30,6 +30,10 @@ def variant_spec(literal: Mapping[str, Any], number: int) -> dict[str, Any]:
 
 def variant_label(spec: Any) -> str:
     """What a variant specializes on, for messages: input shapes, Python values, mode."""
+    return ", ".join(_label_parts(spec)) or "no inputs"
+
+
+def _label_parts(spec: Any) -> list[str]:
     shown = []
     for leaf in spec.inputs:
         if leaf.kind == "tensor":
@@ -39,7 +43,19 @@ def variant_label(spec: Any) -> str:
             shown.append(f"{leaf.path}={leaf.value[1]!r}")
     if spec.submodules:
         shown.append("training" if spec.submodules[0].training else "eval")
-    return ", ".join(shown) or "no inputs"
+    return shown
+
+
+def variant_labels(specs: Sequence[Any]) -> list[str]:
+    """Each variant's label, without what every variant shares (when they share anything),
+    each cut to a readable length."""
+    parts = [_label_parts(spec) for spec in specs]
+    shared = set.intersection(*(set(p) for p in parts)) if len(parts) > 1 else set()
+    labels = []
+    for own in parts:
+        text = ", ".join(p for p in own if p not in shared) or "no inputs"
+        labels.append(text if len(text) <= 200 else text[:197] + "...")
+    return labels
 
 
 class Variants:
@@ -48,7 +64,7 @@ class Variants:
     def __init__(self, drivers: Sequence[Any]) -> None:
         self.drivers = list(drivers)
         self.last = self.drivers[0]
-        self.labels = [variant_label(d.spec) for d in self.drivers]
+        self.labels = variant_labels([d.spec for d in self.drivers])
         # The variants by their inputs' shapes, when each is positional tensors of static shape.
         self.positions = self.drivers[0].input_positions
         self.by_shape: dict[tuple[Any, ...], Any] | None = None

@@ -41,6 +41,7 @@ from torch_precompile.trace.facts.reads import ReadRecorder
 from torch_precompile.trace.facts.settings import SettingReads
 from torch_precompile.trace.facts.tensor_reads import TensorReads
 from torch_precompile.trace.facts.value_guards import GuardRecorder
+from torch_precompile.trace.holders import HolderCopies
 from torch_precompile.trace.optimizers import only_arguments_step, refuse_returned_lrs, stepping
 from torch_precompile.trace.parallel import data_parallel, fully_shard
 from torch_precompile.trace.parallel.dtensor import Distribution
@@ -138,9 +139,13 @@ def flat_function(
         placed = list(zip(layout.tensor_positions, flat[layout.num_state : start], strict=True))
         for position, tensor in placed:
             leaves[position] = tensor
+        holders = HolderCopies()
         user_args = iter(pytree.tree_unflatten(leaves, inputs.spec))
         passed = {*layout.module_positions, *layout.optimizer_positions}
-        call_args = [a if i in passed else next(user_args) for i, a in enumerate(layout.args)]
+        call_args = [
+            a if i in passed else holders.closed(a, next(user_args), layout.arg_names[i])
+            for i, a in enumerate(layout.args)
+        ]
         with contextlib.ExitStack() as stack:
             for module, binding in zip(layout.modules, state.bindings, strict=True):
                 reparam = {name: flat[index] for name, index in binding.items()}
@@ -173,6 +178,7 @@ def flat_function(
                 padded_lengths_in_python(),
             ):
                 result = fn(*call_args)
+        holders.refuse_writes()
         _refuse_stray_gradients(state, flat, layout.num_params)
         result_leaves, outputs.spec = pytree.tree_flatten(result)
         checks.refuse_result_leaves(result_leaves)
@@ -286,7 +292,10 @@ def _refuse_grad_flags_set(layout: Layout, examples: Sequence[torch.Tensor]) -> 
         return  # examples laid out otherwise
     for k, i in enumerate(layout.tensor_positions):
         given = layout.inputs.leaves[i].requires_grad
-        if examples[layout.num_state + k].requires_grad != given:
+        example = examples[layout.num_state + k]
+        if example.grad_fn is not None and not torch.is_grad_enabled():
+            continue  # an in-place write the trace recorded; eager, without grad, would not
+        if example.requires_grad != given:
             name = layout.inputs.names[i]
             raise PrecompileError(
                 f"fn sets requires_grad={not given} on input {name} (requires_grad_()) while "
