@@ -167,6 +167,29 @@ class Precompile:
             _module_options(options),
         )
 
+    def for_generate(
+        self,
+        model: Any,
+        path: str | os.PathLike[str],
+        *,
+        max_cache_len: int,
+        batch_sizes: Sequence[int] = (1,),
+        **options: Any,
+    ) -> Any:
+        """Make a transformers causal LM's ``generate()`` run its forward from an artifact.
+
+        ``precompile.for_generate(model, path, max_cache_len=64)`` loads the pair saved at
+        ``path``, or builds and saves it first where there is none, and sets
+        ``model.forward`` to run it; ``model.generate(...)`` is then called as before. The
+        artifact serves a static KV cache of ``max_cache_len`` tokens (set on the model's
+        generation config), prompts of 1 to ``max_cache_len`` tokens and decode steps, at
+        each of ``batch_sizes``. ``options`` are ``precompile()``'s keywords.
+        """
+        from torch_precompile.generation import GenerateSettings, for_generate
+
+        settings = GenerateSettings(max_cache_len, tuple(batch_sizes))
+        return for_generate(model, path, settings, _module_options(options))
+
     def stages(
         self,
         make_stage: Callable[[int], tuple[Any, tuple[Any, ...]]],
