@@ -16,7 +16,7 @@ import torch
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.shipped.driver.tensor_rules import qualified_name
-from torch_precompile.shipped.driver.values import CLASS_KEY, holds_tensors
+from torch_precompile.shipped.driver.values import CLASS_KEY
 
 _CACHES = "transformers.cache_utils."
 
@@ -47,7 +47,7 @@ class HolderCopies:
             )
         if type(original) is dict:
             return {k: self.closed(original[k], v, f"{name}[{k!r}]") for k, v in opened.items()}
-        if not holds_tensors(original):
+        if not (type(opened) is dict and CLASS_KEY in opened):  # not an opened object
             return opened
         made = copy.copy(original)
         for key, value in opened.items():

@@ -149,7 +149,8 @@ class _CheckSource:
         self.terms.append(f"{code} is {known}")
 
     def compiled(self) -> Callable[..., bool]:
-        body = "".join(f"\n                {t} and" for t in self.terms)
+        # Terms repeat where several paths reach one object: each is written once.
+        body = "".join(f"\n                {t} and" for t in dict.fromkeys(self.terms))
         source = (
             f"def unchanged({', '.join(self.roots.values())}):\n"
             "    try:\n"
@@ -284,8 +285,14 @@ def read_facts(
     for index, path in paths:
         module = modules[index]
         value = _value_at(module, path)
+        holder = _value_at(module, path[:-1]) if len(path) > 1 else _GONE
         if value is _GONE and len(path) == 1:  # read as absent: set on the instance later
             check.terms.append(f"{path[0]!r} not in {check.hold('attributes', vars(module))}")
+        elif value is not _GONE and _is_object(holder):
+            # One config object that every layer holds: each layer's reference is checked
+            # for identity, and each value read off the object once.
+            check.same(check.read(module, path[:-1]), holder)
+            same_value(check, _attribute(check.hold("value", holder), path[-1]), value)
         else:
             same_value(check, check.read(module, path), value)
 

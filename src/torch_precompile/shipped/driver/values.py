@@ -23,47 +23,58 @@ from torch_precompile.shipped.driver.tensor_rules import (
 
 # The key under which an opened object's class is kept, beside its attributes.
 CLASS_KEY = "__class__"
-_HOLDER_DEPTH = 4
+# How deep opening looks for tensors: the call's arguments, a dict of them, a cache, its list
+# of layers, a layer, its tensors, and two levels to spare.
+_HOLDER_DEPTH = 8
 
 
-def holds_tensors(value: Any, depth: int = _HOLDER_DEPTH) -> bool:
-    """Whether ``value`` is an object of a user or library class (not a container, module,
-    optimizer or tensor) whose attributes hold a tensor, directly or a few levels down."""
-    if (
-        depth == 0
-        or type(value) in (list, tuple, dict)
-        or isinstance(value, torch.Tensor | torch.nn.Module | torch.optim.Optimizer | type)
-        or not isinstance(getattr(value, "__dict__", None), dict)
-        or callable(value)
-    ):
-        return False
-    return any(_has_tensor(v, depth - 1) for v in vars(value).values())
+# Values that are never opened, answered without a look inside.
+_LEAVES = frozenset((bool, int, float, str, bytes, type(None), torch.device, torch.dtype))
 
 
-def _has_tensor(value: Any, depth: int) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
+def _openable(value: Any) -> bool:
+    """An object of a user or library class, not a container, module, optimizer or tensor."""
+    return (
+        type(value) not in (list, tuple, dict)
+        and not isinstance(value, torch.Tensor | torch.nn.Module | torch.optim.Optimizer | type)
+        and isinstance(getattr(value, "__dict__", None), dict)
+        and not callable(value)
+    )
+
+
+def _open(tree: Any, depth: int) -> tuple[Any, bool]:
+    """``tree`` opened (see ``opened``), and whether it holds a tensor; in one pass."""
+    kind = type(tree)
+    if kind in _LEAVES:
+        return tree, False
+    if isinstance(tree, torch.Tensor):
+        return tree, True
     if depth == 0:
-        return False
-    if type(value) in (list, tuple):
-        return any(_has_tensor(v, depth - 1) for v in value)
-    if type(value) is dict:
-        return any(_has_tensor(v, depth - 1) for v in value.values())
-    return holds_tensors(value, depth)
+        return tree, False
+    if kind in (list, tuple):
+        parts = [_open(v, depth - 1) for v in tree]
+        return kind(p for p, _ in parts), any(found for _, found in parts)
+    if kind is dict:
+        items = [(k, _open(v, depth - 1)) for k, v in tree.items()]
+        return {k: p for k, (p, _) in items}, any(found for _, (_, found) in items)
+    if _openable(tree):
+        attributes = [(k, _open(v, depth - 1)) for k, v in sorted(vars(tree).items())]
+        if any(found for _, (_, found) in attributes):
+            return {CLASS_KEY: qualified_name(kind), **{k: p for k, (p, _) in attributes}}, True
+    return tree, False
+
+
+def holds_tensors(value: Any) -> bool:
+    """Whether ``value`` is an object (not a container, module, optimizer or tensor) whose
+    attributes hold a tensor, directly or a few levels down: one that is opened."""
+    return _openable(value) and _open(value, _HOLDER_DEPTH)[1]
 
 
 def opened(tree: Any) -> Any:
     """``tree`` with each object that holds tensors replaced by a dict of its attributes (in
     name order) and its class under ``CLASS_KEY``: its tensors become leaves as a model's
     buffers do, and everything else about it a value each call must match."""
-    if type(tree) in (list, tuple):
-        return type(tree)(opened(v) for v in tree)
-    if type(tree) is dict:
-        return {k: opened(v) for k, v in tree.items()}
-    if holds_tensors(tree):
-        attributes = sorted(vars(tree).items())
-        return {CLASS_KEY: qualified_name(type(tree)), **{k: opened(v) for k, v in attributes}}
-    return tree
+    return _open(tree, _HOLDER_DEPTH)[0]
 
 
 def first_difference(expected: Any, given: Any, name: str) -> str | None:
@@ -85,11 +96,11 @@ def first_difference(expected: Any, given: Any, name: str) -> str | None:
     elif type(expected) in (list, tuple, dict):
         if type(given) is not type(expected):
             return f"{name} is {sketch(given)}; at capture it was {sketch(expected)}"
+        if type(expected) is dict and list(expected) != list(given):
+            return f"{name} has the keys {list(given)}; at capture {list(expected)}"
         if len(given) != len(expected):
             return f"{name} holds {len(given)} items; at capture it held {len(expected)}"
         if type(expected) is dict:
-            if list(expected) != list(given):
-                return f"{name} has the keys {list(given)}; at capture {list(expected)}"
             pairs = [(expected[k], given[k], f"{name}[{k!r}]") for k in expected]
         else:
             both = enumerate(zip(expected, given, strict=True))
@@ -113,6 +124,7 @@ class InputValues:
         self.in_spec = None if spec.in_spec is None else pytree.treespec_loads(spec.in_spec)
         self.guards = driver.value_guards
         self.names = [spec.args[i].name for i in self.positions]
+        self.in_spec_text = spec.in_spec or ""
 
     def input_leaves(self, args: Sequence[Any]) -> Sequence[Any]:
         """The leaves of the runtime inputs, after checking their structure."""
@@ -120,8 +132,10 @@ class InputValues:
         leaves, structure = pytree.tree_flatten(user_args)
         if self.in_spec is not None and structure != self.in_spec:
             expected = pytree.tree_unflatten([_shown_leaf(p) for p in self.leaves], self.in_spec)
+            # Where objects were opened, name the part that differs; else show it all.
+            shown = CLASS_KEY in self.in_spec_text
             for name, e, g in zip(self.names, expected, user_args, strict=False):
-                found = first_difference(e, g, f"input {name}")
+                found = first_difference(e, g, f"input {name}") if shown else None
                 if found is not None:
                     raise PrecompileError(
                         f"{found}. The artifact takes inputs shaped as at capture: pass an "
