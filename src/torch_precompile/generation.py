@@ -172,7 +172,10 @@ def for_generate(
             code, cache = build_generate_pair(model, settings, options)
             storage.save(code, cache, path, sign_key=options.sign_key)
         saved = storage.read_saved(path)
-        forward.artifact = runtime.load(saved.code, saved.cache, cache_absence=saved.absence)
+        # A pair signed at its build is verified with the same key at every load.
+        forward.artifact = runtime.load(
+            saved.code, saved.cache, verify_key=options.sign_key, cache_absence=saved.absence
+        )
     except BaseException:
         del model.forward
         raise

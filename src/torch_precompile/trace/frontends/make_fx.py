@@ -524,13 +524,14 @@ def _refuse_stray_gradients(
     state: ModelState, flat: Sequence[torch.Tensor], num_params: int
 ) -> None:
     for name, tensor in zip(state.buffer_names, flat[num_params : len(state.tensors)], strict=True):
-        if tensor.grad is not None:
+        if tensor.is_leaf and tensor.grad is not None:
             raise PrecompileError(
                 f"buffer {name!r} received a gradient (it has requires_grad=True), but only "
                 "parameters get gradients from a precompiled step. Register it with "
                 "register_parameter, or make it requires_grad=False."
             )
-    if any(t.grad is not None for t in flat[len(state.tensors) :]):
+    # A tensor written in place with history (a KV cache) is no leaf: it gets no .grad.
+    if any(t.is_leaf and t.grad is not None for t in flat[len(state.tensors) :]):
         raise PrecompileError(
             "a runtime input received a gradient; a precompiled step only puts gradients on "
             "model parameters, so the input's gradient would be lost. Make it a parameter of "
