@@ -25,6 +25,11 @@ import torch
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
+from torch_precompile.internals.generation import (
+    experts_implementation,
+    mark_dynamic_dim,
+    remember_cache_size,
+)
 from torch_precompile.options import BuildOptions
 from torch_precompile.shipped.driver.values import holds_tensors
 
@@ -107,7 +112,7 @@ class GenerateForward:
             )
         if length > settings.max_cache_len:
             # generate() sizes later caches to the largest it made; back to the one served.
-            self.model._previous_max_cache_length = settings.max_cache_len
+            remember_cache_size(self.model, settings.max_cache_len)
             raise PrecompileError(
                 f"generate() made a KV cache of {length} tokens (the prompt plus "
                 f"max_new_tokens), more than the max_cache_len={settings.max_cache_len} this "
@@ -188,7 +193,7 @@ def _refuse_non_causal_lm(model: Any) -> None:
             "precompile.for_generate takes a transformers model with generate() (a causal "
             f"LM built from its config or from_pretrained), got {type(model).__name__}."
         )
-    experts = getattr(model.config, "_experts_implementation", None)
+    experts = experts_implementation(model.config)
     if experts == "grouped_mm" and next(model.parameters()).dtype != torch.bfloat16:
         raise PrecompileError(
             "this model's mixture-of-experts layers run transformers' grouped_mm experts, "
@@ -246,8 +251,6 @@ def _form(call: dict[str, Any]) -> Any:
 def _mark_prompt_dims(call: dict[str, Any], max_cache_len: int) -> None:
     """Mark the prompt's length dynamic in a prefill call: the last dim of the token ids
     (and positions), the query dim of a 4-d attention mask."""
-    from torch._dynamo.decorators import mark_unbacked
-
     dims = [(call.get(name), -1) for name in ("input_ids", "position_ids", "cache_position")]
     mask = call.get("attention_mask")
     # One mask, or one per kind of attention layer ({"full_attention": ...}).
@@ -257,7 +260,7 @@ def _mark_prompt_dims(call: dict[str, Any], max_cache_len: int) -> None:
         if isinstance(tensor, torch.Tensor):
             # A prompt leaves room in the cache for at least one new token.
             top = max_cache_len - 1
-            mark_unbacked(tensor, dim % tensor.dim(), shape_id="tokens", min=2, max=top)
+            mark_dynamic_dim(tensor, dim % tensor.dim(), "tokens", 2, top)
 
 
 def _recorded_calls(model: Any, batch: int, padded: bool) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -3,7 +3,8 @@
 Every private torch name the package uses is reached through this package, so a new torch
 release is a local change. This module holds what ``load`` needs and stays cheap to import;
 ``tracing`` holds what capture needs; ``inductor`` what lowering needs, including every
-rewrite of code that torch generates (each asserts that it matched where expected). The
+rewrite of code that torch generates (each asserts that it matched where expected);
+``generation`` the few private names of transformers that ``for_generate`` relies on. The
 driver and the kernel stand-ins, which ship inside artifacts, cannot import this package and
 keep their own few touches of torch, listed in their docstrings.
 """

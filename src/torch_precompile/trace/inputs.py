@@ -54,10 +54,16 @@ def _path_text(arg: Any, path: list[Any]) -> str:
     text, node = "", opened(arg)
     for key in path:
         if type(node) is dict and CLASS_KEY in node:
-            text += f".{cast('pytree.MappingKey[Any, Any]', key).key}"
+            text += f".{key.key}"
         else:
             text += pytree.keystr((key,))
-        node = node[key.idx if isinstance(key, pytree.SequenceKey) else key.key]
+        # Follow the opened structure (lists, tuples, dicts); past any other node, plain text.
+        if isinstance(key, pytree.SequenceKey) and type(node) in (list, tuple):
+            node = node[key.idx]
+        elif isinstance(key, pytree.MappingKey) and type(node) is dict:
+            node = node[key.key]
+        else:
+            node = None
     return text
 
 
