@@ -124,16 +124,19 @@ class InputValues:
         self.in_spec = None if spec.in_spec is None else pytree.treespec_loads(spec.in_spec)
         self.guards = driver.value_guards
         self.names = [spec.args[i].name for i in self.positions]
-        self.in_spec_text = spec.in_spec or ""
+        # Whether the capture opened an object (a structure it could not write down may
+        # hold one too): a call of any other artifact is not looked into.
+        self.opens = spec.in_spec is None or CLASS_KEY in spec.in_spec
 
     def input_leaves(self, args: Sequence[Any]) -> Sequence[Any]:
         """The leaves of the runtime inputs, after checking their structure."""
-        user_args = opened(tuple([args[i] for i in self.positions]))
+        user_args = tuple([args[i] for i in self.positions])
+        user_args = opened(user_args) if self.opens else user_args
         leaves, structure = pytree.tree_flatten(user_args)
         if self.in_spec is not None and structure != self.in_spec:
             expected = pytree.tree_unflatten([_shown_leaf(p) for p in self.leaves], self.in_spec)
             # Where objects were opened, name the part that differs; else show it all.
-            shown = CLASS_KEY in self.in_spec_text
+            shown = self.opens
             for name, e, g in zip(self.names, expected, user_args, strict=False):
                 found = first_difference(e, g, f"input {name}") if shown else None
                 if found is not None:
