@@ -14,6 +14,8 @@ from torch_precompile.options import BuildOptions
 from torch_precompile.spec import ArtifactSpec, parse_spec
 
 if TYPE_CHECKING:
+    import torch
+
     from torch_precompile.module_form import PrecompiledModule
 
 
@@ -53,6 +55,11 @@ class Precompile:
             ``load(..., verify_key=...)`` checks before anything is executed.
         progress: optional callable, told the name of each stage as it starts: ``"capture"``,
             ``"lower"`` (kernel builds happen here), ``"render"``.
+        device: for a build without the weights, the device the artifact will run on. A
+            model created on the ``meta`` device, with meta example inputs, is then traced and
+            lowered on stand-ins of that device: nothing of the size of the weights is
+            allocated, and the artifact runs with the real model there. A model and inputs
+            created under a ``FakeTensorMode`` build the same way (on the fakes' device).
         compile_on_one_rank: call it on every rank of an initialized default process group:
             rank 0 traces (on fake tensors, so no collective waits) and lowers, and every rank
             returns rank 0's pair. A rank the artifact cannot serve (another shard shape, a
@@ -74,9 +81,11 @@ class Precompile:
         compile_on_one_rank: bool = False,
         wrapper: str = "auto",
         require_all_guards: bool = False,
+        device: str | torch.device | None = None,
     ) -> ArtifactPair:
         options = BuildOptions(
             require_all_guards=require_all_guards,
+            device=device,
             backend=backend,
             tracer=tracer,
             decompositions=decompositions,

@@ -97,17 +97,19 @@ def compile_variant(
     from torch_precompile.lower import lower_graph
     from torch_precompile.lower.history import with_history
     from torch_precompile.trace import capture
+    from torch_precompile.trace.stand_ins import standing_in
 
-    with _lock:
+    with _lock, standing_in(example_inputs, options.device) as (args, stand_ins):
         report("capture")
         with progress.step("tracing fn (one traced run)"):
             captured = capture(
                 fn,
-                example_inputs,
+                args,
                 options.backend,
                 options.decompositions,
                 on_fakes=on_fakes,
                 tracer=options.tracer,
+                stand_ins=stand_ins,
             )
         if options.require_all_guards:
             _refuse_dropped_guards(captured.spec)

@@ -404,6 +404,11 @@ def is_view(tensor: torch.Tensor) -> bool:
     return tensor._base is not None
 
 
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of, or None."""
+    return tensor._base
+
+
 def forward_pre_hooks(module: torch.nn.Module) -> list[Any]:
     return list(module._forward_pre_hooks.values())
 

@@ -24,6 +24,7 @@ from torch_precompile.trace.parallel import data_parallel, fully_shard
 from torch_precompile.trace.parallel.data_parallel import DataParallelArg
 from torch_precompile.trace.parallel.dtensor import Distribution, find_dtensors
 from torch_precompile.trace.parallel.fully_shard import FullySharded
+from torch_precompile.trace.stand_ins import StandIns
 from torch_precompile.trace.state import ModelState, intern_model_state
 from torch_precompile.trace.subclasses import Wrapping, find_wrapped, refuse_mixed
 
@@ -66,7 +67,11 @@ class Layout:
 
 
 def read_layout(
-    fn: Callable[..., Any], args: tuple[Any, ...], backend: str, on_fakes: bool
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    backend: str,
+    on_fakes: bool,
+    stand_ins: StandIns | None = None,
 ) -> Layout:
     arg_names = arg_names_of(fn, len(args))
     module_positions = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
@@ -97,7 +102,7 @@ def read_layout(
         *(f"input {inputs.names[i]}" for i in tensor_positions),
     ]
     refuse_unplain_tensors(flat, flat_names)
-    wrapping = find_wrapped(flat, flat_names)
+    wrapping = find_wrapped(flat, flat_names, fakes_are_plain=stand_ins is not None)
     # An optimizer's state follows the flat inputs; that of DTensor parameters is DTensors.
     state_names = [
         f"state {e.key!r} of model parameter {state.param_names[e.param]!r} in optimizer {o.name}"
@@ -115,6 +120,11 @@ def read_layout(
             f"optimizer {optimizers[0].name} steps inside fn, which is carried for dims of "
             "static shape; with dims marked dynamic, call its step outside the artifact (loss "
             "= run(model, x, t); opt.step(); opt.zero_grad())."
+        )
+    if any(marks) and stand_ins is not None:
+        raise PrecompileError(
+            "dims marked with mark_unbacked (dynamic shapes) are not supported in a build "
+            "without the weights yet; leave the dims static, or build with the real weights."
         )
     if any(marks) and (sharding is not None or on_fakes):
         raise PrecompileError(

@@ -44,6 +44,7 @@ from torch_precompile.trace.optimizers import kept_entries
 from torch_precompile.trace.parallel import data_parallel
 from torch_precompile.trace.parallel.dtensor import name_collectives, refuse_inplace_collectives
 from torch_precompile.trace.recorded import artifact_spec, name_placeholders, symbolic_names
+from torch_precompile.trace.stand_ins import StandIns
 
 log = logging.getLogger("torch_precompile")
 
@@ -74,14 +75,17 @@ def capture(
     decompositions: Mapping[Any, Callable[..., Any]] | None = None,
     on_fakes: bool = False,
     tracer: str = "make_fx",
+    stand_ins: StandIns | None = None,
 ) -> Capture:
     """Trace ``fn(*args)`` once; lift module state; harvest gradients; enforce invariants.
 
     ``on_fakes`` traces on fake tensors, so that nothing runs and no collective communicates
-    (one rank capturing for all), and checks whether the graph depends on the rank. With
+    (one rank capturing for all), and checks whether the graph depends on the rank.
+    ``stand_ins``: the arguments' tensors are fakes standing in for the weights (a build
+    without them), traced as they are. With
     ``tracer="dynamo"`` Dynamo reads fn's Python first (see ``trace.dynamo_guards``).
     """
-    layout = read_layout(fn, args, backend, on_fakes)
+    layout = read_layout(fn, args, backend, on_fakes, stand_ins)
     recorder, outputs = GuardRecorder(), Outputs()
     watch = Watch(layout)
     watch.reads.hold(fn)
@@ -99,9 +103,9 @@ def capture(
         reachable_state(functions, watch.named_submodules()),
     )
     if tracer == "dynamo":
-        _refuse_unread(layout, on_fakes)
+        _refuse_unread(layout, on_fakes, stand_ins is not None)
     try:
-        traced = run_trace(flat_fn, layout, recorder, decompositions, on_fakes)
+        traced = run_trace(flat_fn, layout, recorder, decompositions, on_fakes, stand_ins)
     except BaseException:
         put_back(before)  # fn's own error is the one to report
         raise
@@ -160,12 +164,13 @@ def capture(
     )
 
 
-def _refuse_unread(layout: Layout, on_fakes: bool) -> None:
+def _refuse_unread(layout: Layout, on_fakes: bool, weightless: bool) -> None:
     """What the dynamo tracer does not read yet, refused by name before anything runs."""
     unread = [
         what
         for what, present in (
             ("a capture on one rank for all (compile_on_one_rank)", on_fakes),
+            ("a build without the weights (meta or fake tensors)", weightless),
             ("DTensors", layout.sharding is not None),
             ("tensor subclasses", bool(layout.wrapping.inputs)),
             ("DistributedDataParallel", bool(layout.data_parallel)),

@@ -20,7 +20,7 @@ import torch
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals.distributed import is_dtensor
-from torch_precompile.internals.tracing import is_traceable_wrapper_subclass
+from torch_precompile.internals.tracing import FakeTensor, is_traceable_wrapper_subclass
 from torch_precompile.shipped.driver.subclasses import decode_context
 from torch_precompile.shipped.driver.tensor_rules import qualified_name
 from torch_precompile.spec import EncodedValue, InnerTensor, WrappedTensor
@@ -120,13 +120,18 @@ class Wrapping:
         }
 
 
-def find_wrapped(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> Wrapping:
-    """The capture's subclass flat inputs other than DTensors (none, mostly)."""
+def find_wrapped(
+    tensors: Sequence[torch.Tensor], names: Sequence[str], fakes_are_plain: bool = False
+) -> Wrapping:
+    """The capture's subclass flat inputs other than DTensors (none, mostly); in a build
+    without the weights, fake tensors stand for plain ones."""
     inputs: dict[int, Flattened] = {}
     records: list[WrappedTensor] = []
     inner: list[InnerTensor] = []
     for index, (tensor, name) in enumerate(zip(tensors, names, strict=True)):
         if type(tensor) in PLAIN or is_dtensor(tensor):
+            continue
+        if fakes_are_plain and isinstance(tensor, FakeTensor):
             continue
         flattened = flatten(tensor, name)
         if tensor.requires_grad:

@@ -45,6 +45,7 @@ from torch_precompile.trace.holders import HolderCopies
 from torch_precompile.trace.optimizers import only_arguments_step, refuse_returned_lrs, stepping
 from torch_precompile.trace.parallel import data_parallel, fully_shard
 from torch_precompile.trace.parallel.dtensor import Distribution
+from torch_precompile.trace.stand_ins import StandIns
 from torch_precompile.trace.state import ModelState
 
 
@@ -220,6 +221,7 @@ def run_trace(
     recorder: GuardRecorder,
     decompositions: Mapping[Any, Callable[..., Any]] | None,
     on_fakes: bool,
+    stand_ins: StandIns | None = None,
 ) -> Traced:
     """Trace with every parameter's ``.grad`` cleared, and put the caller's back afterwards.
 
@@ -231,7 +233,8 @@ def run_trace(
     saved_grads = [p.grad for p in params]
     buffers = _buffers_as_themselves(layout)
     written = [*(params if layout.optimizers else ()), *buffers]
-    saved_values = [t.detach().clone() for t in written] if not on_fakes else []
+    # A fake holds no values to put back.
+    saved_values = [t.detach().clone() for t in written] if not (on_fakes or stand_ins) else []
     # Subclasses and DTensors are laid out otherwise: their examples are not flat inputs.
     plain = layout.sharding is None and not layout.wrapping.inputs
     try:
@@ -249,7 +252,7 @@ def run_trace(
             return Traced(gm, dynamic_inputs.fakes, dynamic_inputs, False, mutated)
         examples = _examples(layout, buffers)
         versions = [version_of(e) for e in examples]
-        trace = _MakeFxRun(flat_fn, decompositions, examples, on_fakes)
+        trace = _MakeFxRun(flat_fn, decompositions, examples, on_fakes, stand_ins)
         gm = trace.run()
         _refuse_grad_flags_set(layout, examples)
         # Which examples the trace wrote shows which inputs the graph writes, and so do the
@@ -363,12 +366,15 @@ class _MakeFxRun:
         decompositions: Mapping[Any, Callable[..., Any]] | None,
         examples: list[torch.Tensor],
         on_fakes: bool,
+        stand_ins: StandIns | None = None,
     ) -> None:
         self.flat_fn, self.decompositions, self.examples = flat_fn, decompositions, examples
-        self.on_fakes = on_fakes
+        self.on_fakes, self.stand_ins = on_fakes, stand_ins
 
     def run(self) -> torch.fx.GraphModule:
         with torch.enable_grad(), fork_rng(self.examples), differentiable_rnns():
+            if self.stand_ins is not None:
+                return self._run_on_stand_ins(self.stand_ins)
             if not self.on_fakes:
                 try:
                     return trace_with_user_lines(
@@ -393,6 +399,23 @@ class _MakeFxRun:
                         "values (.item(), data-dependent Python branches) needs real tensors: "
                         "precompile on every rank instead (compile_on_one_rank=False)."
                     ) from e
+
+    def _run_on_stand_ins(self, stand_ins: StandIns) -> torch.fx.GraphModule:
+        with stand_ins.fake_mode:
+            try:
+                return trace_with_user_lines(self.flat_fn, self.decompositions)(*self.examples)
+            except PrecompileError:
+                raise
+            except Exception as e:
+                _raise_tracer_refusal(e)
+                first_line = (str(e).splitlines() or [""])[0]
+                raise PrecompileError(
+                    "a build without the weights traces fn on fake tensors (stand-ins of "
+                    f"{stand_ins.device} for the meta or fake ones given), and fn failed there: "
+                    f"{type(e).__name__}: {first_line}. Reading tensor values (.item(), "
+                    "data-dependent Python branches, tensors printed) needs real tensors: build "
+                    "with the real weights, or keep such reads out of fn."
+                ) from e
 
     def depends_on_coordinate(
         self, sharding: Distribution, code: str, recorder: GuardRecorder
