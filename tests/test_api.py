@@ -51,6 +51,7 @@ def test_object_identity_and_introspection() -> None:
         "compile_on_one_rank": False,
         "wrapper": "auto",
         "require_all_guards": False,
+        "device": None,
     }
     for method in (precompile.load, precompile.save, precompile.load_file, precompile.inspect):
         assert method.__doc__ and len(method.__doc__.split()) > 8, method
