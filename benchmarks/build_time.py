@@ -10,6 +10,8 @@ and temp dirs, so every tool starts cold: its compilers, vector-unit probes and 
 included. The time is from just after the model is built until
 
 - ``precompile``: ``precompile()`` returns the pair (default ``wrapper="auto"``);
+- ``precompile-unrolled``: the same with ``blocks=False`` (every block compiled apart, as
+  before repeated blocks were compiled once);
 - ``precompile-cpp``: the same with ``wrapper="cpp"`` (the C++ wrapper at any depth);
 - ``torch.compile``: the compiled function's first call returns;
 - ``aoti``: ``torch.export`` and ``aoti_compile_and_package`` return (inference only).
@@ -35,7 +37,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULT = "BUILD_TIME_RESULT "
-TOOLS = ("precompile", "precompile-cpp", "torch.compile", "aoti")
+TOOLS = ("precompile", "precompile-unrolled", "precompile-cpp", "torch.compile", "aoti")
 
 _CHILD = r"""
 import contextlib, json, logging, os, re, resource, sys, time
@@ -72,8 +74,9 @@ start = time.perf_counter()
 if tool.startswith("precompile"):
     from torch_precompile import precompile
     wrapper = "cpp" if tool == "precompile-cpp" else "auto"
+    blocks = False if tool == "precompile-unrolled" else None
     with torch.no_grad() if mode == "infer" else contextlib.nullcontext():  # no backward
-        code, cache = precompile(fn, model, *inputs, wrapper=wrapper)
+        code, cache = precompile(fn, model, *inputs, wrapper=wrapper, blocks=blocks)
     kind = "C++" if "cpp_wrapper_src" in code else "Python"
 elif tool == "torch.compile":
     compiled = torch.compile(fn)
@@ -90,7 +93,9 @@ else:
     kind = ""
 seconds = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+size = len(code) if tool.startswith("precompile") else None
 print({marker!r} + json.dumps({{"seconds": seconds, "peak_mib": peak, "wrapper": kind,
+                                 "source_kib": size and size / 1024,
                                  "trace": steps.get("tracing"), "lower": steps.get("lowering")}}))
 """
 
@@ -141,7 +146,7 @@ def build_once(tool: str, depth: int, mode: str) -> dict[str, float | str]:
 def measure(tool: str, depth: int, mode: str, runs: int) -> dict[str, float | str]:
     results = [build_once(tool, depth, mode) for _ in range(runs)]
     summary: dict[str, float | str] = {"wrapper": str(results[0]["wrapper"])}
-    for key in ("seconds", "peak_mib", "trace", "lower"):
+    for key in ("seconds", "peak_mib", "trace", "lower", "source_kib"):
         if all(r.get(key) is not None for r in results):
             summary[key] = statistics.median(float(r[key]) for r in results)
     return summary

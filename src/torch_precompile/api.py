@@ -60,6 +60,12 @@ class Precompile:
             lowered on stand-ins of that device: nothing of the size of the weights is
             allocated, and the artifact runs with the real model there. A model and inputs
             created under a ``FakeTensorMode`` build the same way (on the fakes' device).
+        blocks: repeated blocks compiled once. By default the children of a ``ModuleList``
+            or ``Sequential`` that share a class (a model's ``layers[i]``) are found, and the
+            operations of those whose forward (and backward) came out the same are compiled
+            once and run once per block with its own weights; ``False`` compiles the whole
+            graph unrolled; a list of classes names the blocks. ``inspect`` and the artifact
+            say which blocks share code.
         compile_on_one_rank: call it on every rank of an initialized default process group:
             rank 0 traces (on fake tensors, so no collective waits) and lowers, and every rank
             returns rank 0's pair. A rank the artifact cannot serve (another shard shape, a
@@ -82,10 +88,12 @@ class Precompile:
         wrapper: str = "auto",
         require_all_guards: bool = False,
         device: str | torch.device | None = None,
+        blocks: bool | Sequence[type] | None = None,
     ) -> ArtifactPair:
         options = BuildOptions(
             require_all_guards=require_all_guards,
             device=device,
+            blocks=blocks,
             backend=backend,
             tracer=tracer,
             decompositions=decompositions,

@@ -110,12 +110,13 @@ def compile_variant(
                 on_fakes=on_fakes,
                 tracer=options.tracer,
                 stand_ins=stand_ins,
+                blocks=options.blocks,
             )
         if options.require_all_guards:
             _refuse_dropped_guards(captured.spec)
         report("lower")
         with progress.step(f"lowering with the {options.backend} backend"):
-            lowered = lower_graph(captured, options.backend, options.wrapper)
+            lowered = lower_graph(captured, options.backend, options.wrapper, options.blocks)
         built = with_history(captured, lowered, options, on_fakes)
     graphs = built.graphs
     kernels = {k.key: k for g in graphs.all for k in g.kernels}

@@ -35,6 +35,8 @@ class BuildOptions:
     require_all_guards: bool = False
     # The device a build without the weights (meta or fake tensors) is for; None otherwise.
     device: Any = None
+    # Repeated blocks compiled once: None or True (found by structure), False, or classes.
+    blocks: Any = None
     # Whether precompile() was called under grad mode: where it was not, results of an fn
     # without a backward carry no history, and no backward graph is built.
     grad_mode: bool = dataclasses.field(default_factory=lambda: _grad_mode())

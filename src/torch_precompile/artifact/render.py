@@ -8,9 +8,7 @@ spec needs.
 from __future__ import annotations
 
 import ast
-import io
 import textwrap
-import tokenize
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -25,7 +23,7 @@ from torch_precompile.artifact.plain_checks import (
 )
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
-from torch_precompile.lower import LoweredGraph, VariantGraphs
+from torch_precompile.lower import LoweredGraph, VariantGraphs, indented
 from torch_precompile.shipped.driver import (
     autograd,
     call_state,
@@ -424,39 +422,13 @@ def _graph_function(named: _NamedGraph) -> str:
             '    """Readies this graph; returns its call(flat_inputs)."""'
             if named.lazy
             else f'    """Returns {named.name}(flat_inputs)."""',
-            _indented(source).rstrip("\n"),
+            indented(source).rstrip("\n"),
             "",
             "    return call",
             *bound,
             "",
         ]
     )
-
-
-def _indented(source: str) -> str:
-    """``source`` one level in, runs of blank lines made one, but for the lines inside a
-    multi-line string: a kernel's C++ text is what its kernel key hashes, so it stays as it
-    is."""
-    inside: set[int] = set()
-    opened: list[int] = []
-    fstring_start = getattr(tokenize, "FSTRING_START", None)
-    fstring_end = getattr(tokenize, "FSTRING_END", None)
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == fstring_start:
-            opened.append(token.start[0])
-            continue
-        first = opened.pop() if token.type == fstring_end else token.start[0]
-        if token.type in (tokenize.STRING, fstring_end) and token.end[0] > first:
-            inside.update(range(first + 1, token.end[0] + 1))
-    lines: list[str] = []
-    for number, line in enumerate(source.splitlines(), 1):
-        if number in inside:
-            lines.append(line)
-        elif line.strip():
-            lines.append("    " + line)
-        elif lines and lines[-1]:  # inside a function, one blank line between definitions
-            lines.append("")
-    return "\n".join(lines) + "\n"
 
 
 def _records(variants: Sequence[ArtifactSpec]) -> ShippedSource:

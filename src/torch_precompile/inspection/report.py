@@ -32,7 +32,7 @@ from torch_precompile.artifact.kernel_payload import (
     read_payload,
 )
 from torch_precompile.errors import PrecompileError
-from torch_precompile.lower import WRAPPER_LINE
+from torch_precompile.lower import PIECE_LINE, WRAPPER_LINE
 from torch_precompile.shipped.driver.encoded import shown_value
 from torch_precompile.shipped.driver.variants import variant_label
 from torch_precompile.spec import ArtifactSpec, Autograd, InputLeaf, parse_spec, shown_version
@@ -136,6 +136,7 @@ def describe(path: Path) -> dict[str, Any]:
         "subclasses": _describe_subclasses(spec),
         "data_parallel": _describe_data_parallel(spec),
         "wrapper": _describe_wrapper(code, spec),
+        "blocks": _describe_blocks(code),
         "autograd": _describe_autograd(spec),
         "variants": [variant_label(v) for v in spec.all_variants] if spec.variants else [],
         "cache": _describe_cache(pair, judged),
@@ -166,6 +167,16 @@ def _describe_wrapper(code: str, spec: ArtifactSpec) -> str | None:
         said = [kind if kind == "cpp" else next(reasons, "python") for kind in kinds]
     shown = sorted({*said, *["python"] * (len(spec.all_variants) - len(said))})
     return shown[0] if len(shown) == 1 else "per variant: " + "; ".join(shown)
+
+
+def _describe_blocks(code: str) -> list[str]:
+    """The repeated blocks that share compiled code, from the comment above each piece."""
+    shared = re.findall(
+        rf"^ *{re.escape(PIECE_LINE)}\d+ of \d+: (the \w+ of .*), run (\d+) times\.$",
+        code,
+        re.MULTILINE,
+    )
+    return [f"{what}: one piece of code, {runs} calls" for what, runs in shared]
 
 
 def _shown_wrapper(said: str) -> str:

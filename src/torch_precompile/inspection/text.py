@@ -66,6 +66,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"    flatten context {w['context']}")
     if report.get("wrapper"):
         lines.append(f"  wrapper   : {report['wrapper']}")
+    lines.extend(f"  blocks    : {line}" for line in report.get("blocks", ()))
     lines.extend(_render_autograd(report.get("autograd")))
     for number, label in enumerate(report.get("variants", ()), 1):
         lines.append(

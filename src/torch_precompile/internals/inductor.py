@@ -370,6 +370,8 @@ def loader_resolving_now(graph_source: str) -> str:
     """A graph's source whose kernel loader readies each kernel as it hands it out, for a
     graph that runs inside a function (see ``KernelLoader``)."""
     source, count = _LOADER_WIDTH.subn(r"\1, resolve_now=True)\n", graph_source)
+    if count == 0 and "resolve_now=True)" in graph_source:
+        return source  # graphs inside it that ready their kernels already (lower.regions)
     if count != 1:
         raise PrecompileError("internal: a graph's source creates no kernel loader, or several")
     return source

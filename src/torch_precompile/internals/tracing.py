@@ -208,10 +208,24 @@ def trace_with_user_lines(
     )
 
     def run(*args: Any) -> torch.fx.GraphModule:
-        with _user_frames_only():
+        with _user_frames_only(), _one_fake_mode_for_values(tracing_mode):
             return traced(*args)
 
     return run
+
+
+@contextlib.contextmanager
+def _one_fake_mode_for_values(tracing_mode: str) -> Iterator[None]:
+    """On real tensors, make_fx describes each value it records with a fake tensor of a new
+    fake mode, unless a tracing context names one: each new mode records its creator's stack,
+    a quarter of a deep model's trace. One mode, named here, serves them all."""
+    from torch._guards import TracingContext, tracing
+
+    if tracing_mode != "real" or TracingContext.try_get() is not None:
+        yield
+        return
+    with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+        yield
 
 
 _NOT_USER_CODE = tuple(

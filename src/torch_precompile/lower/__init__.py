@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import tokenize
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -14,6 +16,8 @@ if TYPE_CHECKING:
 # The line of an inductor artifact's section 2 that says which wrapper calls the kernels (no
 # such line: the Python one).
 WRAPPER_LINE = "# Wrapper: "
+# The comment above each piece of a graph whose repeated blocks are compiled once.
+PIECE_LINE = "# Piece "
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,17 @@ class VariantGraphs:
         return [g for g in graphs if g is not None]
 
 
-def lower_graph(captured: Capture, backend: str, wrapper: str) -> LoweredGraph:
-    """Realize the captured graph with ``backend`` (and, for inductor, ``wrapper``)."""
+def lower_graph(
+    captured: Capture, backend: str, wrapper: str, blocks: object = None
+) -> LoweredGraph:
+    """Realize the captured graph with ``backend`` (and, for inductor, ``wrapper``); the
+    operations of repeated blocks once each, unless ``blocks`` is False."""
+    if blocks is not False:
+        from torch_precompile.lower.shared_blocks import lower_shared
+
+        shared = lower_shared(captured, backend, wrapper)
+        if shared is not None:
+            return shared
     if backend == "eager":
         from torch_precompile.lower.eager import lower_eager
 
@@ -66,3 +79,29 @@ def lower_graph(captured: Capture, backend: str, wrapper: str) -> LoweredGraph:
     from torch_precompile.lower.inductor import lower_inductor
 
     return lower_inductor(captured, wrapper)
+
+
+def indented(source: str) -> str:
+    """``source`` one level in, runs of blank lines made one, but for the lines inside a
+    multi-line string: a kernel's C++ text is what its kernel key hashes, so it stays as it
+    is."""
+    inside: set[int] = set()
+    opened: list[int] = []
+    fstring_start = getattr(tokenize, "FSTRING_START", None)
+    fstring_end = getattr(tokenize, "FSTRING_END", None)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == fstring_start:
+            opened.append(token.start[0])
+            continue
+        first = opened.pop() if token.type == fstring_end else token.start[0]
+        if token.type in (tokenize.STRING, fstring_end) and token.end[0] > first:
+            inside.update(range(first + 1, token.end[0] + 1))
+    lines: list[str] = []
+    for number, line in enumerate(source.splitlines(), 1):
+        if number in inside:
+            lines.append(line)
+        elif line.strip():
+            lines.append("    " + line)
+        elif lines and lines[-1]:  # inside a function, one blank line between definitions
+            lines.append("")
+    return "\n".join(lines) + "\n"

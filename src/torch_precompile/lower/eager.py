@@ -16,10 +16,10 @@ from torch_precompile.trace.checks import literal_source
 def lower_eager(capture: Capture) -> LoweredGraph:
     gm = capture.graph
     graph_code = graph_function_source(gm, "captured_graph")
-    literals = _literal_lines(capture)
+    literals = literal_lines(capture)
     lines = [
         "# The names the graph code and its literals refer to.",
-        *_used_imports("\n".join([graph_code, *literals])),
+        *used_imports("\n".join([graph_code, *literals])),
         "",
         *literals,
         "\n".join(line.rstrip() for line in graph_code.strip("\n").splitlines()).rstrip(),
@@ -34,11 +34,11 @@ def lower_eager(capture: Capture) -> LoweredGraph:
         "    return captured_graph(*args)",
     ]
     return LoweredGraph(
-        source="\n".join(lines) + "\n", acceleration=None, input_strides=_input_layouts(capture)
+        source="\n".join(lines) + "\n", acceleration=None, input_strides=input_layouts(capture)
     )
 
 
-def _input_layouts(capture: Capture) -> list[tuple[int, ...] | str | None] | None:
+def input_layouts(capture: Capture) -> list[tuple[int, ...] | str | None] | None:
     """The example's layout of each input tensor that reaches a ``view`` in the graph: that
     view was traced on this layout and may fail on another, so a call passing another gets a
     copy in this one (see the driver's LeafPlan). Other inputs take any layout. An input with
@@ -68,7 +68,7 @@ def _reaching_views(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     return reaching
 
 
-def _used_imports(graph_code: str) -> list[str]:
+def used_imports(graph_code: str) -> list[str]:
     """The fx builtins (``inf``, ``device``, ...) the graph code uses, and torch."""
     used = set(re.findall(r"\b\w+\b", graph_code)) | {"torch"}
     return [
@@ -76,7 +76,7 @@ def _used_imports(graph_code: str) -> list[str]:
     ]
 
 
-def _literal_lines(capture: Capture) -> list[str]:
+def literal_lines(capture: Capture) -> list[str]:
     if not capture.literals:
         return [""]
     lines = ["# Tensor literals built inside fn (torch.tensor(...)), in graph-input order."]

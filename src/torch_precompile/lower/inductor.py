@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
@@ -34,14 +35,15 @@ from torch_precompile.internals.tracing import (
     BAKED_READS,
     DynamicOutputShapeException,
     FakeTensor,
+    FakeTensorMode,
     reshape_unwritten_views,
 )
 from torch_precompile.lower import WRAPPER_LINE, LoweredGraph
-from torch_precompile.lower.kernels import collect_built_kernels
+from torch_precompile.lower.kernels import BuiltKernels, collect_built_kernels
 from torch_precompile.shipped import kernel_loader, wrapper_imports
 from torch_precompile.spec import ArtifactSpec, Layout
 from torch_precompile.trace import Capture
-from torch_precompile.trace.checks import MAX_LITERAL_ELEMENTS, literal_source
+from torch_precompile.trace.checks import MAX_LITERAL_ELEMENTS, constant_source, literal_source
 
 if TYPE_CHECKING:
     from torch_precompile.spec import DistributedTensor, WrappedTensor
@@ -128,7 +130,7 @@ def _lowered(
             *wrapper_note,
             wrapper_with_stand_ins(wrapper, vector_bits()).strip("\n"),
             GENERATED_END,
-            *_literal_lines(capture),
+            *literal_lines(capture),
             _call_source(capture, outputs.tensors, outputs.constants, outputs.count),
         ]
     )
@@ -402,6 +404,11 @@ def _asserted_strides(wrapper: str, input_names: list[str], capture: Capture) ->
     return strides
 
 
+def driver_checkable(spec: ArtifactSpec, count: int) -> set[int]:
+    """The flat inputs (of ``count``) whose layout the driver checks where it is static."""
+    return set(_driver_checked(spec, [()] * count))
+
+
 def _driver_checked(spec: ArtifactSpec, strides: list[Layout]) -> list[int]:
     """The flat inputs whose static layout the driver checks exactly on every call: plain
     model tensors and plain tensor inputs. Optimizer state, DTensor shards and subclasses'
@@ -423,7 +430,7 @@ def _driver_checked(spec: ArtifactSpec, strides: list[Layout]) -> list[int]:
     ]
 
 
-def _literal_lines(capture: Capture) -> list[str]:
+def literal_lines(capture: Capture) -> list[str]:
     if not capture.literals:
         return [""]
     items = "".join(f"    {literal_source(t)},\n" for t in capture.literals)
@@ -481,7 +488,7 @@ def _call_source(
         lines.append("    outputs = list(computed)")
     else:
         slots = ", ".join(
-            _constant_source(constants[i])
+            constant_source(constants[i])
             if i in constants
             else f"computed[{tensor_outputs.index(i)}]"
             for i in range(count)
@@ -510,9 +517,83 @@ def _call_source(
     return "\n".join(lines) + "\n"
 
 
-def _constant_source(value: Any) -> str:
-    if isinstance(value, float) and value != value:
-        return "float('nan')"
-    if isinstance(value, float) and value in (float("inf"), float("-inf")):
-        return f"float({str(value)!r})"
-    return repr(value)
+@dataclass(frozen=True)
+class CompiledPiece:
+    """A piece of a graph compiled on its own (``lower.regions``): the generated wrapper with
+    the stand-ins in place (its entry named ``inductor_call``), the comment lines that say
+    which wrapper it is, its built kernels, and the input positions whose layout the kernels
+    assume."""
+
+    source: str
+    wrapper_note: list[str]
+    kernels: BuiltKernels
+    asserted: list[int]
+    cpp: bool
+    written: list[int]  # the input positions it writes in place
+
+
+def compile_piece(
+    piece: torch.fx.GraphModule,
+    examples: list[torch.Tensor],
+    wrapper_kind: str,
+    unasserted: Callable[[list[int]], set[int]],
+) -> CompiledPiece:
+    """Compile ``piece`` (a function of ``examples`` returning a tuple of tensors) as the
+    whole graph is compiled: the C++ wrapper where asked for and it builds, else the Python
+    one; ``unasserted`` picks, of the positions the kernels assert, those whose layout the
+    driver already checks."""
+    count = len(cast("Sequence[Any]", piece.graph.output_node().args[0]))
+    graph = _functional_graph(piece, list(range(count)), _fakes_like(examples), None)
+    if wrapper_kind == "python":
+        return _finished_piece(graph, _compile(graph, None, {}), [], unasserted)
+    try:
+        return _finished_piece(graph, _compile(graph, None, {}, cpp=True), [], unasserted)
+    except Exception as e:
+        if wrapper_kind == "cpp":
+            raise
+        note = [f"{WRAPPER_LINE}Python. the C++ wrapper is not used: {_reason(e)}."]
+    return _finished_piece(graph, _compile(graph, None, {}), note, unasserted)
+
+
+def _finished_piece(
+    graph: torch.fx.GraphModule,
+    wrapper: str,
+    note: list[str],
+    unasserted: Callable[[list[int]], set[int]],
+) -> CompiledPiece:
+    placeholders = list(graph.graph.find_nodes(op="placeholder"))
+    names = [n.name for n in placeholders]
+    index = {name: i for i, name in enumerate(names)}
+    asserted = sorted(index[name] for name in asserted_inputs(wrapper) if name in index)
+    wrapper = without_input_asserts(wrapper, {names[i] for i in unasserted(asserted)})
+    written = [i for i, p in enumerate(placeholders) if _written(p)]
+    return CompiledPiece(
+        wrapper_with_stand_ins(wrapper, vector_bits()),
+        note,
+        collect_built_kernels(wrapper),
+        asserted,
+        is_cpp_wrapper(wrapper),
+        written,
+    )
+
+
+def _written(placeholder: torch.fx.Node) -> bool:
+    """Whether the functional graph writes its new value back into ``placeholder``."""
+    return any(
+        user.target is aten.copy_.default and user.args[0] is placeholder
+        for user in placeholder.users
+    )
+
+
+def _fakes_like(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fake tensors of one mode with the layouts of ``values`` (fakes of several modes)."""
+    mode = FakeTensorMode()
+    fakes = []
+    with mode:
+        for v in values:
+            reach = sum((n - 1) * s for n, s in zip(v.shape, v.stride(), strict=True))
+            size = v.storage_offset() + reach + 1
+            base = torch.empty(size if v.numel() else 0, dtype=v.dtype, device=v.device)
+            fake = base.as_strided(v.shape, v.stride(), v.storage_offset() if v.numel() else 0)
+            fakes.append(fake)
+    return fakes

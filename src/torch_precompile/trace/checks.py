@@ -123,6 +123,15 @@ def _refuse_large_literal(value: torch.Tensor) -> None:
         )
 
 
+def constant_source(value: Any) -> str:
+    """Source for a constant a graph returns (a number, None), nan and infinities included."""
+    if isinstance(value, float) and value != value:
+        return "float('nan')"
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return f"float({str(value)!r})"
+    return repr(value)
+
+
 def literal_source(value: torch.Tensor) -> str:
     """Python source that rebuilds ``value`` exactly (``inf`` / ``nan`` must be in scope)."""
 

@@ -76,18 +76,20 @@ def capture(
     on_fakes: bool = False,
     tracer: str = "make_fx",
     stand_ins: StandIns | None = None,
+    blocks: bool | Sequence[type] | None = None,
 ) -> Capture:
     """Trace ``fn(*args)`` once; lift module state; harvest gradients; enforce invariants.
 
     ``on_fakes`` traces on fake tensors, so that nothing runs and no collective communicates
     (one rank capturing for all), and checks whether the graph depends on the rank.
     ``stand_ins``: the arguments' tensors are fakes standing in for the weights (a build
-    without them), traced as they are. With
+    without them), traced as they are. ``blocks`` chooses the repeated blocks whose
+    operations are marked (``trace.blocks``). With
     ``tracer="dynamo"`` Dynamo reads fn's Python first (see ``trace.dynamo_guards``).
     """
     layout = read_layout(fn, args, backend, on_fakes, stand_ins)
     recorder, outputs = GuardRecorder(), Outputs()
-    watch = Watch(layout)
+    watch = Watch(layout, blocks)
     watch.reads.hold(fn)
     refuse_unreplayable_modules(watch.named_submodules())
     flat_fn = flat_function(fn, layout, recorder, outputs, watch)

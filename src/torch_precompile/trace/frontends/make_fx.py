@@ -32,6 +32,7 @@ from torch_precompile.internals.tracing import (
 from torch_precompile.spec import Ambient, OutputAlias
 from torch_precompile.trace import checks, dynamic
 from torch_precompile.trace.arguments import Layout
+from torch_precompile.trace.blocks import BlockMarks, repeated_blocks
 from torch_precompile.trace.facts.ambient import DefaultDtypeUse, ambient_at_capture
 from torch_precompile.trace.facts.grads import GradUse
 from torch_precompile.trace.facts.hooks import global_hooks, module_hooks
@@ -85,8 +86,9 @@ class Watch:
     """What capture notes about fn beyond tensors while it is traced: the Python values it
     reads, whether it builds tensors of the default dtype; and the state before it runs."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, blocks: bool | Sequence[type] | None = None) -> None:
         self.layout = layout
+        self.blocks = BlockMarks(repeated_blocks(layout.modules, blocks))
         self.submodules = [
             m for root in layout.modules for _, m in root.named_modules(remove_duplicate=False)
         ]
@@ -177,6 +179,7 @@ def flat_function(
                 watch.tensor_reads.watching(placed, inputs.leaves),
                 plain_checkpoints(),
                 padded_lengths_in_python(),
+                watch.blocks.watching(),
             ):
                 result = fn(*call_args)
         holders.refuse_writes()

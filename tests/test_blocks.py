@@ -1,0 +1,215 @@
+"""Repeated blocks compiled once: the operations of blocks that came out the same are one
+piece of code, run once per block with its own tensors, equal to eager over several steps, in
+a fresh process, with and without the cache; a block that differs gets code of its own."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_precompile import PrecompileError, precompile
+
+from conftest import run_python
+
+DEPTH = 3
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.scale * self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, depth: int = DEPTH) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16)
+        self.layers = torch.nn.ModuleList(Block() for _ in range(depth))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def infer(model: Net, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def step(model: Net, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def optimizer_step(model: Net, x: torch.Tensor, opt: torch.optim.Optimizer) -> torch.Tensor:
+    loss = step(model, x)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def shared_runs(code: str) -> list[int]:
+    """How many block calls each piece of code runs for, where it runs for several."""
+    return [
+        int(n) for n in re.findall(r"^# Piece \d+ of \d+: the \w+ of .*run (\d+) times", code, re.M)
+    ]
+
+
+# In a fresh process: each pair against eager on new weights, two calls each, with and
+# without the cache; the differentiable form's backward run by the caller.
+FRESH = """
+    import json, torch
+    from torch_precompile import precompile
+    from test_blocks import Net, infer, step, optimizer_step
+    pairs = {pairs!r}
+    differ = []
+    def same(what, a, b):
+        if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+            differ.append(what)
+    for use_cache in (True, False):
+        for form, (code, cache) in pairs.items():
+            # With its cache, a load builds nothing (every piece's objects are in it).
+            run = precompile.load(code, cache if use_cache else None, require_prebuilt=use_cache)
+            torch.manual_seed(2)
+            eager, model = Net(), Net()
+            model.load_state_dict(eager.state_dict())
+            extra = [(), ()]
+            if form == "optimizer":
+                extra = [(torch.optim.AdamW(m.parameters(), lr=0.01),) for m in (eager, model)]
+            for i in range(2):
+                x = torch.randn(4, 8)
+                if form == "infer":
+                    with torch.no_grad():
+                        same(f"{{form}} {{i}}", run(model, x), infer(eager, x))
+                    continue
+                if form == "differentiable":
+                    out, expected = run(model, x), infer(eager, x)
+                    same(f"{{form}} {{i}}", out, expected)
+                    out.square().sum().backward()
+                    expected.square().sum().backward()
+                else:
+                    fn = step if form == "step" else optimizer_step
+                    same(f"{{form}} loss {{i}}", run(model, x, *extra[1]), fn(eager, x, *extra[0]))
+                for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                    if q.grad is not None:
+                        same(f"{{form}} grad {{name}} {{i}}", p.grad, q.grad)
+                    same(f"{{form}} {{name}} {{i}}", p.detach(), q.detach())
+    print(json.dumps(differ))
+"""
+
+
+def _build(form: str, backend: str) -> tuple[str, bytes]:
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 8)
+    if form == "infer":
+        with torch.no_grad():
+            return precompile(infer, model, x, backend=backend)
+    if form == "differentiable":
+        return precompile(infer, model, x, backend=backend)
+    if form == "step":
+        return precompile(step, model, x, backend=backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return precompile(optimizer_step, model, x, opt, backend=backend)
+
+
+def test_blocks_share_code_and_run_like_eager(backend: str, tmp_path: Path) -> None:
+    forms = ["infer", "step", "optimizer", "differentiable"]
+    pairs = {}
+    for form in forms:
+        code, cache = _build(form, backend)
+        if form != "differentiable":  # (its forward and backward graphs stay whole)
+            assert DEPTH in shared_runs(code), form
+        (tmp_path / f"{form}.py").write_text(code)
+        (tmp_path / f"{form}.cache").write_bytes(cache)
+        pairs[form] = (str(tmp_path / f"{form}.py"), str(tmp_path / f"{form}.cache"))
+    proc = run_python(FRESH.format(pairs=pairs))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == []
+
+
+def _differing(case: str) -> Net:
+    torch.manual_seed(0)
+    model = Net(4)
+    odd = model.layers[2]
+    if case == "attribute":
+        odd.scale = 0.5
+    elif case == "dtype":
+        odd.to(torch.float64)
+        model.layers[2] = _Cast(odd)  # type: ignore[assignment]
+    elif case == "hook":
+        odd.register_forward_hook(lambda m, args, out: out * 2)
+    elif case == "class":
+        model.layers[2] = _Other()  # type: ignore[assignment]
+    return model
+
+
+class _Cast(torch.nn.Module):
+    """A float64 block between float32 ones."""
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x.double()).float()
+
+
+class _Other(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - self.down(torch.relu(self.up(self.norm(x))))
+
+
+@pytest.mark.parametrize("case", ["attribute", "dtype", "hook", "class"])
+def test_a_block_that_differs_gets_its_own_code(case: str) -> None:
+    model, x = _differing(case), torch.randn(4, 8)
+    with torch.no_grad():
+        code, cache = precompile(infer, model, x, backend="eager")
+        run = precompile.load(code, cache)
+        torch.testing.assert_close(run(model, x), model(x))
+    # Layers 0, 1 and 3 share code, layer 2 has its own; a hook's operations run after the
+    # block's, apart from them (all four blocks share code).
+    assert shared_runs(code) == ([4] if case == "hook" else [3]), case
+    if case == "attribute":  # the value is still checked at every call, per block
+        model.layers[2].scale = 2.0
+        with pytest.raises(PrecompileError, match="'scale' of module 'layers.2'"):
+            with torch.no_grad():
+                run(model, x)
+
+
+def test_blocks_can_be_named_or_turned_off() -> None:
+    model, x = Net(), torch.randn(4, 8)
+    with torch.no_grad():
+        unrolled, _ = precompile(infer, model, x, backend="eager", blocks=False)
+        named, _ = precompile(infer, model, x, backend="eager", blocks=[Block])
+        none_found, _ = precompile(infer, model, x, backend="eager", blocks=[torch.nn.GRU])
+    assert "# Piece" not in unrolled and "# Piece" not in none_found
+    assert shared_runs(named) == [DEPTH]
+    with pytest.raises(PrecompileError, match="blocks= takes True, False, or the classes"):
+        precompile(infer, model, x, backend="eager", blocks=["layers"])
+
+
+def test_no_hook_stays_on_the_model_after_a_build() -> None:
+    """The marks hook parameters' AccumulateGrad nodes, which outlive the trace: once the
+    build returns, nothing holds the marks."""
+    import gc
+
+    from torch_precompile.trace.blocks import BlockMarks
+
+    model, x = Net(), torch.randn(4, 8)
+    precompile(step, model, x, backend="eager")
+    model(x).sum().backward()
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, BlockMarks)]
