@@ -116,13 +116,13 @@ def _build(form: str, backend: str) -> tuple[str, bytes]:
     model, x = Net(), torch.randn(4, 8)
     if form == "infer":
         with torch.no_grad():
-            return precompile(infer, model, x, backend=backend)
+            return precompile(infer, model, x, backend=backend, blocks=True)
     if form == "differentiable":
-        return precompile(infer, model, x, backend=backend)
+        return precompile(infer, model, x, backend=backend, blocks=True)
     if form == "step":
-        return precompile(step, model, x, backend=backend)
+        return precompile(step, model, x, backend=backend, blocks=True)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    return precompile(optimizer_step, model, x, opt, backend=backend)
+    return precompile(optimizer_step, model, x, opt, backend=backend, blocks=True)
 
 
 def test_blocks_share_code_and_run_like_eager(backend: str, tmp_path: Path) -> None:
@@ -176,7 +176,7 @@ class _Other(Block):
 def test_a_block_that_differs_gets_its_own_code(case: str) -> None:
     model, x = _differing(case), torch.randn(4, 8)
     with torch.no_grad():
-        code, cache = precompile(infer, model, x, backend="eager")
+        code, cache = precompile(infer, model, x, backend="eager", blocks=True)
         run = precompile.load(code, cache)
         torch.testing.assert_close(run(model, x), model(x))
     # Layers 0, 1 and 3 share code, layer 2 has its own; a hook's operations run after the
@@ -190,13 +190,19 @@ def test_a_block_that_differs_gets_its_own_code(case: str) -> None:
 
 
 def test_blocks_can_be_named_or_turned_off() -> None:
+    """By default blocks this small stay unrolled (cutting would not pay), as with False."""
     model, x = Net(), torch.randn(4, 8)
     with torch.no_grad():
+        default, _ = precompile(infer, model, x, backend="eager")
         unrolled, _ = precompile(infer, model, x, backend="eager", blocks=False)
         named, _ = precompile(infer, model, x, backend="eager", blocks=[Block])
         none_found, _ = precompile(infer, model, x, backend="eager", blocks=[torch.nn.GRU])
-    assert "# Piece" not in unrolled and "# Piece" not in none_found
+    assert all("# Piece" not in code for code in (default, unrolled, none_found))
     assert shared_runs(named) == [DEPTH]
+    deep = Net(40)
+    with torch.no_grad():
+        by_default, _ = precompile(infer, deep, x, backend="eager")
+    assert shared_runs(by_default) == [40]
     with pytest.raises(PrecompileError, match="blocks= takes True, False, or the classes"):
         precompile(infer, model, x, backend="eager", blocks=["layers"])
 
@@ -209,7 +215,7 @@ def test_no_hook_stays_on_the_model_after_a_build() -> None:
     from torch_precompile.trace.blocks import BlockMarks
 
     model, x = Net(), torch.randn(4, 8)
-    precompile(step, model, x, backend="eager")
+    precompile(step, model, x, backend="eager", blocks=True)
     model(x).sum().backward()
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, BlockMarks)]

@@ -60,12 +60,14 @@ class Precompile:
             lowered on stand-ins of that device: nothing of the size of the weights is
             allocated, and the artifact runs with the real model there. A model and inputs
             created under a ``FakeTensorMode`` build the same way (on the fakes' device).
-        blocks: repeated blocks compiled once. By default the children of a ``ModuleList``
-            or ``Sequential`` that share a class (a model's ``layers[i]``) are found, and the
+        blocks: repeated blocks compiled once. The children of a ``ModuleList`` or
+            ``Sequential`` that share a class (a model's ``layers[i]``) are found, and the
             operations of those whose forward (and backward) came out the same are compiled
-            once and run once per block with its own weights; ``False`` compiles the whole
-            graph unrolled; a list of classes names the blocks. ``inspect`` and the artifact
-            say which blocks share code.
+            once and run once per block with its own weights: by default (None) where that
+            spares enough lowering to pay for the pieces' own builds (deep models), with
+            ``True`` wherever blocks repeat; a list of classes names the blocks; ``False``
+            compiles the whole graph unrolled. ``inspect`` and the artifact say which blocks
+            share code.
         compile_on_one_rank: call it on every rank of an initialized default process group:
             rank 0 traces (on fake tensors, so no collective waits) and lowers, and every rank
             returns rank 0's pair. A rank the artifact cannot serve (another shard shape, a

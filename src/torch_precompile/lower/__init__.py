@@ -65,11 +65,12 @@ def lower_graph(
     captured: Capture, backend: str, wrapper: str, blocks: object = None
 ) -> LoweredGraph:
     """Realize the captured graph with ``backend`` (and, for inductor, ``wrapper``); the
-    operations of repeated blocks once each, unless ``blocks`` is False."""
+    operations of repeated blocks once each where that pays (``blocks`` None), wherever they
+    repeat (True, or the classes of the blocks), or never (False)."""
     if blocks is not False:
         from torch_precompile.lower.shared_blocks import lower_shared
 
-        shared = lower_shared(captured, backend, wrapper)
+        shared = lower_shared(captured, backend, wrapper, always=blocks is not None)
         if shared is not None:
             return shared
     if backend == "eager":

@@ -143,13 +143,20 @@ def _target_name(target: Any) -> str:
     return f"{module}.{getattr(target, '__qualname__', None) or target}"
 
 
+# Operations a build must be spared before it is cut by default: each piece is compiled on
+# its own, at the cost of about as many operations lowered (its wrapper's own build).
+WORTH_CUTTING = 250
+
+
 def lower_regions(
     capture: Capture,
     compile_piece: Callable[[Piece, int, list[Piece]], Code],
     takes_list: bool,
+    always: bool,
 ) -> Cut | None:
     """The capture cut into pieces, each key compiled once by ``compile_piece(piece,
-    number, pieces_of_its_key)``; None where no piece of a block repeats."""
+    number, pieces_of_its_key)``; None where no piece of a block repeats, or (unless
+    ``always``) where the repeats spare fewer operations than ``WORTH_CUTTING``."""
     spec = capture.spec
     # Kept whole: results aliasing inputs, dynamic dims, collectives, tensor subclasses.
     if (
@@ -168,7 +175,10 @@ def lower_regions(
     by_key: dict[str, list[Piece]] = {}
     for piece in pieces:
         by_key.setdefault(piece.key, []).append(piece)
-    if not any(len(same) > 1 and same[0].mark is not None for same in by_key.values()):
+    spared = sum(
+        (len(same) - 1) * len(same[0].nodes) for same in by_key.values() if same[0].mark is not None
+    )
+    if spared == 0 or (spared < WORTH_CUTTING and not always):
         return None
     codes: dict[str, Code] = {}
     for number, (key, same) in enumerate(by_key.items(), 1):

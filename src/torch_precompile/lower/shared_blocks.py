@@ -18,20 +18,23 @@ from torch_precompile.trace import Capture
 log = logging.getLogger("torch_precompile")
 
 
-def lower_shared(capture: Capture, backend: str, wrapper_kind: str) -> LoweredGraph | None:
+def lower_shared(
+    capture: Capture, backend: str, wrapper_kind: str, always: bool
+) -> LoweredGraph | None:
     """The capture lowered piece by piece, each repeated piece once; None where no piece
-    repeats, or where the pieces could not be lowered apart (the whole graph then is)."""
+    repeats (or, unless ``always``, where that spares little), or where the pieces could not
+    be lowered apart (the whole graph then is)."""
     try:
         if backend == "eager":
-            return _eager(capture)
-        return _inductor(capture, wrapper_kind)
+            return _eager(capture, always)
+        return _inductor(capture, wrapper_kind, always)
     except PrecompileError as e:
         reason = (str(e).strip().splitlines() or [""])[0][:200]
         log.info("the repeated blocks are compiled unrolled: %s", reason)
         return None
 
 
-def _eager(capture: Capture) -> LoweredGraph | None:
+def _eager(capture: Capture, always: bool) -> LoweredGraph | None:
     from torch_precompile.lower.eager import input_layouts, literal_lines, used_imports
 
     def piece_code(piece: Piece, number: int, same: list[Piece]) -> Code:
@@ -39,7 +42,7 @@ def _eager(capture: Capture) -> LoweredGraph | None:
         source = graph_function_source(piece.graph(capture.graph), name).strip("\n")
         return Code(name, source, takes_list=False)
 
-    cut = lower_regions(capture, piece_code, takes_list=False)
+    cut = lower_regions(capture, piece_code, takes_list=False, always=always)
     if cut is None:
         return None
     pieces = _defined(cut)
@@ -59,7 +62,7 @@ def _eager(capture: Capture) -> LoweredGraph | None:
     return LoweredGraph(source, None, input_strides=input_layouts(capture))
 
 
-def _inductor(capture: Capture, wrapper_kind: str) -> LoweredGraph | None:
+def _inductor(capture: Capture, wrapper_kind: str, always: bool) -> LoweredGraph | None:
     from torch_precompile.artifact.kernel_payload import merged_payloads
     from torch_precompile.lower.inductor import driver_checkable, literal_lines
     from torch_precompile.shipped import kernel_loader, wrapper_imports
@@ -82,7 +85,7 @@ def _inductor(capture: Capture, wrapper_kind: str) -> LoweredGraph | None:
             )
         return code
 
-    cut = lower_regions(capture, piece_code, takes_list=True)
+    cut = lower_regions(capture, piece_code, takes_list=True, always=always)
     if cut is None:
         return None
     codes = list(cut.codes.values())
