@@ -158,16 +158,19 @@ def table(
     modes: list[str],
     tools: list[str],
 ) -> list[str]:
-    """One row per mode and depth: each tool's seconds (and peak MiB), ours against peers."""
+    """One row per mode and depth: each tool's seconds (and peak MiB), ours against peers and
+    against our own build at the smallest depth, and the artifact's source size."""
     shown = [t for t in tools if any(k[0] == t for k in rows)]
     head = [
         "mode",
         "blocks",
         *(f"{t} s (peak MiB)" for t in shown),
         "precompile / torch.compile",
+        f"precompile / its {depths[0]}-block build",
+        "source KiB (unrolled)",
         "precompile: trace + lower s",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(shown) + 2)]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(shown) + 4)]
     for mode in modes:
         for depth in depths:
             cells = []
@@ -179,28 +182,42 @@ def table(
                     if r is None
                     else f"{float(r['seconds']):.1f} ({float(r['peak_mib']):,.0f}{wrapper})"
                 )
-            ours, peer = (
+            ours, peer, base, unrolled = (
                 rows.get(("precompile", depth, mode)),
                 rows.get(("torch.compile", depth, mode)),
+                rows.get(("precompile", depths[0], mode)),
+                rows.get(("precompile-unrolled", depth, mode)),
             )
-            ratio = (
-                f"{float(ours['seconds']) / float(peer['seconds']):.2f}x" if ours and peer else "-"
-            )
+            ratio = _ratio(ours, peer, "seconds")
+            growth = _ratio(ours, base, "seconds")
+            size = f"{float(ours['source_kib']):.0f}" if ours and "source_kib" in ours else "-"
+            if unrolled and "source_kib" in unrolled:
+                size += f" ({float(unrolled['source_kib']):.0f})"
             split = (
                 f"{float(ours['trace']):.1f} + {float(ours['lower']):.1f}"
                 if ours and "trace" in ours and "lower" in ours
                 else "-"
             )
-            lines.append(f"| {mode} | {depth} | " + " | ".join(cells) + f" | {ratio} | {split} |")
+            lines.append(
+                f"| {mode} | {depth} | "
+                + " | ".join(cells)
+                + f" | {ratio} | {growth} | {size} | {split} |"
+            )
     return lines
+
+
+def _ratio(a: dict[str, float | str] | None, b: dict[str, float | str] | None, key: str) -> str:
+    return f"{float(a[key]) / float(b[key]):.2f}x" if a and b else "-"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depths", default="1,2,4,12,24")
+    parser.add_argument("--depths", default="2,12,24,48")
     parser.add_argument("--modes", default="infer,train")
     parser.add_argument(
-        "--tools", default="precompile,torch.compile,aoti", help=f"any of {', '.join(TOOLS)}"
+        "--tools",
+        default="precompile,precompile-unrolled,torch.compile,aoti",
+        help=f"any of {', '.join(TOOLS)}",
     )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "BUILD_TIME.md")

@@ -88,6 +88,10 @@ class BlockMarks:
         self._backward_nodes: dict[Any, BlockMark | None] = {}
         self._ending = False
         self._handles: list[Any] = []
+        self._hooked: set[Any] = set()
+        # Each block call's output nodes, the numbers its autograd nodes were created in, and
+        # its backward's mark: walked when a backward first reaches a block.
+        self._walks: list[tuple[list[Any], int, int, BlockMark]] = []
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -118,17 +122,26 @@ class BlockMarks:
         self._open = None
         mark = BlockMark("forward", call, self.blocks[id(module)])
         _mark_last(graph, len(graph.nodes) - count, mark)
-        self._hook_backward(output, first_number, BlockMark("backward", call, mark.block))
-
-    def _hook_backward(self, output: Any, first_number: int, mark: BlockMark) -> None:
-        """Hook the autograd nodes the block's forward created (and those just outside it),
-        so that the operations each one's backward records are marked as it runs."""
-        last_number = creation_number()
-        pending = [
+        # Its backward's nodes are hooked only once a backward reaches the block's outputs:
+        # a trace that runs none (inference) walks no autograd graph.
+        outputs = [
             t.grad_fn
             for t in pytree.tree_leaves(output)
             if isinstance(t, torch.Tensor) and t.grad_fn is not None
         ]
+        backward = BlockMark("backward", call, mark.block)
+        self._walks.append((outputs, first_number, creation_number(), backward))
+        for node in outputs:
+            if node not in self._hooked:
+                self._hooked.add(node)
+                self._handles.append(node.register_prehook(self._prehook(node)))
+
+    def _walk(
+        self, outputs: list[Any], first_number: int, last_number: int, mark: BlockMark
+    ) -> None:
+        """Hook the autograd nodes a block's forward created (and those just outside it),
+        so that the operations each one's backward records are marked as it runs."""
+        pending = list(outputs)
         while pending:
             node = pending.pop()
             if node in self._backward_nodes:
@@ -136,12 +149,16 @@ class BlockMarks:
             inside = first_number <= node_number(node) < last_number
             # A parameter's gradient lands (AccumulateGrad) as part of its block's backward.
             self._backward_nodes[node] = mark if inside or accumulates(node) else None
-            self._handles.append(node.register_prehook(self._prehook(node)))
+            if node not in self._hooked:
+                self._hooked.add(node)
+                self._handles.append(node.register_prehook(self._prehook(node)))
             if inside:
                 pending.extend(n for n, _ in node.next_functions if n is not None)
 
     def _prehook(self, node: Any) -> Any:
         def entered(grad_outputs: Any) -> None:
+            while self._walks:  # in the forward's order: a block claims its own nodes first
+                self._walk(*self._walks.pop(0))
             self._switch(self._backward_nodes.get(node))
             if not self._ending:
                 self._ending = True
