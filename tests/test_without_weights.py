@@ -227,3 +227,19 @@ def test_refusals_name_the_cause(case: str, message: str) -> None:
     with pytest.raises(PrecompileError, match=message):
         precompile(fn, *args, **options)
     assert all(t.is_meta for t in model.parameters())
+
+
+def test_the_meta_model_runs_once_its_weights_are_loaded() -> None:
+    """The usual recipe: build from the meta model, then materialize that same model and load
+    its weights (to_empty, load_state_dict) and call the artifact with it."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        x = torch.empty(2, 8)
+    with torch.no_grad():
+        code, cache = precompile(forward, model, x, backend="eager", device="cpu")
+    torch.manual_seed(4)
+    trained = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    model.to_empty(device="cpu").load_state_dict(trained.state_dict())
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(precompile.load(code, cache)(model, x), trained(x))
