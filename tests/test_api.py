@@ -52,6 +52,7 @@ def test_object_identity_and_introspection() -> None:
         "wrapper": "auto",
         "require_all_guards": False,
         "device": None,
+        "blocks": None,
     }
     for method in (precompile.load, precompile.save, precompile.load_file, precompile.inspect):
         assert method.__doc__ and len(method.__doc__.split()) > 8, method

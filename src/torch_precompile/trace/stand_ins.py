@@ -161,7 +161,7 @@ def _target_device(found: _Found, device: str | torch.device | None) -> torch.de
                 f"{fake_device}; leave device out (fakes name their device), or create them "
                 f"on {named}."
             )
-        return fake_device
+        return _supported(fake_device)
     if named is None:
         raise PrecompileError(
             "the model's weights (or the example inputs) are on the meta device: they hold no "
@@ -174,7 +174,18 @@ def _target_device(found: _Found, device: str | torch.device | None) -> torch.de
             "device='meta' names no device an artifact can run on; name the one the real model "
             "will be on (device='cpu', device='cuda')."
         )
-    return named
+    return _supported(named)
+
+
+def _supported(device: torch.device) -> torch.device:
+    """``device``, where this torch build can trace on its stand-ins."""
+    if device.type == "cuda" and not torch.backends.cuda.is_built():
+        raise PrecompileError(
+            f"device={str(device)!r} names a device this torch build has no support for: an "
+            "operation on its stand-ins would abort the process. Build with a torch that "
+            "supports it (a CUDA build of torch runs without a GPU), or name device='cpu'."
+        )
+    return device
 
 
 def _device(device: str | torch.device) -> torch.device:
