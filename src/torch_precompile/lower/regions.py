@@ -10,7 +10,6 @@ with no piece that repeats is lowered whole, as before.
 from __future__ import annotations
 
 import dataclasses
-import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -195,7 +194,7 @@ def describe(same: Sequence[Piece], number: int, count: int) -> str:
     else:
         blocks = list(dict.fromkeys(m.block for m in marks))
         shown = ", ".join(blocks[:3]) + (f", ... {blocks[-1]}" if len(blocks) > 3 else "")
-        what = f"the {marks[0].pass_} of {shown}"
+        what = f"the {marks[0].pass_} of block{'s' if len(blocks) > 1 else ''} {shown}"
     runs = f", run {len(same)} times" if len(same) > 1 else ""
     return f"{PIECE_LINE}{number} of {count}: {what}{runs}."
 
@@ -203,12 +202,14 @@ def describe(same: Sequence[Piece], number: int, count: int) -> str:
 def _orchestration(
     capture: Capture, pieces: list[Piece], codes: dict[str, Code], takes_list: bool
 ) -> str:
-    """``call``: the flat inputs named, each piece run on its values, the outputs gathered."""
+    """``call``: each piece run on its values (flat inputs as slices of ``args``, a block's
+    tensors being consecutive ones), the values no later piece needs let go, the outputs
+    gathered."""
     placeholders = list(capture.graph.graph.find_nodes(op="placeholder"))
-    names = {node: f"a{k}" for k, node in enumerate(placeholders)}
+    flat = {node: k for k, node in enumerate(placeholders)}
+    names: dict[torch.fx.Node, str] = {}
     outputs = list(cast("Sequence[Any]", capture.graph.graph.output_node().args[0]))
     last_use = _last_uses(pieces, outputs)
-    unpacked = textwrap.wrap(", ".join(names.values()) + ",", width=88, subsequent_indent="     ")
     lines = [
         "def call(flat_inputs):",
         '    """Run the pieces in order on the flat inputs (the list is consumed); return all '
@@ -218,25 +219,51 @@ def _orchestration(
         else "    args = list(flat_inputs)",
         "    flat_inputs.clear()",
     ]
-    if placeholders:
-        lines += [f"    ({unpacked[0]}", *(f"    {line}" for line in unpacked[1:])]
-        lines[-1] += ") = args"
-    lines.append("    del args")
     for number, piece in enumerate(pieces):
+        given = _arguments(piece.inputs, flat, names)
+        given = f"[{given}]" if takes_list else given
         for k, node in enumerate(piece.outputs):
             names[node] = f"v{number}_{k}"
-        given = ", ".join(names[i] for i in piece.inputs)
-        given = f"[{given}]" if takes_list else given
         taken = ", ".join(names[o] for o in piece.outputs) + ","
         lines.append(f"    {taken} = {codes[piece.key].name}({given})")
-        freed = [names[i] for i in piece.inputs if last_use.get(i) == number]
+        freed = [names[i] for i in piece.inputs if i not in flat and last_use.get(i) == number]
         if freed:
             lines.append(f"    {' = '.join(freed)} = None")
     returned = ", ".join(
-        names[o] if isinstance(o, torch.fx.Node) else constant_source(o) for o in outputs
+        (names[o] if o in names else f"args[{flat[o]}]")
+        if isinstance(o, torch.fx.Node)
+        else constant_source(o)
+        for o in outputs
     )
     lines.append(f"    return [{returned}]")
     return "\n".join(lines) + "\n"
+
+
+def _arguments(
+    inputs: Sequence[torch.fx.Node], flat: dict[torch.fx.Node, int], names: dict[Any, str]
+) -> str:
+    """A piece's arguments: runs of consecutive flat inputs as ``*args[i:j]``."""
+    parts: list[str] = []
+    run: list[int] = []
+
+    def close() -> None:
+        if len(run) > 2:
+            parts.append(f"*args[{run[0]}:{run[-1] + 1}]")
+        else:
+            parts.extend(f"args[{k}]" for k in run)
+        run.clear()
+
+    for node in inputs:
+        if node in flat and (not run or flat[node] == run[-1] + 1):
+            run.append(flat[node])
+            continue
+        close()
+        if node in flat:
+            run.append(flat[node])
+        else:
+            parts.append(names[node])
+    close()
+    return ", ".join(parts)
 
 
 def _last_uses(pieces: list[Piece], outputs: list[Any]) -> dict[torch.fx.Node, int]:
