@@ -219,3 +219,34 @@ def test_no_hook_stays_on_the_model_after_a_build() -> None:
     model(x).sum().backward()
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, BlockMarks)]
+
+
+class _Normed(torch.nn.Module):
+    """A block that writes its buffers in place (BatchNorm's running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.fc(x)).relu()
+
+
+def test_blocks_that_write_their_buffers_share_code(backend: str) -> None:
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(*(_Normed() for _ in range(3)))
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        code, cache = precompile(infer, model, x, backend=backend, blocks=True)
+    assert shared_runs(code) == [3]
+    run = precompile.load(code, cache)
+    eager = torch.nn.Sequential(*(_Normed() for _ in range(3)))
+    eager.load_state_dict(model.state_dict())
+    for _ in range(2):
+        x = torch.randn(8, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(run(model, x), eager(x))
+    pairs = zip(model.state_dict().items(), eager.state_dict().values(), strict=True)
+    for (name, ours), theirs in pairs:
+        torch.testing.assert_close(ours, theirs, msg=name)

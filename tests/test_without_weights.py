@@ -136,7 +136,8 @@ def test_llama_built_from_meta_equals_eager(backend: str, tmp_path: Path) -> Non
         ids = torch.zeros(1, 8, dtype=torch.long)
     with torch.no_grad():
         code, cache = precompile(logits, model, ids, backend=backend, device="cpu", blocks=True)
-    assert "# Piece 2 of 3: the forward of blocks model.layers.0, model.layers.1, run 2 times." in code
+    shared = "the forward of blocks model.layers.0, model.layers.1, run 2 times."
+    assert f"# Piece 2 of 3: {shared}" in code
     paths = _save(tmp_path, "llama", code, cache)
     env, marker = poisoned_toolchain(tmp_path)
     proc = run_python(

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch.fx
 
 from torch_precompile.errors import PrecompileError
-from torch_precompile.internals.tracing import graph_function_source
+from torch_precompile.internals.tracing import graph_function_source, operator_schema
 from torch_precompile.lower import WRAPPER_LINE, LoweredGraph, indented
 from torch_precompile.lower.regions import Code, Cut, Piece, lower_regions
 from torch_precompile.spec import Layout
@@ -78,11 +78,7 @@ def _inductor(capture: Capture, wrapper_kind: str, always: bool) -> LoweredGraph
             }
 
         code = _compiled_piece(capture, piece, number, wrapper_kind, unasserted)
-        if any(p.inputs[j] not in flat for p in same for j in code.written):
-            raise PrecompileError(
-                "a piece writes in place into a value another piece computed, which pieces "
-                "compiled apart would not see"
-            )
+        _refuse_unseen_writes(code, same, flat)
         return code
 
     cut = lower_regions(capture, piece_code, takes_list=True, always=always)
@@ -107,6 +103,32 @@ def _inductor(capture: Capture, wrapper_kind: str, always: bool) -> LoweredGraph
         stand_ins=(kernel_loader,) if cpp else (kernel_loader, wrapper_imports),
         wrapper="cpp" if cpp else "python",
     )
+
+
+def _refuse_unseen_writes(code: Code, same: list[Piece], flat: dict[torch.fx.Node, int]) -> None:
+    """A compiled piece is functional inside: what it writes in place must be a flat input
+    that no other input of the piece views (a view made by an earlier piece would not see
+    the write, where the whole graph's would)."""
+    for piece in same:
+        for j in code.written:
+            written = piece.inputs[j]
+            others = [i for k, i in enumerate(piece.inputs) if k != j]
+            if written not in flat or any(_viewed(i) is written for i in others):
+                raise PrecompileError(
+                    "a piece writes in place into a value another piece computed or viewed, "
+                    "which pieces compiled apart would not see"
+                )
+
+
+def _viewed(node: torch.fx.Node) -> torch.fx.Node:
+    """The value ``node`` is a view of, through any chain of views (itself if none)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+        schema = operator_schema(node.target)
+        returned = schema.returns[0].alias_info if schema is not None and schema.returns else None
+        if returned is None or returned.is_write:
+            break
+        node = node.args[0]
+    return node
 
 
 def _compiled_piece(
