@@ -28,9 +28,12 @@ def lower_shared(
         if backend == "eager":
             return _eager(capture, always)
         return _inductor(capture, wrapper_kind, always)
-    except PrecompileError as e:
+    except Exception as e:  # the unrolled graph is always there to fall back on
         reason = (str(e).strip().splitlines() or [""])[0][:200]
-        log.info("the repeated blocks are compiled unrolled: %s", reason)
+        expected = isinstance(e, PrecompileError) and not always
+        (log.info if expected else log.warning)(
+            "the repeated blocks are compiled unrolled: %s: %s", type(e).__name__, reason
+        )
         return None
 
 
