@@ -126,7 +126,9 @@ def _build(form: str, backend: str) -> tuple[str, bytes]:
 
 
 def test_blocks_share_code_and_run_like_eager(backend: str, tmp_path: Path) -> None:
-    forms = ["infer", "step", "optimizer", "differentiable"]
+    # The differentiable form's forward and backward stay whole (its plain graph is cut as
+    # the others are): on eager only, where it builds in a second, not five Inductor graphs.
+    forms = ["infer", "step", "optimizer", *(["differentiable"] if backend == "eager" else [])]
     pairs = {}
     for form in forms:
         code, cache = _build(form, backend)
