@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from torch_precompile import PrecompileError, precompile
+from torch_precompile.inspection import describe, render
 
 from conftest import run_python
 
@@ -191,7 +192,7 @@ def test_a_block_that_differs_gets_its_own_code(case: str) -> None:
             run(model, x)
 
 
-def test_blocks_can_be_named_or_turned_off() -> None:
+def test_blocks_can_be_named_or_turned_off(tmp_path: Path) -> None:
     """By default blocks this small stay unrolled (cutting would not pay), as with False."""
     model, x = Net(), torch.randn(4, 8)
     with torch.no_grad():
@@ -201,6 +202,12 @@ def test_blocks_can_be_named_or_turned_off() -> None:
         none_found, _ = precompile(infer, model, x, backend="eager", blocks=[torch.nn.GRU])
     assert all("# Piece" not in code for code in (default, unrolled, none_found))
     assert shared_runs(named) == [DEPTH]
+    precompile.save(named, b"", tmp_path / "named.py")
+    said = render(describe(tmp_path / "named.py"))
+    assert (
+        "blocks    : the forward of blocks layers.0, layers.1, layers.2: one piece of code, 3 calls"
+        in said
+    )
     deep = Net(40)
     with torch.no_grad():
         by_default, _ = precompile(infer, deep, x, backend="eager")
