@@ -94,7 +94,7 @@ def _piece(run: list[torch.fx.Node]) -> Piece | None:
         return None
     marks = {block_mark(n) for n in run}
     mark = marks.pop() if len(marks) == 1 else None
-    return Piece(tuple(run), tuple(inputs), tuple(outputs), mark, _key(run, inputs))
+    return Piece(tuple(run), tuple(inputs), tuple(outputs), mark, _key(run, inputs, outputs))
 
 
 def _merged(pieces: list[Piece]) -> list[Piece]:
@@ -120,14 +120,21 @@ def _merged(pieces: list[Piece]) -> list[Piece]:
     return merged
 
 
-def _key(run: Sequence[torch.fx.Node], inputs: Sequence[torch.fx.Node]) -> str:
-    """The piece's operations with values named by position, and its inputs' layouts."""
+def _key(
+    run: Sequence[torch.fx.Node],
+    inputs: Sequence[torch.fx.Node],
+    outputs: Sequence[torch.fx.Node],
+) -> str:
+    """The piece's operations with values named by position, its inputs' layouts, and which
+    of its values it returns: pieces of one key are one function, so they must agree on all
+    three (the same operations may leave other values needed after them)."""
     names = {node: f"i{k}" for k, node in enumerate(inputs)}
     names.update({node: f"n{k}" for k, node in enumerate(run)})
     lines = [_layout(node.meta["val"]) for node in inputs]
     for node in run:
         args = torch.fx.node.map_arg((node.args, node.kwargs), names.__getitem__)
         lines.append(f"{names[node]} = {_target_name(node.target)}{args!r}")
+    lines.append("return " + ", ".join(names[node] for node in outputs))
     return "\n".join(lines)
 
 
