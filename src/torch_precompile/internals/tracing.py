@@ -418,6 +418,19 @@ def is_view(tensor: torch.Tensor) -> bool:
     return tensor._base is not None
 
 
+def fake_with_layout(
+    mode: FakeTensorMode, like: torch.Tensor, device: torch.device | None = None
+) -> torch.Tensor:
+    """A fake tensor of ``mode`` with the layout of ``like`` (shape, strides, storage offset,
+    dtype; its device unless ``device``): a view of a base that reaches every element."""
+    reach = sum((n - 1) * s for n, s in zip(like.shape, like.stride(), strict=True))
+    size = like.storage_offset() + reach + 1 if like.numel() else 0
+    with mode:
+        base = torch.empty(size, dtype=like.dtype, device=device or like.device)
+        offset = like.storage_offset() if like.numel() else 0
+        return base.as_strided(like.shape, like.stride(), offset)
+
+
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``tensor`` is a view of, or None."""
     return tensor._base

@@ -36,6 +36,7 @@ from torch_precompile.internals.tracing import (
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
+    fake_with_layout,
     reshape_unwritten_views,
 )
 from torch_precompile.lower import WRAPPER_LINE, LoweredGraph
@@ -588,12 +589,4 @@ def _written(placeholder: torch.fx.Node) -> bool:
 def _fakes_like(values: list[torch.Tensor]) -> list[torch.Tensor]:
     """Fake tensors of one mode with the layouts of ``values`` (fakes of several modes)."""
     mode = FakeTensorMode()
-    fakes = []
-    with mode:
-        for v in values:
-            reach = sum((n - 1) * s for n, s in zip(v.shape, v.stride(), strict=True))
-            size = v.storage_offset() + reach + 1
-            base = torch.empty(size if v.numel() else 0, dtype=v.dtype, device=v.device)
-            fake = base.as_strided(v.shape, v.stride(), v.storage_offset() if v.numel() else 0)
-            fakes.append(fake)
-    return fakes
+    return [fake_with_layout(mode, v) for v in values]

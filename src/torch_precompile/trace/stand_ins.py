@@ -19,7 +19,12 @@ import torch
 
 from torch_precompile.errors import PrecompileError
 from torch_precompile.internals import pytree
-from torch_precompile.internals.tracing import FakeTensor, FakeTensorMode, view_base
+from torch_precompile.internals.tracing import (
+    FakeTensor,
+    FakeTensorMode,
+    fake_with_layout,
+    view_base,
+)
 
 
 @dataclass(frozen=True)
@@ -209,14 +214,12 @@ def _stand_in(
     if known is not None:
         return known
     base = view_base(tensor)
-    with fake_mode:
-        if base is not None:  # a view stays a view of its base's stand-in
-            whole = _stand_in(base, fake_mode, device, made).detach()
+    if base is not None:  # a view stays a view of its base's stand-in
+        whole = _stand_in(base, fake_mode, device, made).detach()
+        with fake_mode:
             fake = whole.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
-        else:
-            fake = torch.empty_strided(
-                tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device
-            )
+    else:
+        fake = fake_with_layout(fake_mode, tensor, device)
     fake = (
         torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
         if isinstance(tensor, torch.nn.Parameter)
