@@ -166,21 +166,26 @@ def logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_weights_larger_than_memory_are_never_allocated() -> None:
-    """Four 16384 x 16384 float32 weights (4 GiB) build in a process that stays far below."""
+    """Four 16384 x 16384 float32 weights (4 GiB) build, adding far less than that to the peak."""
     proc = run_python(
         """
         import resource, torch
         from torch_precompile import precompile
+        def peak_mib():
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+        before = peak_mib()
         with torch.device("meta"):
             model = torch.nn.Sequential(*(torch.nn.Linear(16384, 16384) for _ in range(4)))
             x = torch.empty(2, 16384)
         with torch.no_grad():
             precompile(lambda m, x: m(x), model, x, backend="eager", device="cpu")
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+        print(peak_mib() - before)
         """
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert int(proc.stdout.split()[-1]) < 1024  # MiB: the weights alone are 4096
+    # MiB the build added to what importing torch took (that varies by build and machine);
+    # the weights alone are 4096.
+    assert int(proc.stdout.split()[-1]) < 1024
 
 
 def _item(model: Net, x: torch.Tensor) -> torch.Tensor:
