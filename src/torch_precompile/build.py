@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from torch_precompile import progress
 from torch_precompile.artifact import bytecode, envelope, signature
 from torch_precompile.errors import PrecompileError
+from torch_precompile.frame_room import with_frame_room
 from torch_precompile.options import BuildOptions
 from torch_precompile.spec import ArtifactSpec, with_strides
 
@@ -91,6 +92,16 @@ def compile_variant(
 ) -> CompiledVariant:
     """Capture and lower one call of ``fn``; ``options.progress`` hears about each stage.
     ``origin`` says what the header names as captured (default: ``fn`` and its file)."""
+    return with_frame_room(lambda: _compile_variant(fn, example_inputs, options, on_fakes, origin))
+
+
+def _compile_variant(
+    fn: Callable[..., Any],
+    example_inputs: tuple[Any, ...],
+    options: BuildOptions,
+    on_fakes: bool,
+    origin: str | None,
+) -> CompiledVariant:
     report = options.progress or (lambda stage: None)
     # The build pipeline is imported here, not at module level: load() never needs it.
     from torch_precompile.internals.origin import describe_callable
