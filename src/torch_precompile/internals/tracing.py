@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 import os
 import re
+import sys
 import sysconfig
 import threading
 import traceback
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
+import torch.fx.proxy
 import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
@@ -291,6 +293,35 @@ def _innermost_user_frame(self: Any, stack: traceback.StackSummary) -> traceback
     return traceback.StackSummary.from_list([])
 
 
+class _InnermostUserStack:
+    """Stands in for ``CapturedTraceback`` in ``torch.fx.proxy`` while a capture traces.
+
+    fx takes the whole Python stack at every node it records and reads each frame's source
+    line (about fifty a node), only for the filter above to keep one frame. Here the stack
+    is walked up to the innermost frame of the user's code alone; elsewhere (another
+    thread's tracer, a nested one) torch's own capture runs.
+    """
+
+    def __init__(self, frame: traceback.FrameSummary | None) -> None:
+        self.frame = frame
+
+    @classmethod
+    def extract(cls, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or not _KEEPING_USER_FRAMES.get():
+            return _TORCH_TRACEBACK.extract(*args, **kwargs)
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(_NOT_USER_CODE):
+            frame = frame.f_back
+        if frame is None:
+            return cls(None)
+        code = frame.f_code
+        return cls(traceback.FrameSummary(code.co_filename, frame.f_lineno, code.co_name))
+
+    def summary(self) -> traceback.StackSummary:
+        return traceback.StackSummary.from_list([] if self.frame is None else [self.frame])
+
+
+_TORCH_TRACEBACK = torch.fx.proxy.CapturedTraceback
 _TORCH_FRAME_FILTER = PythonKeyTracer._filter_traceback_frames
 _OWN_FRAME_FILTER = PythonKeyTracer.__dict__.get("_filter_traceback_frames")  # None: inherited
 
@@ -303,6 +334,7 @@ def _user_frames_only() -> Iterator[None]:
         if _filter_users == 0:
             # A patch of torch's method, which mypy cannot check.
             PythonKeyTracer._filter_traceback_frames = _innermost_user_frame  # type: ignore[assignment]
+            torch.fx.proxy.CapturedTraceback = _InnermostUserStack  # type: ignore[misc]
         _filter_users += 1
     token = _KEEPING_USER_FRAMES.set(True)
     try:
@@ -311,6 +343,8 @@ def _user_frames_only() -> Iterator[None]:
         _KEEPING_USER_FRAMES.reset(token)
         with _filter_lock:
             _filter_users -= 1
+            if _filter_users == 0:
+                torch.fx.proxy.CapturedTraceback = _TORCH_TRACEBACK  # type: ignore[misc]
             if _filter_users == 0 and _OWN_FRAME_FILTER is None:
                 del PythonKeyTracer._filter_traceback_frames
             elif _filter_users == 0:
