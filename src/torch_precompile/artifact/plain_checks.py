@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Sequence
 
 from torch_precompile.artifact.checks import ambient_comment, few, global_name, tensor_type
+from torch_precompile.folding import fold_lines
 from torch_precompile.shipped.driver.tensor_rules import written_apart
 from torch_precompile.spec import ArtifactSpec, InputLeaf, ModelTensor, ReadValue
 
@@ -216,8 +217,9 @@ def _check_models(spec: ArtifactSpec, training: bool) -> list[str]:
     lines = [
         f'def check_models({name}: "torch.nn.Module") -> "tuple[list[Any], list[Any]]":',
         f'    """The full check of model argument {name}: one line per tensor, submodule and',
-        "    value the trace read off one, in the order capture walked them. A call whose model",
-        '    passed it and is unchanged since skips it (RememberedCall)."""',
+        "    value the trace read off one, in the order capture walked them (alike blocks in a",
+        "    loop). A call whose model passed it and is unchanged since skips it",
+        '    (RememberedCall)."""',
         f"    check_is_model({name}, {name!r})",
         f"    tensors = members({name}, {name!r}, MEMBERS)",
         *(_tensor_check(index, t, training) for index, t in enumerate(spec.interned)),
@@ -246,7 +248,7 @@ def _check_models(spec: ArtifactSpec, training: bool) -> list[str]:
                 f"{read.expected!r}, {read.where!r})"
             )
     lines.append("    return tensors, modules")
-    return lines
+    return fold_lines(lines)
 
 
 def _tensor_check(index: int, tensor: ModelTensor, training: bool) -> str:

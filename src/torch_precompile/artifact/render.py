@@ -33,6 +33,7 @@ from torch_precompile.shipped.driver import (
     dynamic,
     encoded,
     facts,
+    folds,
     hook_values,
     memo,
     module_rules,
@@ -180,6 +181,7 @@ def render(
     call_example = ", ".join(a.name for a in spec.args)
     named = _named_graphs(variants, graphs)
     graph_section = _graph_section(named)
+    written_spec = spec_source(spec, _structure_notes(spec))
     plain_spec = len(variants) == 1 and is_plain(spec, not _has_values(spec))
     if plain_spec:
         parts = [tensor_rules, call_state, module_rules, rechecks]
@@ -213,6 +215,14 @@ def render(
             for n, v in enumerate(variants, 1)
         ]
         binding = _binding(variants, named)
+    if written_spec.folded:
+        shipped.append(shipped_source(folds))
+        binding = [
+            "# The spec writes each run of alike records (blocks of a deep model) once: listed",
+            "# again here, before anything reads it.",
+            "ARTIFACT_SPEC = unfolded_spec(ARTIFACT_SPEC)",
+            *binding,
+        ]
     roots = "\n".join([graph_section, *checks, *binding, _MAIN])
     driver_source = _driver_source(used_only(shipped, roots), graph_section, checks)
     _check_no_clash(graph_section, driver_source)
@@ -220,7 +230,7 @@ def render(
     sections = [
         header(variants, call_example, origin, tracer, _sections_line(all_named, plain_spec)),
         _section(1, "The spec: the calling convention, read by load() without executing"),
-        spec_source(spec, _structure_notes(spec)),
+        written_spec.text,
         _section(
             2,
             "The compiled graph: call(flat_inputs) -> flat_outputs"

@@ -12,6 +12,7 @@ import sys
 import sysconfig
 import threading
 import traceback
+import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,7 +310,7 @@ class _InnermostUserStack:
     def extract(cls, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs or not _KEEPING_USER_FRAMES.get():
             return _TORCH_TRACEBACK.extract(*args, **kwargs)
-        frame = sys._getframe(1)
+        frame: types.FrameType | None = sys._getframe(1)
         while frame is not None and frame.f_code.co_filename.startswith(_NOT_USER_CODE):
             frame = frame.f_back
         if frame is None:
@@ -321,7 +322,7 @@ class _InnermostUserStack:
         return traceback.StackSummary.from_list([] if self.frame is None else [self.frame])
 
 
-_TORCH_TRACEBACK = torch.fx.proxy.CapturedTraceback
+_TORCH_TRACEBACK = getattr(torch.fx.proxy, "CapturedTraceback")  # noqa: B009  # not exported
 _TORCH_FRAME_FILTER = PythonKeyTracer._filter_traceback_frames
 _OWN_FRAME_FILTER = PythonKeyTracer.__dict__.get("_filter_traceback_frames")  # None: inherited
 
@@ -334,7 +335,7 @@ def _user_frames_only() -> Iterator[None]:
         if _filter_users == 0:
             # A patch of torch's method, which mypy cannot check.
             PythonKeyTracer._filter_traceback_frames = _innermost_user_frame  # type: ignore[assignment]
-            torch.fx.proxy.CapturedTraceback = _InnermostUserStack  # type: ignore[misc]
+            setattr(torch.fx.proxy, "CapturedTraceback", _InnermostUserStack)  # noqa: B010
         _filter_users += 1
     token = _KEEPING_USER_FRAMES.set(True)
     try:
@@ -344,7 +345,7 @@ def _user_frames_only() -> Iterator[None]:
         with _filter_lock:
             _filter_users -= 1
             if _filter_users == 0:
-                torch.fx.proxy.CapturedTraceback = _TORCH_TRACEBACK  # type: ignore[misc]
+                setattr(torch.fx.proxy, "CapturedTraceback", _TORCH_TRACEBACK)  # noqa: B010
             if _filter_users == 0 and _OWN_FRAME_FILTER is None:
                 del PythonKeyTracer._filter_traceback_frames
             elif _filter_users == 0:

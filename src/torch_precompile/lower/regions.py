@@ -17,6 +17,7 @@ from typing import Any, cast
 import torch
 import torch.fx
 
+from torch_precompile.folding import fold_lines
 from torch_precompile.lower import PIECE_LINE
 from torch_precompile.trace import Capture
 from torch_precompile.trace.blocks import BlockMark, block_mark
@@ -211,7 +212,7 @@ def _orchestration(
 ) -> str:
     """``call``: each piece run on its values (flat inputs as slices of ``args``, a block's
     tensors being consecutive ones), the values no later piece needs let go, the outputs
-    gathered."""
+    gathered; the calls of alike blocks in loops."""
     placeholders = list(capture.graph.graph.find_nodes(op="placeholder"))
     flat = {node: k for k, node in enumerate(placeholders)}
     names: dict[torch.fx.Node, str] = {}
@@ -220,30 +221,38 @@ def _orchestration(
     lines = [
         "def call(flat_inputs):",
         '    """Run the pieces in order on the flat inputs (the list is consumed); return all '
-        'outputs."""',
+        "outputs. v[n]",
+        '    holds what the n-th piece call returned."""',
         "    args = [*flat_inputs, *TENSOR_LITERALS]"
         if capture.literals
         else "    args = list(flat_inputs)",
         "    flat_inputs.clear()",
+        f"    v = [None] * {len(pieces)}",
     ]
     for number, piece in enumerate(pieces):
         given = _arguments(piece.inputs, flat, names)
         given = f"[{given}]" if takes_list else given
         for k, node in enumerate(piece.outputs):
-            names[node] = f"v{number}_{k}"
-        taken = ", ".join(names[o] for o in piece.outputs) + ","
-        lines.append(f"    {taken} = {codes[piece.key].name}({given})")
+            names[node] = f"v[{number}][{k}]"
+        lines.append(f"    v[{number}] = list({codes[piece.key].name}({given}))")
         freed = [names[i] for i in piece.inputs if i not in flat and last_use.get(i) == number]
         if freed:
             lines.append(f"    {' = '.join(freed)} = None")
-    returned = ", ".join(
-        (names[o] if o in names else f"args[{flat[o]}]")
-        if isinstance(o, torch.fx.Node)
-        else constant_source(o)
-        for o in outputs
-    )
-    lines.append(f"    return [{returned}]")
-    return "\n".join(lines) + "\n"
+    lines += [
+        "    return [",
+        *(
+            "        "
+            + (
+                (names[o] if o in names else f"args[{flat[o]}]")
+                if isinstance(o, torch.fx.Node)
+                else constant_source(o)
+            )
+            + ","
+            for o in outputs
+        ),
+        "    ]",
+    ]
+    return "\n".join(fold_lines(lines)) + "\n"
 
 
 def _arguments(

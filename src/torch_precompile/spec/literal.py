@@ -12,9 +12,12 @@ import dataclasses
 import functools
 import pprint
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from torch_precompile.errors import PrecompileError
+from torch_precompile.folding import Pattern, find_runs
+from torch_precompile.shipped.driver.folds import is_fold, stepping_digits, unfolded
 from torch_precompile.spec.records import ArtifactSpec
 from torch_precompile.spec.versions import (
     SCHEMA_VERSION,
@@ -57,12 +60,23 @@ def _record_literal(record: Any) -> dict[str, Any]:
     return literal
 
 
-def spec_source(spec: ArtifactSpec, notes: Mapping[str, str] | None = None) -> str:
+@dataclass(frozen=True)
+class SpecSource:
+    """The spec as ``python_code`` holds it, and whether a run of its records is folded (a
+    driver reading it must unfold them: ``driver.folds``)."""
+
+    text: str
+    folded: bool
+
+
+def spec_source(spec: ArtifactSpec, notes: Mapping[str, str] | None = None) -> SpecSource:
     """``ARTIFACT_SPEC = {...}``: the assignment written into ``python_code``, one field a
-    line and one record a line (wrapped), each ``notes[field]`` as a comment above it. Each
-    further variant is a dict laid out the same way inside ``variants``."""
-    lines = [f"{SPEC_NAME} = {{", *_field_lines(to_literal(spec), "    ", notes or {})]
-    return "\n".join([*lines, "}"]) + "\n"
+    line and one record a line (wrapped), each ``notes[field]`` as a comment above it, each
+    run of alike records (a deep model's blocks) once with its steps. Each further variant
+    is a dict laid out the same way inside ``variants``."""
+    body = _field_lines(to_literal(spec), "    ", notes or {})
+    text = "\n".join([f"{SPEC_NAME} = {{", *body, "}"]) + "\n"
+    return SpecSource(text, any(line.lstrip().startswith(_FOLD_OPENING) for line in body))
 
 
 def from_literal(literal: Any) -> ArtifactSpec:
@@ -87,7 +101,7 @@ def from_literal(literal: Any) -> ArtifactSpec:
                 f"python_code's {SPEC_NAME} holds {type(value).__name__} for {name!r} where "
                 f"a list of {record.__name__} records belongs; {_NOT_AN_ARTIFACT}."
             )
-        fields[name] = tuple(_record(record, item, version, came) for item in value)
+        fields[name] = tuple(_record(record, item, version, came) for item in _listed(value))
     variants = fields.get("variants", ())
     if not isinstance(variants, list | tuple):
         raise PrecompileError(
@@ -96,6 +110,16 @@ def from_literal(literal: Any) -> ArtifactSpec:
         )
     fields["variants"] = tuple(_variant(literal, v) for v in variants)
     return ArtifactSpec(**fields)
+
+
+def _listed(items: list[Any] | tuple[Any, ...]) -> tuple[Any, ...]:
+    """A list field's records, each run written once listed again."""
+    try:
+        return unfolded(items)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PrecompileError(
+            f"python_code's {SPEC_NAME} holds a malformed run of records; {_NOT_AN_ARTIFACT}."
+        ) from e
 
 
 def _variant(top: dict[str, Any], literal: Any) -> ArtifactSpec:
@@ -167,11 +191,91 @@ def _field_lines(literal: Mapping[str, Any], indent: str, notes: Mapping[str, st
             lines.append(f"{indent}),")
         elif isinstance(value, tuple) and value and isinstance(value[0], dict):
             lines.append(f"{indent}{name!r}: (")
-            lines.extend(_wrapped(record, indent + "    ") + "," for record in value)
+            for item in _folded(value):
+                if is_fold(item):
+                    lines += _fold_lines(item, indent + "    ")
+                else:
+                    lines.append(_wrapped(item, indent + "    ") + ",")
             lines.append(f"{indent}),")
         else:
             lines.append(_wrapped(value, indent, f"{name!r}: ") + ",")
     return lines
+
+
+_FOLD_OPENING = "{'repeat': "
+
+
+def _folded(records: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """``records`` with each run of alike ones as one fold (``driver.folds``), where the fold
+    lists them again exactly."""
+    out: list[dict[str, Any]] = []
+    at = 0
+    for run in find_runs([_pattern(r) for r in records]):
+        first = records[run.start : run.start + run.period]
+        steps = []
+        for j, record in enumerate(first):
+            numbers = iter(run.steps[j])
+            for field, count in _number_counts(record):
+                field_steps = tuple(next(numbers) for _ in range(count))
+                if any(field_steps):
+                    steps.append((j, field, field_steps))
+        fold = {"repeat": run.repeats, "steps": tuple(steps), "records": first}
+        if list(unfolded([fold])) != list(records[run.start : run.end]):
+            continue
+        out += [*records[at : run.start], fold]
+        at = run.end
+    return [*out, *records[at:]]
+
+
+def _number_counts(record: dict[str, Any]) -> list[tuple[str, int]]:
+    """Each field of ``record`` that holds numbers that may step, with how many."""
+    counts = []
+    for field, value in record.items():
+        if isinstance(value, str):
+            counts.append((field, len(stepping_digits(value))))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            counts.append((field, 1))
+    return counts
+
+
+def _pattern(record: dict[str, Any]) -> Pattern | None:
+    """``record`` as its shape and numbers; None where a value is not hashable."""
+    shape: list[Any] = []
+    numbers: list[int] = []
+    for field, value in record.items():
+        if isinstance(value, str):
+            runs = stepping_digits(value)
+            cuts = [0, *(p for m in runs for p in (m.start(), m.end())), len(value)]
+            shape.append(
+                (
+                    field,
+                    "str",
+                    tuple(value[a:b] for a, b in zip(cuts[::2], cuts[1::2], strict=True)),
+                )
+            )
+            numbers += [int(m[0]) for m in runs]
+        elif isinstance(value, int) and not isinstance(value, bool):
+            shape.append((field, "int"))
+            numbers.append(value)
+        else:
+            shape.append((field, "value", value))
+    try:
+        hash(tuple(shape))
+    except TypeError:
+        return None
+    return Pattern(tuple(shape), tuple(numbers))
+
+
+def _fold_lines(fold: dict[str, Any], indent: str) -> list[str]:
+    """A fold as ``_field_lines`` lays out a record list: its count and steps, then its
+    records one a line."""
+    return [
+        f"{indent}{_FOLD_OPENING}{fold['repeat']},",
+        _wrapped(fold["steps"], indent + " ", "'steps': ") + ",",
+        f"{indent} 'records': (",
+        *(_wrapped(record, indent + "     ") + "," for record in fold["records"]),
+        f"{indent} )}},",
+    ]
 
 
 def _wrapped(value: Any, indent: str, prefix: str = "") -> str:

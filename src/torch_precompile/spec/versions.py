@@ -172,6 +172,15 @@ SCHEMA_HISTORY = (
         "pipeline schedule, a GAN's generated sample); its forward and backward graphs give "
         "gradients for those inputs too. autograd keeps serving calls where none does.",
     ),
+    SchemaChange(
+        (11, 0),
+        "2026-12-06",
+        "Runs of alike records: a list field may hold, in place of a run of records alike but "
+        "for numbers that step (the tensors, submodules and reads of a deep model's blocks), "
+        "one dict {'repeat': n, 'steps': ((j, field, steps), ...), 'records': (...)}: the "
+        "run's first group of records, and for each field that steps, its steps (one per int, "
+        "or per run of digits of a str). Readers of 10.x would take the dict for a record.",
+    ),
 )
 SCHEMA_VERSION: SchemaVersion = SCHEMA_HISTORY[-1].version
 """The spec layout this version writes."""
