@@ -105,8 +105,8 @@ def _pair(captured: Capture, options: BuildOptions, inputs: Sequence[int], which
         with progress.step(
             f"lowering the forward and backward{which} with the {options.backend} backend"
         ):
-            forward = lower_graph(split.forward, options.backend, options.wrapper)
-            backward = lower_graph(split.backward, options.backend, options.wrapper)
+            forward = lower_graph(split.forward, options.backend, options.wrapper, options.blocks)
+            backward = lower_graph(split.backward, options.backend, options.wrapper, options.blocks)
     except NoBackward:  # as in eager, no result gets history: none needs a backward
         return _Pair(Autograd(inputs=tuple(inputs)))
     except Exception as e:

@@ -220,9 +220,8 @@ def _orchestration(
     last_use = _last_uses(pieces, outputs)
     lines = [
         "def call(flat_inputs):",
-        '    """Run the pieces in order on the flat inputs (the list is consumed); return all '
-        "outputs. v[n]",
-        '    holds what the n-th piece call returned."""',
+        '    """Run the pieces in order on the flat inputs (consumed); v[n]: what piece call n '
+        'returned."""',
         "    args = [*flat_inputs, *TENSOR_LITERALS]"
         if capture.literals
         else "    args = list(flat_inputs)",

@@ -10,6 +10,7 @@ came out the same once, and runs that code once per block with its own tensors.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -189,3 +190,51 @@ def _mark_last(graph: torch.fx.Graph, count: int, mark: BlockMark) -> None:
 
 def block_mark(node: torch.fx.Node) -> BlockMark | None:
     return node.meta.get(BLOCK_MARK)
+
+
+# Where a mark rides through AOTAutograd: the "custom" node meta, which it copies onto the
+# forward operations it records and onto the backward operations of each.
+_CARRIED = "torch_precompile_block"
+
+
+def carry_marks(graph: torch.fx.Graph) -> bool:
+    """Put each operation's mark where AOTAutograd's retrace of ``graph`` copies it from;
+    whether any operation has one."""
+    marked = False
+    for node in graph.nodes:
+        mark = block_mark(node)
+        if mark is not None:
+            node.meta["custom"] = {**node.meta.get("custom", {}), _CARRIED: mark}
+            marked = True
+    return marked
+
+
+def take_marks(graph: torch.fx.Graph, pass_: str) -> None:
+    """Make the marks AOTAutograd carried into its ``pass_`` ("forward" or "backward") graph
+    the operations' marks again, leaving their "custom" meta as it was."""
+    for node in graph.nodes:
+        custom = node.meta.get("custom")
+        if not isinstance(custom, dict) or _CARRIED not in custom:
+            continue
+        mark = custom[_CARRIED]
+        rest = {k: v for k, v in custom.items() if k != _CARRIED}
+        if rest:
+            node.meta["custom"] = rest
+        else:
+            del node.meta["custom"]
+        node.meta[BLOCK_MARK] = dataclasses.replace(mark, pass_=pass_)
+    if pass_ == "backward":
+        _mark_gradient_sums(graph)
+
+
+def _mark_gradient_sums(graph: torch.fx.Graph) -> None:
+    """AOTAutograd's sums of the gradients of a value used twice (a residual's input) carry
+    no mark: each joins the block whose backward gave the last of its terms, as the other
+    blocks' sums do theirs."""
+    for node in graph.nodes:
+        if block_mark(node) is not None or not node.meta.get("is_gradient_acc"):
+            continue
+        marks = [block_mark(a) for a in node.all_input_nodes]
+        given = [m for m in marks if m is not None and m.pass_ == "backward"]
+        if given:
+            node.meta[BLOCK_MARK] = given[-1]

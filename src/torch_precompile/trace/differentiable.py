@@ -32,6 +32,7 @@ from torch_precompile.internals.tracing import (
     reshape_unwritten_views,
 )
 from torch_precompile.spec import ArtifactSpec, Autograd
+from torch_precompile.trace.blocks import carry_marks, take_marks
 from torch_precompile.trace.core import Capture
 from torch_precompile.trace.frontends.make_fx import fork_rng
 
@@ -114,6 +115,8 @@ def differentiate(
     outputs = list(cast("Sequence[Any]", gm.graph.output_node().args[0]))
     tensor_slots = [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)]
     split = _traced(capture, inputs, tensor_slots, backend, decompositions)
+    take_marks(split.forward.graph, "forward")
+    take_marks(split.backward.graph, "backward")
     mutated = split.written
     with_history = [n for n, o in enumerate(split.outputs) if o.requires_grad]
     placeholders = list(split.backward.graph.find_nodes(op="placeholder"))
@@ -168,7 +171,12 @@ def _traced(
     that may alias an input or another result is returned as a copy."""
     outputs = list(cast("Sequence[Any]", capture.graph.graph.output_node().args[0]))
     copies = {i for i in tensor_slots if returns_alias(outputs[i])}
-    interpreter = torch.fx.Interpreter(_without_baked_reads(capture.graph))
+    retraced = _without_baked_reads(capture.graph)
+    # Its forward and backward are cut into blocks as it is; the min-cut partitioner's
+    # recomputations would interleave the blocks' operations, so that cutting takes the
+    # partitioner that saves what eager saves.
+    marked = carry_marks(retraced.graph)
+    interpreter = torch.fx.Interpreter(retraced)
 
     def pure(*flat: torch.Tensor) -> list[torch.Tensor]:
         results = interpreter.run(*flat)
@@ -185,7 +193,10 @@ def _traced(
         for device in sorted({t.device.type for t in examples}):
             stack.enter_context(torch.autocast(device, enabled=False))
         return split_forward_backward(
-            pure, examples, min_cut=backend == "inductor", decompositions=decompositions
+            pure,
+            examples,
+            min_cut=backend == "inductor" and not marked,
+            decompositions=decompositions,
         )
 
 
