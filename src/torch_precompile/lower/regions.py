@@ -158,7 +158,6 @@ WORTH_CUTTING = 250
 def lower_regions(
     capture: Capture,
     compile_piece: Callable[[Piece, int, list[Piece]], Code],
-    takes_list: bool,
     always: bool,
 ) -> Cut | None:
     """The capture cut into pieces, each key compiled once by ``compile_piece(piece,
@@ -191,7 +190,7 @@ def lower_regions(
     for number, (key, same) in enumerate(by_key.items(), 1):
         code = compile_piece(same[0], number, same)
         codes[key] = dataclasses.replace(code, comment=describe(same, number, len(by_key)))
-    return Cut(pieces, codes, _orchestration(capture, pieces, codes, takes_list))
+    return Cut(pieces, codes, _orchestration(capture, pieces, codes))
 
 
 def describe(same: Sequence[Piece], number: int, count: int) -> str:
@@ -207,9 +206,7 @@ def describe(same: Sequence[Piece], number: int, count: int) -> str:
     return f"{PIECE_LINE}{number} of {count}: {what}{runs}."
 
 
-def _orchestration(
-    capture: Capture, pieces: list[Piece], codes: dict[str, Code], takes_list: bool
-) -> str:
+def _orchestration(capture: Capture, pieces: list[Piece], codes: dict[str, Code]) -> str:
     """``call``: each piece run on its values (flat inputs as slices of ``args``, a block's
     tensors being consecutive ones), the values no later piece needs let go, the outputs
     gathered; the calls of alike blocks in loops."""
@@ -230,7 +227,7 @@ def _orchestration(
     ]
     for number, piece in enumerate(pieces):
         given = _arguments(piece.inputs, flat, names)
-        given = f"[{given}]" if takes_list else given
+        given = f"[{given}]" if codes[piece.key].takes_list else given
         for k, node in enumerate(piece.outputs):
             names[node] = f"v[{number}][{k}]"
         lines.append(f"    v[{number}] = list({codes[piece.key].name}({given}))")

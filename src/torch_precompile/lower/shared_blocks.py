@@ -45,7 +45,7 @@ def _eager(capture: Capture, always: bool) -> LoweredGraph | None:
         source = graph_function_source(piece.graph(capture.graph), name).strip("\n")
         return Code(name, source, takes_list=False)
 
-    cut = lower_regions(capture, piece_code, takes_list=False, always=always)
+    cut = lower_regions(capture, piece_code, always=always)
     if cut is None:
         return None
     pieces = _defined(cut)
@@ -67,6 +67,7 @@ def _eager(capture: Capture, always: bool) -> LoweredGraph | None:
 
 def _inductor(capture: Capture, wrapper_kind: str, always: bool) -> LoweredGraph | None:
     from torch_precompile.artifact.kernel_payload import merged_payloads
+    from torch_precompile.lower.eager import used_imports
     from torch_precompile.lower.inductor import driver_checkable, literal_lines
     from torch_precompile.shipped import kernel_loader, wrapper_imports
 
@@ -80,22 +81,36 @@ def _inductor(capture: Capture, wrapper_kind: str, always: bool) -> LoweredGraph
                 j for j in asserted if all(flat.get(p.inputs[j], -1) in checkable for p in same)
             }
 
+        if piece.mark is None and len(same) == 1 and len(piece.nodes) <= SMALL_PIECE:
+            return _aten_piece(capture, piece, number)
         code = _compiled_piece(capture, piece, number, wrapper_kind, unasserted)
         _refuse_unseen_writes(code, same, flat)
         return code
 
-    cut = lower_regions(capture, piece_code, takes_list=True, always=always)
+    cut = lower_regions(capture, piece_code, always=always)
     if cut is None:
         return None
-    codes = list(cut.codes.values())
+    codes = [code for code in cut.codes.values() if code.kernels is not None]
     cpp = all(code.cpp for code in codes)
     note = (
-        f"{WRAPPER_LINE}C++. Each piece is one compiled function; its shared object is in the "
-        "cache."
+        f"{WRAPPER_LINE}C++. Each compiled piece is one compiled function; its shared object is "
+        "in the cache."
         if cpp
         else f"{WRAPPER_LINE}Python. the C++ wrapper is not used for every piece (each says why)."
     )
-    source = "\n".join([note, *literal_lines(capture), _defined(cut), "", "", cut.call])
+    aten = [code.source for code in cut.codes.values() if code.kernels is None]
+    source = "\n".join(
+        [
+            note,
+            *(["# The names the pieces run as ATen calls refer to."] if aten else []),
+            *used_imports("\n".join(aten)),
+            *literal_lines(capture),
+            _defined(cut),
+            "",
+            "",
+            cut.call,
+        ]
+    )
     objects = {k.key: k for code in codes for k in code.kernels.objects}
     payloads = [code.kernels.payload for code in codes if code.kernels.objects]
     return LoweredGraph(
@@ -106,6 +121,19 @@ def _inductor(capture: Capture, wrapper_kind: str, always: bool) -> LoweredGraph
         stand_ins=(kernel_loader,) if cpp else (kernel_loader, wrapper_imports),
         wrapper="cpp" if cpp else "python",
     )
+
+
+# A piece outside the blocks with at most this many operations (a loss and its gradient's
+# seed, say) runs them as ATen calls: compiled, it would cost a build of its own (seconds)
+# to spare microseconds a call.
+SMALL_PIECE = 12
+
+
+def _aten_piece(capture: Capture, piece: Piece, number: int) -> Code:
+    name = f"piece_{number}"
+    source = graph_function_source(piece.graph(capture.graph), name).strip("\n")
+    comment = "# Its few operations run as ATen calls, uncompiled (see SMALL_PIECE)."
+    return Code(name, f"{comment}\n{source}", takes_list=False)
 
 
 def _refuse_unseen_writes(code: Code, same: list[Piece], flat: dict[torch.fx.Node, int]) -> None:
