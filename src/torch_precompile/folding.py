@@ -132,8 +132,8 @@ def fold_lines(lines: Sequence[str]) -> list[str]:
         return list(lines)
     parsed = _parsed_lines(lines, tokens)
     names = {t.string for t in tokens if t.type == tokenize.NAME}
-    counter = next(n for n in ("k", "k_", "k__", "_k") if n not in names)
-    item = next(n for n in ("item", "item_", "_item") if n not in names)
+    counter = _free_name("k", names)
+    item = _free_name("item", names)
     patterns = [
         None if p is None else Pattern(_shape(lines[i], p), p.numbers) for i, p in enumerate(parsed)
     ]
@@ -159,6 +159,14 @@ def fold_lines(lines: Sequence[str]) -> list[str]:
 def _shape(line: str, parsed: _Line) -> Hashable:
     indent = len(line) - len(line.lstrip())
     return (indent, parsed.element, parsed.parts, parsed.strings)
+
+
+def _free_name(stem: str, taken: set[str]) -> str:
+    """``stem``, or ``stem`` with the fewest underscores after it that ``taken`` lacks."""
+    name = stem
+    while name in taken:
+        name += "_"
+    return name
 
 
 def _tokens(lines: Sequence[str]) -> list[tokenize.TokenInfo] | None:

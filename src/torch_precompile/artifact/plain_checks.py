@@ -215,11 +215,6 @@ def _check_call_function(names: Sequence[str], steps: Sequence[str], last: str) 
 def _check_models(spec: ArtifactSpec, training: bool) -> list[str]:
     name = spec.model_names[0]
     lines = [
-        f'def check_models({name}: "torch.nn.Module") -> "tuple[list[Any], list[Any]]":',
-        f'    """The full check of model argument {name}: one line per tensor, submodule and',
-        "    value the trace read off one, in the order capture walked them (alike blocks in a",
-        "    loop). A call whose model passed it and is unchanged since skips it",
-        '    (RememberedCall)."""',
         f"    check_is_model({name}, {name!r})",
         f"    tensors = members({name}, {name!r}, MEMBERS)",
         *(_tensor_check(index, t, training) for index, t in enumerate(spec.interned)),
@@ -248,7 +243,18 @@ def _check_models(spec: ArtifactSpec, training: bool) -> list[str]:
                 f"{read.expected!r}, {read.where!r})"
             )
     lines.append("    return tensors, modules")
-    return fold_lines(lines)
+    header = f'def check_models({name}: "torch.nn.Module") -> "tuple[list[Any], list[Any]]":'
+    folded = fold_lines([header, *lines])[1:]
+    looped = " (the lines of alike blocks once, in a loop)" if folded != lines else ""
+    docstring = textwrap.wrap(
+        f'"""The full check of model argument {name}: one line per tensor, submodule and value '
+        f"the trace read off one, in the order capture walked them{looped}. A call whose "
+        'model passed it and is unchanged since skips it (RememberedCall)."""',
+        width=88,
+        initial_indent="    ",
+        subsequent_indent="    ",
+    )
+    return [header, *docstring, *folded]
 
 
 def _tensor_check(index: int, tensor: ModelTensor, training: bool) -> str:
