@@ -304,6 +304,7 @@ def test_driver_parts_are_the_package_modules_verbatim(backend: str, artifacts) 
         for module in absent:
             assert shipped_source(module).body.splitlines()[0] not in code, module.__name__
         assert "from torch_precompile" not in code and '"""The driver' not in code
+        assert "# fmt: off" not in code  # the formatter's directives stay in the package
 
 
 def _definitions_verbatim_or_absent(body: str, code: str, module: str) -> None:

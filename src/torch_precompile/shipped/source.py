@@ -18,6 +18,7 @@ from types import ModuleType
 from torch_precompile.errors import PrecompileError
 
 _SIBLINGS = "torch_precompile.shipped.driver."
+_FORMATTER_DIRECTIVES = ("# fmt: off", "# fmt: on")
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,9 @@ def shipped_text(source: str, name: str) -> ShippedSource:
         if not (isinstance(i, ast.ImportFrom) and (i.module or "").startswith(_SIBLINGS))
     )
     comment = "\n".join(f"# {line}".rstrip() for line in docstring.splitlines())
-    return ShippedSource(kept, comment, "\n".join(lines[first:]).strip("\n") + "\n")
+    # The formatter's directives are for this package's sources, not for an artifact's reader.
+    body = [line for line in lines[first:] if line.strip() not in _FORMATTER_DIRECTIVES]
+    return ShippedSource(kept, comment, "\n".join(body).strip("\n") + "\n")
 
 
 def import_block(imports: Sequence[ast.Import | ast.ImportFrom]) -> str:
