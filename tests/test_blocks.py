@@ -260,9 +260,10 @@ def test_blocks_that_write_their_buffers_share_code(backend: str) -> None:
     for m, opt in zip((model, eager), opts, strict=True):
         optimizer_step(m, x, opt)  # the optimizer's state exists at capture
     code, cache = precompile(optimizer_step, model, x, opts[0], backend=backend, blocks=True)
-    # Blocks 1 and 2 share their forward and backward; block 0, whose input needs no
-    # gradient, leaves other values for the backward and gets code of its own.
-    assert shared_runs(code) == [2, 2]
+    # All three blocks share their forward: block 0, whose input needs no gradient, runs it
+    # and lets go of what only the others' backward keeps. Blocks 1 and 2 share their
+    # backward; block 0's needs none of the weight its input's gradient would.
+    assert shared_runs(code) == [3, 2]
     run = precompile.load(code, cache)
     for _ in range(2):
         x = torch.randn(8, 16)
@@ -280,3 +281,21 @@ def test_blocks_that_write_their_buffers_share_code(backend: str) -> None:
         run(model, torch.randn(8, 16), opts[0])
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name], msg=name)
+
+
+def test_the_first_blocks_backward_runs_the_shared_code(backend: str) -> None:
+    """Blocks that take fn's input, which needs no gradient: block 0's backward computes
+    all the others' do but that gradient, so it runs their code and lets the gradient go."""
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(*(Block() for _ in range(DEPTH)))
+    eager = torch.nn.Sequential(*(Block() for _ in range(DEPTH)))
+    eager.load_state_dict(model.state_dict())
+    x = torch.randn(4, 16)
+    code, cache = precompile(step, model, x, backend=backend, blocks=True)
+    assert shared_runs(code) == [DEPTH, DEPTH]
+    run = precompile.load(code, cache)
+    for _ in range(2):
+        x = torch.randn(4, 16)
+        torch.testing.assert_close(run(model, x), step(eager, x))
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)

@@ -10,6 +10,9 @@ with no piece that repeats is lowered whole, as before.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -18,6 +21,7 @@ import torch
 import torch.fx
 
 from torch_precompile.folding import fold_lines
+from torch_precompile.internals.tracing import effect_of, operator_schema
 from torch_precompile.lower import PIECE_LINE
 from torch_precompile.trace import Capture
 from torch_precompile.trace.blocks import BlockMark, block_mark
@@ -30,12 +34,15 @@ class Piece:
 
     nodes: tuple[torch.fx.Node, ...]
     inputs: tuple[torch.fx.Node, ...]  # values from before it, in the order it first uses them
-    outputs: tuple[torch.fx.Node, ...]  # its values used after it
+    # Its values used after it; None where it runs a larger piece's code (``_covering``)
+    # for a value of that piece it does not compute itself.
+    outputs: tuple[torch.fx.Node | None, ...]
     mark: BlockMark | None
     key: str  # equal for pieces computing the same thing on inputs of the same layout
 
     def graph(self, root: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        """The piece as a function of its inputs that returns its outputs (a tuple)."""
+        """The piece as a function of its inputs that returns its outputs (a tuple; only
+        a piece that runs its own code is made one)."""
         graph = torch.fx.Graph()
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         for node in self.inputs:
@@ -43,7 +50,7 @@ class Piece:
             env[node].meta = dict(node.meta)
         for node in self.nodes:
             env[node] = graph.node_copy(node, env.__getitem__)
-        graph.output(tuple(env[node] for node in self.outputs))
+        graph.output(tuple(env[node] for node in self.outputs if node is not None))
         return torch.fx.GraphModule(root, graph)
 
 
@@ -89,7 +96,7 @@ def cut(gm: torch.fx.GraphModule) -> list[Piece] | None:
 def _piece(run: list[torch.fx.Node]) -> Piece | None:
     """The piece of a run of nodes; None where a value that is no tensor crosses its edge."""
     inside = set(run)
-    inputs = list(dict.fromkeys(i for n in run for i in n.all_input_nodes if i not in inside))
+    inputs = _inputs(run)
     outputs = [n for n in run if any(u not in inside for u in n.users)]
     if not all(isinstance(v.meta.get("val"), torch.Tensor) for v in (*inputs, *outputs)):
         return None
@@ -121,22 +128,138 @@ def _merged(pieces: list[Piece]) -> list[Piece]:
     return merged
 
 
+def _covered(pieces: list[Piece]) -> list[Piece]:
+    """Each block piece that repeats nowhere but computes part of what a repeated piece of
+    its pass computes, from the same inputs, made a call of that piece. The first block's
+    backward is one: its input needs no gradient, so it computes all but that one."""
+    counts = Counter(piece.key for piece in pieces)
+    repeated: dict[str, Piece] = {}
+    for piece in pieces:
+        if piece.mark is not None and counts[piece.key] > 1:
+            repeated.setdefault(piece.key, piece)
+    covered: list[Piece] = []
+    for piece in pieces:
+        if piece.mark is not None and counts[piece.key] == 1:
+            wholes = (w for w in repeated.values() if w.mark and w.mark.pass_ == piece.mark.pass_)
+            piece = next(filter(None, (_covering(w, piece) for w in wholes)), piece)
+        covered.append(piece)
+    return covered
+
+
+# The most outputs of a repeated piece that a piece it covers may leave out (each count
+# tried is a search over which ones).
+_MOST_LEFT_OUT = 2
+
+
+def _covering(whole: Piece, part: Piece) -> Piece | None:
+    """``part`` as a call of ``whole``'s code, if ``whole`` pruned to some of its outputs is
+    ``part`` (the same operations on inputs of the same layout, but for the gradients an
+    operation's ``output_mask`` leaves out) and needs every input it had; None if not. Only
+    values are pruned: operations that write or draw random numbers stay in both."""
+    left_out = len(whole.outputs) - len(part.outputs)
+    if not 0 < left_out <= _MOST_LEFT_OUT:
+        return None
+    part_run = _needed(part.nodes, part.outputs)
+    part_inputs = _inputs(part_run)
+    part_masks: list[Any] = []
+    part_key = _key(part_run, part_inputs, part.outputs, part_masks)
+    for dropped in itertools.combinations(range(len(whole.outputs)), left_out):
+        kept = [o for k, o in enumerate(whole.outputs) if k not in dropped]
+        run = _needed(whole.nodes, kept)
+        if len(run) != len(part_run):
+            continue
+        inputs = _inputs(run)
+        masks: list[Any] = []
+        if set(inputs) != set(whole.inputs) or _key(run, inputs, kept, masks) != part_key:
+            continue
+        if not all(map(_covers, masks, part_masks)):
+            continue
+        given = dict(zip(inputs, part_inputs, strict=True))
+        made = iter(part.outputs)
+        outputs = tuple(None if k in dropped else next(made) for k in range(len(whole.outputs)))
+        return Piece(
+            part.nodes, tuple(given[i] for i in whole.inputs), outputs, part.mark, whole.key
+        )
+    return None
+
+
+def _covers(mask: Sequence[bool], other: Sequence[bool]) -> bool:
+    """Whether ``mask`` asks for every gradient ``other`` asks for."""
+    return len(mask) == len(other) and all(m or not o for m, o in zip(mask, other, strict=True))
+
+
+def _inputs(run: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The values ``run`` takes from before it, in the order it first uses them."""
+    inside = set(run)
+    return list(dict.fromkeys(i for n in run for i in n.all_input_nodes if i not in inside))
+
+
+def _needed(
+    nodes: Sequence[torch.fx.Node], wanted: Sequence[torch.fx.Node | None]
+) -> list[torch.fx.Node]:
+    """The nodes, of ``nodes``, that compute ``wanted`` or do more than compute a value
+    (write, draw random numbers), and those they are computed from, in their order."""
+    among = set(nodes)
+    needed: set[torch.fx.Node] = set()
+    pending = [n for n in (*wanted, *(n for n in nodes if not _pure(n))) if n in among]
+    while pending:
+        node = pending.pop()
+        if node not in needed:
+            needed.add(node)
+            pending.extend(i for i in node.all_input_nodes if i in among)
+    return [n for n in nodes if n in needed]
+
+
+def _pure(node: torch.fx.Node) -> bool:
+    """Whether leaving ``node`` out changes nothing but its own value."""
+    if node.target is operator.getitem:
+        return True
+    schema = operator_schema(node.target)
+    if schema is None:
+        return False
+    tags = getattr(node.target, "tags", ())
+    writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    random = torch.Tag.nondeterministic_seeded in tags
+    return not writes and not random and effect_of(node.target) is None
+
+
 def _key(
     run: Sequence[torch.fx.Node],
     inputs: Sequence[torch.fx.Node],
-    outputs: Sequence[torch.fx.Node],
+    outputs: Sequence[torch.fx.Node | None],
+    masks: list[Any] | None = None,
 ) -> str:
     """The piece's operations with values named by position, its inputs' layouts, and which
     of its values it returns: pieces of one key are one function, so they must agree on all
-    three (the same operations may leave other values needed after them)."""
+    three (the same operations may leave other values needed after them). With ``masks``,
+    each ``output_mask`` argument is left out of the key and added to ``masks`` instead."""
     names = {node: f"i{k}" for k, node in enumerate(inputs)}
     names.update({node: f"n{k}" for k, node in enumerate(run)})
     lines = [_layout(node.meta["val"]) for node in inputs]
     for node in run:
-        args = torch.fx.node.map_arg((node.args, node.kwargs), names.__getitem__)
+        given = (node.args, node.kwargs) if masks is None else _unmasked(node, masks)
+        args = torch.fx.node.map_arg(given, names.__getitem__)
         lines.append(f"{names[node]} = {_target_name(node.target)}{args!r}")
-    lines.append("return " + ", ".join(names[node] for node in outputs))
+    lines.append("return " + ", ".join(names[node] for node in outputs if node is not None))
     return "\n".join(lines)
+
+
+def _unmasked(node: torch.fx.Node, masks: list[Any]) -> tuple[Any, Any]:
+    """``node``'s arguments with its ``output_mask`` (which gradients a backward operation
+    computes) put in ``masks`` and replaced by a stand-in."""
+    schema = operator_schema(node.target)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "output_mask" not in names:
+        return node.args, node.kwargs
+    args, kwargs = list(node.args), dict(node.kwargs)
+    position = names.index("output_mask")
+    if position < len(args):
+        masks.append(tuple(cast("Sequence[bool]", args[position])))
+        args[position] = "<output_mask>"
+    elif "output_mask" in kwargs:
+        masks.append(tuple(cast("Sequence[bool]", kwargs.pop("output_mask"))))
+        kwargs["output_mask"] = "<output_mask>"
+    return tuple(args), kwargs
 
 
 def _layout(value: torch.Tensor) -> str:
@@ -177,7 +300,7 @@ def lower_regions(
     pieces = cut(capture.graph)
     if pieces is None:
         return None
-    pieces = _merged(pieces)
+    pieces = _merged(_covered(pieces))
     by_key: dict[str, list[Piece]] = {}
     for piece in pieces:
         by_key.setdefault(piece.key, []).append(piece)
@@ -188,7 +311,8 @@ def lower_regions(
         return None
     codes: dict[str, Code] = {}
     for number, (key, same) in enumerate(by_key.items(), 1):
-        code = compile_piece(same[0], number, same)
+        whole = next(p for p in same if None not in p.outputs)
+        code = compile_piece(whole, number, same)
         codes[key] = dataclasses.replace(code, comment=describe(same, number, len(by_key)))
     return Cut(pieces, codes, _orchestration(capture, pieces, codes))
 
@@ -229,9 +353,11 @@ def _orchestration(capture: Capture, pieces: list[Piece], codes: dict[str, Code]
         given = _arguments(piece.inputs, flat, names)
         given = f"[{given}]" if codes[piece.key].takes_list else given
         for k, node in enumerate(piece.outputs):
-            names[node] = f"v[{number}][{k}]"
+            if node is not None:
+                names[node] = f"v[{number}][{k}]"
         lines.append(f"    v[{number}] = list({codes[piece.key].name}({given}))")
         freed = [names[i] for i in piece.inputs if i not in flat and last_use.get(i) == number]
+        freed += [f"v[{number}][{k}]" for k, node in enumerate(piece.outputs) if node is None]
         if freed:
             lines.append(f"    {' = '.join(freed)} = None")
     lines += [
