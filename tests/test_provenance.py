@@ -102,12 +102,43 @@ def test_fake_and_symbolic_traces_name_the_users_lines() -> None:
 def test_torchs_tracer_is_left_as_it_was() -> None:
     from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 
+    import torch.fx.experimental.proxy_tensor as proxy_tensor
+    import torch.fx.proxy
+
     before = dict(PythonKeyTracer.__dict__)
+    module_before = (proxy_tensor.extract_val, torch.fx.proxy.CapturedTraceback)
     capture(step, (torch.nn.Linear(4, 3), *_example()), "eager")
     assert dict(PythonKeyTracer.__dict__) == before
+    assert (proxy_tensor.extract_val, torch.fx.proxy.CapturedTraceback) == module_before
     # A plain make_fx with stack traces keeps torch's own filter (frames named forward only).
     gm = make_fx(lambda x: torch.relu(x), record_stack_traces=True)(torch.randn(2))
     assert all(not n.meta.get("stack_trace") for n in gm.graph.nodes)
+
+
+def test_each_value_is_described_by_a_fake_tensor_of_its_layout() -> None:
+    """The capture's stand-in makes each node's fake value itself: of one fake mode, with
+    the real value's shape, strides, dtype and device (a transpose keeps its strides)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).t().contiguous().t() * 2
+
+    model, x = TwoLayers(), torch.randn(2, 4)
+    graph = capture(fn, (model, x), "eager").graph.graph
+    real = {n.name: n for n in graph.nodes if n.op == "call_function"}
+    values = [n.meta["val"] for n in real.values()]
+    assert values and all(isinstance(v, FakeTensor) for v in values)
+    assert len({id(v.fake_mode) for v in values}) == 1
+    expected = fn(model, x)
+    last = next(n for n in reversed(list(real.values())) if n.target is torch.ops.aten.mul.Tensor)
+    fake = last.meta["val"]
+    assert (fake.shape, fake.stride(), fake.dtype, fake.device) == (
+        expected.shape,
+        expected.stride(),
+        expected.dtype,
+        expected.device,
+    )
+    assert fake.stride() == (1, 2)  # the transposed layout, not a contiguous one
 
 
 def test_inductor_kernels_name_the_aten_ops_they_compute() -> None:

@@ -5,14 +5,9 @@ reparametrization, fake tensors and ShapeEnv, dispatch modes, operator effects, 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 import re
-import sys
-import sysconfig
-import threading
 import traceback
-import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +21,15 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
-from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.fx.graph import _custom_builtins
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from torch_precompile.errors import PrecompileError
-from torch_precompile.internals.origin import shown_path
+from torch_precompile.internals import fx_stand_ins
+from torch_precompile.internals.fx_stand_ins import NOT_USER_CODE
 
 __all__ = [
     "BAKED_READS",
@@ -211,7 +207,7 @@ def trace_with_user_lines(
     )
 
     def run(*args: Any) -> torch.fx.GraphModule:
-        with _user_frames_only(), _one_fake_mode_for_values(tracing_mode):
+        with fx_stand_ins.installed(), _one_fake_mode_for_values(tracing_mode):
             return traced(*args)
 
     return run
@@ -231,14 +227,6 @@ def _one_fake_mode_for_values(tracing_mode: str) -> Iterator[None]:
         yield
 
 
-_NOT_USER_CODE = tuple(
-    str(directory) + os.sep
-    for directory in (
-        Path(torch.__file__).parent,
-        Path(__file__).parents[1],
-        sysconfig.get_paths()["stdlib"],
-    )
-)
 # torch.fx, the tracer, and torch.storage, whose reads need real memory (fake tensors have
 # none): their refusals of what fn does while traced are not fn's errors.
 _TRACER_CODE = (str(Path(torch.fx.__file__).parent) + os.sep, str(Path(torch.storage.__file__)))
@@ -261,96 +249,10 @@ def tracer_refusal(error: BaseException) -> TracerRefusal | None:
         return None
     storage = "Storage" in str(error) or any(f.filename == _TRACER_CODE[1] for f in frames)
     for frame in reversed(frames):
-        if not frame.filename.startswith(_NOT_USER_CODE):
+        if not frame.filename.startswith(NOT_USER_CODE):
             where = f"{Path(frame.filename).name}:{frame.lineno} ({frame.name})"
             return TracerRefusal(where, storage)
     return TracerRefusal("a line of fn", storage)
-
-
-_KEEPING_USER_FRAMES = contextvars.ContextVar("keeping_user_frames", default=False)
-_filter_lock = threading.Lock()
-_filter_users = 0
-
-
-def _innermost_user_frame(self: Any, stack: traceback.StackSummary) -> traceback.StackSummary:
-    """Stands in for ``PythonKeyTracer._filter_traceback_frames`` while a capture traces.
-
-    torch's own filter keeps only frames of functions named ``forward``, which drops the
-    user's step function; other tracers (another thread's, a nested one) keep it.
-    """
-    if not _KEEPING_USER_FRAMES.get():
-        return _TORCH_FRAME_FILTER(self, stack)
-    for frame in reversed(stack):
-        if not frame.filename.startswith(_NOT_USER_CODE):
-            # Shown in the artifact: no absolute path of the build machine.
-            shown = traceback.FrameSummary(
-                shown_path(frame.filename),
-                frame.lineno,
-                frame.name,
-                lookup_line=False,
-                line=frame.line,
-            )
-            return traceback.StackSummary.from_list([shown])
-    return traceback.StackSummary.from_list([])
-
-
-class _InnermostUserStack:
-    """Stands in for ``CapturedTraceback`` in ``torch.fx.proxy`` while a capture traces.
-
-    fx takes the whole Python stack at every node it records and reads each frame's source
-    line (about fifty a node), only for the filter above to keep one frame. Here the stack
-    is walked up to the innermost frame of the user's code alone; elsewhere (another
-    thread's tracer, a nested one) torch's own capture runs.
-    """
-
-    def __init__(self, frame: traceback.FrameSummary | None) -> None:
-        self.frame = frame
-
-    @classmethod
-    def extract(cls, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs or not _KEEPING_USER_FRAMES.get():
-            return _TORCH_TRACEBACK.extract(*args, **kwargs)
-        frame: types.FrameType | None = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith(_NOT_USER_CODE):
-            frame = frame.f_back
-        if frame is None:
-            return cls(None)
-        code = frame.f_code
-        return cls(traceback.FrameSummary(code.co_filename, frame.f_lineno, code.co_name))
-
-    def summary(self) -> traceback.StackSummary:
-        return traceback.StackSummary.from_list([] if self.frame is None else [self.frame])
-
-
-_TORCH_TRACEBACK = getattr(torch.fx.proxy, "CapturedTraceback")  # noqa: B009  # not exported
-_TORCH_FRAME_FILTER = PythonKeyTracer._filter_traceback_frames
-_OWN_FRAME_FILTER = PythonKeyTracer.__dict__.get("_filter_traceback_frames")  # None: inherited
-
-
-@contextlib.contextmanager
-def _user_frames_only() -> Iterator[None]:
-    """Install the frame filter on torch's tracer class while any capture traces."""
-    global _filter_users
-    with _filter_lock:
-        if _filter_users == 0:
-            # A patch of torch's method, which mypy cannot check.
-            PythonKeyTracer._filter_traceback_frames = _innermost_user_frame  # type: ignore[assignment]
-            setattr(torch.fx.proxy, "CapturedTraceback", _InnermostUserStack)  # noqa: B010
-        _filter_users += 1
-    token = _KEEPING_USER_FRAMES.set(True)
-    try:
-        yield
-    finally:
-        _KEEPING_USER_FRAMES.reset(token)
-        with _filter_lock:
-            _filter_users -= 1
-            if _filter_users == 0:
-                setattr(torch.fx.proxy, "CapturedTraceback", _TORCH_TRACEBACK)  # noqa: B010
-            if _filter_users == 0 and _OWN_FRAME_FILTER is None:
-                del PythonKeyTracer._filter_traceback_frames
-            elif _filter_users == 0:
-                # Restores torch's own method (not None here), a patch mypy cannot check.
-                PythonKeyTracer._filter_traceback_frames = _OWN_FRAME_FILTER  # type: ignore[assignment]
 
 
 def member_dicts(module: torch.nn.Module) -> tuple[tuple[dict[str, Any], str], ...]:
