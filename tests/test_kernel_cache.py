@@ -198,33 +198,3 @@ def test_kernels_for_a_width_this_cpu_lacks_are_refused_not_built(artifacts) -> 
         match="generated for 1024-bit vectors and this CPU has no vector unit of that width",
     ):
         precompile.load(wider, None)
-
-
-def test_the_vector_unit_probes_run_aside_at_a_lower_priority(monkeypatch) -> None:
-    """Inductor's probes of the vector units run in a thread of their own, at a lower
-    priority than the build's, and the returned function waits for them."""
-    import os
-    import sys
-    import threading
-    import time
-
-    import torch._inductor.cpu_vec_isa as cpu_vec_isa
-
-    from torch_precompile.internals.inductor import PROBES_NICENESS, probe_vector_units_aside
-
-    seen: dict[str, Any] = {}
-
-    def probes() -> list[Any]:
-        time.sleep(0.2)
-        seen["thread"] = threading.current_thread() is not threading.main_thread()
-        if sys.platform.startswith("linux"):
-            seen["niceness"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        return []
-
-    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", probes)
-    ours = os.getpriority(os.PRIO_PROCESS, 0)
-    probe_vector_units_aside()()
-    assert seen["thread"] is True
-    if sys.platform.startswith("linux"):
-        assert seen["niceness"] == min(ours + PROBES_NICENESS, 19)
-        assert os.getpriority(os.PRIO_PROCESS, 0) == ours  # the build's own is unchanged

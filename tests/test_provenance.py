@@ -100,10 +100,9 @@ def test_fake_and_symbolic_traces_name_the_users_lines() -> None:
 
 
 def test_torchs_tracer_is_left_as_it_was() -> None:
-    from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
-
     import torch.fx.experimental.proxy_tensor as proxy_tensor
     import torch.fx.proxy
+    from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 
     before = dict(PythonKeyTracer.__dict__)
     module_before = (proxy_tensor.extract_val, torch.fx.proxy.CapturedTraceback)

@@ -104,7 +104,6 @@ def _compile_variant(
 ) -> CompiledVariant:
     report = options.progress or (lambda stage: None)
     # The build pipeline is imported here, not at module level: load() never needs it.
-    from torch_precompile.internals.inductor import probe_vector_units_aside
     from torch_precompile.internals.origin import describe_callable
     from torch_precompile.lower import lower_graph
     from torch_precompile.lower.history import with_history
@@ -113,7 +112,6 @@ def _compile_variant(
 
     with _lock, standing_in(example_inputs, options.device) as (args, stand_ins):
         report("capture")
-        probes_done = probe_vector_units_aside() if options.backend == "inductor" else None
         with progress.step("tracing fn (one traced run)"):
             captured = capture(
                 fn,
@@ -128,8 +126,6 @@ def _compile_variant(
         if options.require_all_guards:
             _refuse_dropped_guards(captured.spec)
         report("lower")
-        if probes_done is not None:
-            probes_done()  # (two threads must not run the same probes)
         with progress.step(f"lowering with the {options.backend} backend"):
             lowered = lower_graph(captured, options.backend, options.wrapper, options.blocks)
         built = with_history(captured, lowered, options, on_fakes)

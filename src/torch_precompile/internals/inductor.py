@@ -13,7 +13,6 @@ import contextlib
 import functools
 import os
 import re
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -307,37 +306,6 @@ def _replace_once(source: str, old: str, new: str) -> str:
             "is not supported by this torch-precompile yet. Use backend='eager'."
         )
     return source.replace(old, new)
-
-
-# How much lower the probes' priority is than the build's (a niceness, added).
-PROBES_NICENESS = 10
-
-
-def probe_vector_units_aside() -> Callable[[], None]:
-    """Start Inductor's probes of this CPU's vector units in a thread; return what waits
-    for them to end.
-
-    Inductor probes each unit the CPU names with a compiler build and a load in a new
-    process (seconds, where its cache is cold) the first time it lowers a graph. Run
-    aside while fn is traced, they use the core the trace leaves idle. Their results are
-    cached in this process: a probe that fails here is run again, and reported, where the
-    lowering asks for it.
-    """
-    import threading
-
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-
-    def probe() -> None:
-        if sys.platform.startswith("linux"):  # where a thread's id names it to setpriority
-            # At a lower priority, which its compilers inherit: the trace comes first.
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PROBES_NICENESS)
-        with contextlib.suppress(Exception):
-            valid_vec_isa_list()
-
-    thread = threading.Thread(target=probe, name="torch-precompile-vector-probes", daemon=True)
-    thread.start()
-    return thread.join
 
 
 def vector_bits() -> int:
