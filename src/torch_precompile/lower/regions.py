@@ -160,6 +160,11 @@ def _covering(whole: Piece, part: Piece) -> Piece | None:
     if not 0 < left_out <= _MOST_LEFT_OUT:
         return None
     part_run = _needed(part.nodes, part.outputs)
+    # Quick refusals first: ``part`` may do no operation ``whole`` does not.
+    surplus = Counter(_target_name(n.target) for n in whole.nodes)
+    surplus.subtract(_target_name(n.target) for n in part_run)
+    if min(surplus.values(), default=0) < 0:
+        return None
     part_inputs = _inputs(part_run)
     part_masks: list[Any] = []
     part_key = _key(part_run, part_inputs, part.outputs, part_masks)
