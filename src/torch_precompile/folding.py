@@ -66,12 +66,13 @@ def _longest_run(patterns: Sequence[Pattern | None], start: int, least: int) -> 
     if first is None:
         return None
     best: Run | None = None
-    for period in range(1, (len(patterns) - start) // least + 1):
-        other = patterns[start + period]
-        if other is None or other.shape != first.shape:
-            continue
-        run = _run(patterns, start, period)
+    left = len(patterns) - start
+    for period in range(1, left // least + 1):
         covered = 0 if best is None else best.period * best.repeats
+        other = patterns[start + period]
+        if other is None or other.shape != first.shape or left // period * period <= covered:
+            continue  # (the last: no run of this period could cover more)
+        run = _run(patterns, start, period)
         if run is not None and run.repeats >= least and run.period * run.repeats > covered:
             best = run
     return best

@@ -104,7 +104,8 @@ def lift_literals(
             "Register module state with register_buffer / register_parameter, or pass the "
             "tensor as an argument of fn."
         )
-    gm.recompile()
+    if literals:
+        gm.recompile()
     return literals
 
 
