@@ -299,3 +299,34 @@ def test_the_first_blocks_backward_runs_the_shared_code(backend: str) -> None:
         torch.testing.assert_close(run(model, x), step(eager, x))
         for p, q in zip(model.parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad)
+
+
+class _ConvBlock(torch.nn.Module):
+    def __init__(self, channels: int = 16) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm = torch.nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.conv(x)).relu()
+
+
+def test_conv_blocks_hand_on_values_in_the_layout_the_next_piece_reads() -> None:
+    """Inductor computes convolutions channels-last inside a piece; each value a piece
+    returns comes back in the layout the trace recorded, which the next piece's kernels
+    were compiled for (they refused the channels-last value before)."""
+
+    def conv_net() -> torch.nn.Sequential:
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 1), *(_ConvBlock() for _ in range(3)))
+
+    torch.manual_seed(7)
+    model, eager = conv_net(), conv_net()
+    eager.load_state_dict(model.state_dict())
+    code, cache = precompile(step, model, torch.randn(4, 3, 8, 8), backend="inductor", blocks=True)
+    assert shared_runs(code) == [3, 3]
+    run = precompile.load(code, cache)
+    for _ in range(2):
+        x = torch.randn(4, 3, 8, 8)
+        torch.testing.assert_close(run(model, x), step(eager, x))
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)

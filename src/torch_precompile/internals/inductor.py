@@ -124,6 +124,7 @@ def compile_to_wrapper(
     from torch._inductor.compile_fx import compile_fx_inner
 
     fake_inputs = [p.meta["val"] for p in graph.graph.find_nodes(op="placeholder")]
+    _every_output_keeps_its_layout(graph)
     if fake_mode is None:
         fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
     # Without a tracing context Inductor bypasses its FX graph cache.
@@ -141,6 +142,22 @@ def compile_to_wrapper(
             f"Inductor produced no {kind} wrapper for this graph; use backend='eager'."
         )
     return source, dict(getattr(compiled, "constants", None) or {})
+
+
+def _every_output_keeps_its_layout(graph: torch.fx.GraphModule) -> None:
+    """Have Inductor return each output in the layout the trace recorded for it.
+
+    ``compile_fx`` marks which outputs the user sees, and Inductor keeps the recorded strides
+    of those alone; ``compile_fx_inner``, called directly, marks none, so a convolution's
+    output could come back channels-last where eager's is contiguous. Every output of a graph
+    here is seen: the caller's results, or the values a later piece's kernels read in the
+    layout they were compiled for.
+    """
+    output = graph.graph.output_node()
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else output.args
+    output.meta["user_visible_output_idxs"] = [
+        i for i, v in enumerate(values) if isinstance(v, torch.fx.Node)
+    ]
 
 
 @contextlib.contextmanager
