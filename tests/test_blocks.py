@@ -330,3 +330,17 @@ def test_conv_blocks_hand_on_values_in_the_layout_the_next_piece_reads() -> None
         torch.testing.assert_close(run(model, x), step(eager, x))
         for p, q in zip(model.parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_norm_that_writes_its_statistics_is_never_pruned() -> None:
+    """A piece runs another's code only where what that code computes besides does nothing
+    but compute values: training-mode batch norm writes its running statistics though its
+    schema does not say so, and counts as a write."""
+    from torch_precompile.lower.regions import _pure
+
+    norm = torch.nn.BatchNorm1d(4)
+    graph = torch.fx.experimental.proxy_tensor.make_fx(lambda x: norm(x))(torch.randn(3, 4))
+    calls = [n for n in graph.graph.nodes if n.op == "call_function"]
+    norms = [n for n in calls if "batch_norm" in str(n.target)]
+    assert norms and not any(_pure(n) for n in norms)
+    assert any(_pure(n) for n in calls if n not in norms)  # its getitems, say

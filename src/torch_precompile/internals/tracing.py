@@ -444,6 +444,19 @@ _BATCH_NORMS = frozenset(
 )
 
 
+def writes_an_argument(node: torch.fx.Node) -> bool:
+    """Whether the operator ``node`` calls writes into one of its arguments, where its schema
+    does not say so too (``native_batch_norm``'s running statistics in training mode)."""
+    schema = operator_schema(node.target)
+    if schema is None:
+        return False
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return True
+    bound = dict(zip((a.name for a in schema.arguments), node.args, strict=False))
+    bound.update(node.kwargs)
+    return _writes_running_stats(node.target, bound)
+
+
 def _writes_running_stats(target: Any, bound: Mapping[str, Any]) -> bool:
     packet = getattr(target, "overloadpacket", None)
     return packet in _BATCH_NORMS and bound.get("training", True) is not False

@@ -21,7 +21,11 @@ import torch
 import torch.fx
 
 from torch_precompile.folding import fold_lines
-from torch_precompile.internals.tracing import effect_of, operator_schema
+from torch_precompile.internals.tracing import (
+    effect_of,
+    operator_schema,
+    writes_an_argument,
+)
 from torch_precompile.lower import PIECE_LINE
 from torch_precompile.trace import Capture
 from torch_precompile.trace.blocks import BlockMark, block_mark
@@ -219,13 +223,10 @@ def _pure(node: torch.fx.Node) -> bool:
     """Whether leaving ``node`` out changes nothing but its own value."""
     if node.target is operator.getitem:
         return True
-    schema = operator_schema(node.target)
-    if schema is None:
+    if operator_schema(node.target) is None:
         return False
-    tags = getattr(node.target, "tags", ())
-    writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-    random = torch.Tag.nondeterministic_seeded in tags
-    return not writes and not random and effect_of(node.target) is None
+    random = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    return not writes_an_argument(node) and not random and effect_of(node.target) is None
 
 
 def _key(
