@@ -198,3 +198,39 @@ def test_kernels_for_a_width_this_cpu_lacks_are_refused_not_built(artifacts) -> 
         match="generated for 1024-bit vectors and this CPU has no vector unit of that width",
     ):
         precompile.load(wider, None)
+
+
+def test_the_vector_unit_probes_run_side_by_side(monkeypatch) -> None:
+    """Each vector unit the CPU names is probed once, each in a thread of its own and at the
+    same time as the others; a unit the CPU does not name is never probed."""
+    import platform
+    import threading
+    import time
+
+    import torch._inductor.cpu_vec_isa as cpu_vec_isa
+
+    from torch_precompile.internals.inductor import probe_vector_units
+
+    probes: list[tuple[str, int, float, float]] = []
+
+    class Unit:
+        def __init__(self, flags: str) -> None:
+            self.flags = flags
+
+        def __str__(self) -> str:
+            return self.flags
+
+        def __bool__(self) -> bool:
+            start = time.perf_counter()
+            time.sleep(0.3)
+            probes.append((self.flags, threading.get_ident(), start, time.perf_counter()))
+            return True
+
+    units = [Unit("avx512 avx512_vnni"), Unit("avx512"), Unit("avx2"), Unit("amx_tile")]
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_vec_isa, "supported_vec_isa_list", units)
+    monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512", "avx512_vnni"])
+    probe_vector_units.__wrapped__()
+    assert sorted(flags for flags, *_ in probes) == ["avx2", "avx512", "avx512 avx512_vnni"]
+    assert len({thread for _, thread, _, _ in probes}) == 3
+    assert max(start for *_, start, _ in probes) < min(end for *_, end in probes)

@@ -125,6 +125,7 @@ def compile_to_wrapper(
 
     fake_inputs = [p.meta["val"] for p in graph.graph.find_nodes(op="placeholder")]
     _every_output_keeps_its_layout(graph)
+    probe_vector_units()
     if fake_mode is None:
         fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
     # Without a tracing context Inductor bypasses its FX graph cache.
@@ -329,7 +330,37 @@ def vector_bits() -> int:
     """The vector width, in bits, Inductor generates C++ kernels for here (0: scalar)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
+    probe_vector_units()
     return int(pick_vec_isa().bit_width())
+
+
+@functools.cache
+def probe_vector_units() -> None:
+    """Run Inductor's probes of this CPU's vector units side by side, once per process.
+
+    The first lowering in a process asks which vector units build and load here: one compiler
+    run and one new process per unit the CPU names, one unit after another (7.7 s for three
+    units on a cold Inductor cache, on two cores). The probes are independent, so here each
+    runs in a thread of its own (3.8 s); Inductor then finds every answer cached. A probe
+    that fails here is only asked again, the same way, where Inductor needs it.
+    """
+    import platform
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    if platform.machine() not in ("x86_64", "AMD64") or inductor_config.cpp.vec_isa_ok is not None:
+        return  # one unit at most to probe, or none probed at all
+    with contextlib.suppress(Exception):
+        named = cpu_vec_isa.x86_isa_checker()
+        units = [
+            unit
+            for unit in cpu_vec_isa.supported_vec_isa_list
+            if all(flag in named for flag in str(unit).split())
+        ]
+        with ThreadPoolExecutor(max_workers=max(len(units), 1)) as pool:
+            list(pool.map(bool, units))  # a unit's truth value is its (cached) probe
 
 
 @contextlib.contextmanager
