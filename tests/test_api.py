@@ -127,9 +127,12 @@ def test_concurrent_captures_from_threads(backend: str) -> None:
             backend=backend,
         )
 
-    errors = in_threads(work, 4)
+    # Builds wait for each other: two threads show it as well as four, and each inductor
+    # build costs seconds.
+    threads = 4 if backend == "eager" else 2
+    errors = in_threads(work, threads)
     assert not errors, errors
-    assert sorted(results) == [0, 1, 2, 3]  # every thread finished with its own pair
+    assert sorted(results) == list(range(threads))  # every thread finished with its own pair
     other, x2, t2 = WORKLOADS["mlp_train"].args(1)
     for i, (code, cache) in results.items():
         expected = (other(x2) * (i + 1) - t2).square().mean()
