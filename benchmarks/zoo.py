@@ -59,6 +59,7 @@ import logging
 import math
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -83,6 +84,7 @@ DEFAULT_OUT = HERE / "ZOO.md"
 MODES = ("infer", "train", "train_adamw")
 ADAMW = {"lr": 1e-3, "eps": 1e-3}
 BACKENDS = ("eager", "inductor")
+BLOCKS = {"auto": None, "on": True, "off": False}  # --blocks: precompile's blocks=
 STATUSES = ("ok", "refused", "wrong", "error", "crash")
 CHILD_TIMEOUT_S = 600
 RTOL, ATOL = 1e-3, 1e-4
@@ -1310,8 +1312,13 @@ def capture(
     result["phase"] = "capture"
     start = time.perf_counter()
     tracer = os.environ.get("ZOO_TRACER", "make_fx")  # the parent's --tracer
-    code, cache = precompile(fn, *passed, *example, backend=backend, tracer=tracer)
+    blocks = BLOCKS[os.environ.get("ZOO_BLOCKS", "auto")]  # the parent's --blocks
+    code, cache = precompile(fn, *passed, *example, backend=backend, tracer=tracer, blocks=blocks)
     result["build_s"] = time.perf_counter() - start
+    # The pieces of code alike blocks share, each named by a comment line above it.
+    result["shared_pieces"] = len(
+        re.findall(r"^ *# Piece \d+ of \d+: the .*, run \d+ times", code, re.M)
+    )
     result["phase"] = "save"
     precompile.save(code, cache, path)
     result["source_kib"] = path.stat().st_size / 1024
@@ -1649,6 +1656,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
     parser.add_argument("--tracer", default="make_fx", choices=["make_fx", "dynamo"])
     parser.add_argument(
+        "--blocks",
+        default="auto",
+        choices=list(BLOCKS),
+        help="precompile's blocks= (on: each repeated block's pieces compiled once even "
+        "where that spares little, as for these small models)",
+    )
+    parser.add_argument(
         "--from-kept",
         default=None,
         metavar="DIRS",
@@ -1673,6 +1687,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zoo: wrote {args.out} from {len(kept)} kept runs")
         return 0
     os.environ["ZOO_TRACER"] = args.tracer  # every child inherits it
+    os.environ["ZOO_BLOCKS"] = args.blocks
     names = split(args.cases, list(CASES), "case")
     backends = split(args.backends, BACKENDS, "backend")
     modes = split(args.modes, MODES, "mode")
