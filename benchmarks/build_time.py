@@ -14,10 +14,13 @@ included. The time is from just after the model is built until
   before repeated blocks were compiled once);
 - ``precompile-cpp``: the same with ``wrapper="cpp"`` (the C++ wrapper at any depth);
 - ``torch.compile``: the compiled function's first call returns;
-- ``aoti``: ``torch.export`` and ``aoti_compile_and_package`` return (inference only).
+- ``aoti``: ``torch.export`` and ``aoti_compile_and_package`` return (inference only);
+- ``precompile-against`` (with ``--against OTHER/src``): ``precompile`` with the package of
+  another checkout, a change's before and after on one machine state.
 
-Import time is left out for every tool. Each cell is the median over ``--runs`` processes;
-the peak resident memory of the building process is reported beside it.
+Import time is left out for every tool. Each cell is the median over ``--runs`` processes,
+the tools of a row taking turns run by run; the peak resident memory of the building process
+is reported beside it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RESULT = "BUILD_TIME_RESULT "
 TOOLS = ("precompile", "precompile-unrolled", "precompile-cpp", "torch.compile", "aoti")
+AGAINST = "precompile-against"  # precompile, its package from the --against source tree
 
 _CHILD = r"""
 import contextlib, json, logging, os, re, resource, sys, time
@@ -100,16 +104,19 @@ print({marker!r} + json.dumps({{"seconds": seconds, "peak_mib": peak, "wrapper":
 """
 
 
-def run_cold(script_in: Callable[[str], str], marker: str, what: str) -> dict[str, Any]:
+def run_cold(
+    script_in: Callable[[str], str], marker: str, what: str, src: Path = HERE.parent / "src"
+) -> dict[str, Any]:
     """Run the script ``script_in(tmp)`` gives in a fresh process whose Inductor cache and temp
-    dir are the new empty folder ``tmp``; return the JSON it prints after ``marker``."""
+    dir are the new empty folder ``tmp``, the package imported from ``src``; return the JSON
+    it prints after ``marker``."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {
             **os.environ,
             "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"),
             "TMPDIR": tmp,
             "PYTHONPATH": os.pathsep.join(
-                [str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+                [str(src), *filter(None, [os.environ.get("PYTHONPATH")])]
             ),
         }
         done = subprocess.run(
@@ -127,8 +134,11 @@ def run_cold(script_in: Callable[[str], str], marker: str, what: str) -> dict[st
     return result
 
 
-def build_once(tool: str, depth: int, mode: str) -> dict[str, float | str]:
-    """One cold build in a fresh process: its seconds, peak memory, and (ours) the wrapper."""
+def build_once(
+    tool: str, depth: int, mode: str, against: Path | None = None
+) -> dict[str, float | str]:
+    """One cold build in a fresh process: its seconds, peak memory, and (ours) the wrapper;
+    ``AGAINST`` builds with the package of the ``against`` source tree."""
     return run_cold(
         lambda tmp: _CHILD.format(
             benchmarks=str(HERE),
@@ -140,11 +150,23 @@ def build_once(tool: str, depth: int, mode: str) -> dict[str, float | str]:
         ),
         RESULT,
         f"{tool} at depth {depth} ({mode})",
+        against if tool == AGAINST and against else HERE.parent / "src",
     )
 
 
-def measure(tool: str, depth: int, mode: str, runs: int) -> dict[str, float | str]:
-    results = [build_once(tool, depth, mode) for _ in range(runs)]
+def measure(
+    tools: list[str], depth: int, mode: str, runs: int, against: Path | None
+) -> dict[str, dict[str, float | str]]:
+    """Each tool's median cell; the tools take turns run by run, so that a machine that slows
+    down for a while slows each of them alike."""
+    results: dict[str, list[dict[str, float | str]]] = {tool: [] for tool in tools}
+    for _ in range(runs):
+        for tool in tools:
+            results[tool].append(build_once(tool, depth, mode, against))
+    return {tool: _median(cells) for tool, cells in results.items()}
+
+
+def _median(results: list[dict[str, float | str]]) -> dict[str, float | str]:
     summary: dict[str, float | str] = {"wrapper": str(results[0]["wrapper"])}
     for key in ("seconds", "peak_mib", "trace", "lower", "source_kib"):
         if all(r.get(key) is not None for r in results):
@@ -166,11 +188,12 @@ def table(
         "blocks",
         *(f"{t} s (peak MiB)" for t in shown),
         "precompile / torch.compile",
+        *(["precompile / against"] if AGAINST in shown else []),
         f"precompile / its {depths[0]}-block build",
         "source KiB (unrolled)",
         "precompile: trace + lower s",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(shown) + 4)]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(head) - 2)]
     for mode in modes:
         for depth in depths:
             cells = []
@@ -189,6 +212,8 @@ def table(
                 rows.get(("precompile-unrolled", depth, mode)),
             )
             ratio = _ratio(ours, peer, "seconds")
+            if AGAINST in shown:
+                ratio += f" | {_ratio(ours, rows.get((AGAINST, depth, mode)), 'seconds')}"
             growth = _ratio(ours, base, "seconds")
             size = f"{float(ours['source_kib']):.0f}" if ours and "source_kib" in ours else "-"
             if unrolled and "source_kib" in unrolled:
@@ -220,18 +245,27 @@ def main() -> None:
         help=f"any of {', '.join(TOOLS)}",
     )
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help=f"the src folder of another checkout: adds {AGAINST}, the same build with that "
+        "package, run by run in turn with the others (a change's A/B on one machine state)",
+    )
     parser.add_argument("--out", type=Path, default=HERE / "BUILD_TIME.md")
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     modes, tools = args.modes.split(","), args.tools.split(",")
+    if args.against:
+        tools.append(AGAINST)
     rows: dict[tuple[str, int, str], dict[str, float | str]] = {}
     for mode in modes:
         for depth in depths:
-            for tool in tools:
-                if tool == "aoti" and mode == "train":
-                    continue  # AOTInductor compiles inference graphs only
-                rows[(tool, depth, mode)] = measure(tool, depth, mode, args.runs)
-                print(tool, depth, mode, rows[(tool, depth, mode)], flush=True)
+            # AOTInductor compiles inference graphs only.
+            cell_tools = [t for t in tools if not (t == "aoti" and mode == "train")]
+            for tool, cell in measure(cell_tools, depth, mode, args.runs, args.against).items():
+                rows[(tool, depth, mode)] = cell
+                print(tool, depth, mode, cell, flush=True)
 
     write_report(
         args.out,

@@ -170,7 +170,7 @@ def test_kernels_built_without_the_cache_take_the_width_they_were_written_for(tm
     compute the right result also where this CPU's own vectors are wider."""
     from torch._inductor import config as inductor_config
 
-    from torch_precompile.internals.inductor import vector_bits
+    from torch_precompile.internals.vector_units import vector_bits
 
     if vector_bits() < 256:
         pytest.skip("this CPU has no 256-bit vectors")
@@ -209,7 +209,7 @@ def test_the_vector_unit_probes_run_side_by_side(monkeypatch) -> None:
 
     import torch._inductor.cpu_vec_isa as cpu_vec_isa
 
-    from torch_precompile.internals.inductor import probe_vector_units
+    from torch_precompile.internals.vector_units import probe_vector_units
 
     probes: list[tuple[str, int, float, float]] = []
 

@@ -238,7 +238,7 @@ def test_compile_on_one_rank_takes_one_kind_of_call(tmp_path: Path) -> None:
 def test_a_graph_inside_a_function_gets_kernels_ready_not_pending() -> None:
     """A kernel Inductor builds in the background is handed out ready with resolve_now (a
     variant's names cannot be rebound by wait(globals())); without it, as Inductor gave it."""
-    from torch_precompile.internals.inductor import vector_bits
+    from torch_precompile.internals.vector_units import vector_bits
     from torch_precompile.shipped.kernel_loader import KernelLoader
 
     class Pending:

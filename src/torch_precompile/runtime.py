@@ -211,7 +211,7 @@ def _execute(
         if vector_bits is None:
             exec(code, namespace)
         else:
-            from torch_precompile.internals.inductor import kernels_built_for
+            from torch_precompile.internals.vector_units import kernels_built_for
 
             with kernels_built_for(vector_bits):
                 exec(code, namespace)

@@ -4,6 +4,7 @@ Every private torch name the package uses is reached through this package, so a 
 release is a local change. This module holds what ``load`` needs and stays cheap to import;
 ``tracing`` holds what capture needs; ``inductor`` what lowering needs, including every
 rewrite of code that torch generates (each asserts that it matched where expected);
+``vector_units`` the CPU's vector units as Inductor probes them;
 ``generation`` the few private names of transformers that ``for_generate`` relies on. The
 driver and the kernel stand-ins, which ship inside artifacts, cannot import this package and
 keep their own few touches of torch, listed in their docstrings.

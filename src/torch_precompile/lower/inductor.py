@@ -27,7 +27,6 @@ from torch_precompile.internals.inductor import (
     data_dependent_condition,
     is_cpp_wrapper,
     retrace_for_inductor,
-    vector_bits,
     without_input_asserts,
     wrapper_with_stand_ins,
 )
@@ -39,6 +38,7 @@ from torch_precompile.internals.tracing import (
     fake_with_layout,
     reshape_unwritten_views,
 )
+from torch_precompile.internals.vector_units import vector_bits
 from torch_precompile.lower import WRAPPER_LINE, LoweredGraph
 from torch_precompile.lower.kernels import BuiltKernels, collect_built_kernels
 from torch_precompile.shipped import kernel_loader, wrapper_imports
