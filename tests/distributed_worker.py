@@ -1067,7 +1067,6 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "tp_block_sp_inductor": lambda: tp_block("inductor", sequence_parallel=True),
     "data_parallel_eager": lambda: data_parallel("eager"),
     "ddp_eager": lambda: ddp_case("eager"),
-    "ddp_inductor": lambda: ddp_case("inductor"),
     "ddp_eager_one_rank": lambda: ddp_case("eager", one_rank=True),
     "ddp_inductor_one_rank": lambda: ddp_case("inductor", one_rank=True),
     "ddp_no_sync_eager": lambda: ddp_no_sync("eager"),
