@@ -4,6 +4,7 @@ a fresh process, with and without the cache; a block that differs gets code of i
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -298,6 +299,35 @@ def test_the_first_blocks_backward_runs_the_shared_code() -> None:
     for _ in range(2):
         x = torch.randn(4, 16)
         torch.testing.assert_close(run(model, x), step(eager, x))
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_two_blocks_share_a_forward_that_keeps_a_value_fewer() -> None:
+    """Two encoder layers taking fn's input: the first's forward keeps a value fewer for the
+    backward (its input needs no gradient), so neither forward repeats; the first runs the
+    second's code and lets that value go. (Its backward, which would need the value, stays
+    apart.)"""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    eager = copy.deepcopy(model)
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[1, 6:] = True
+
+    def encoder_step(m: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        loss = m(x, src_key_padding_mask=mask).square().mean()
+        loss.backward()
+        return loss
+
+    code, cache = precompile(
+        encoder_step, model, torch.randn(2, 8, 16), mask, backend="eager", blocks=True
+    )
+    assert shared_runs(code) == [2]
+    run = precompile.load(code, cache)
+    for _ in range(2):
+        x = torch.randn(2, 8, 16)
+        torch.testing.assert_close(run(model, x, mask), encoder_step(eager, x, mask))
         for p, q in zip(model.parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad)
 

@@ -133,21 +133,28 @@ def _merged(pieces: list[Piece]) -> list[Piece]:
 
 
 def _covered(pieces: list[Piece]) -> list[Piece]:
-    """Each block piece that repeats nowhere but computes part of what a repeated piece of
-    its pass computes, from the same inputs, made a call of that piece. The first block's
-    backward is one: its input needs no gradient, so it computes all but that one."""
+    """Each block piece that repeats nowhere but computes part of what another piece of its
+    pass computes, from the same inputs, made a call of that piece. The first block's
+    backward is one: its input needs no gradient, so it computes all but that one; with two
+    blocks, the first's forward keeps a value fewer for the backward than the second's."""
     counts = Counter(piece.key for piece in pieces)
     repeated: dict[str, Piece] = {}
     for piece in pieces:
         if piece.mark is not None and counts[piece.key] > 1:
             repeated.setdefault(piece.key, piece)
-    covered: list[Piece] = []
-    for piece in pieces:
-        if piece.mark is not None and counts[piece.key] == 1:
-            wholes = (w for w in repeated.values() if w.mark and w.mark.pass_ == piece.mark.pass_)
-            piece = next(filter(None, (_covering(w, piece) for w in wholes)), piece)
-        covered.append(piece)
-    return covered
+    lone = [p for p in pieces if p.mark is not None and counts[p.key] == 1]
+    made: dict[int, Piece] = {}
+    # Pieces with more outputs first: a piece that covers another is never covered itself
+    # afterwards (only a piece with more outputs can cover one).
+    for piece in sorted(lone, key=lambda p: -len(p.outputs)):
+        wholes = [*repeated.values(), *(w for w in lone if w is not piece and id(w) not in made)]
+        same_pass = (
+            w for w in wholes if w.mark and piece.mark and w.mark.pass_ == piece.mark.pass_
+        )
+        call = next(filter(None, (_covering(w, piece) for w in same_pass)), None)
+        if call is not None:
+            made[id(piece)] = call
+    return [made.get(id(piece), piece) for piece in pieces]
 
 
 # The most outputs of a repeated piece that a piece it covers may leave out (each count
