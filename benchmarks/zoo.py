@@ -59,7 +59,6 @@ import logging
 import math
 import os
 import platform
-import re
 import shlex
 import shutil
 import signal
@@ -1308,6 +1307,7 @@ def capture(
 ) -> None:
     """Precompile ``fn(*passed, *example)`` (``passed``: the model, and an optimizer)."""
     from torch_precompile import precompile
+    from torch_precompile.inspection import describe
 
     result["phase"] = "capture"
     start = time.perf_counter()
@@ -1315,12 +1315,10 @@ def capture(
     blocks = BLOCKS[os.environ.get("ZOO_BLOCKS", "auto")]  # the parent's --blocks
     code, cache = precompile(fn, *passed, *example, backend=backend, tracer=tracer, blocks=blocks)
     result["build_s"] = time.perf_counter() - start
-    # The pieces of code alike blocks share, each named by a comment line above it.
-    result["shared_pieces"] = len(
-        re.findall(r"^ *# Piece \d+ of \d+: the .*, run \d+ times", code, re.M)
-    )
     result["phase"] = "save"
     precompile.save(code, cache, path)
+    # The pieces of code alike blocks share, as `inspect` lists them.
+    result["shared_pieces"] = len(describe(path)["blocks"])
     result["source_kib"] = path.stat().st_size / 1024
     caches = list(path.parent.glob(f"{path.stem}.*.cache"))
     result["cache_kib"] = sum(p.stat().st_size for p in caches) / 1024
