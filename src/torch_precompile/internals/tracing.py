@@ -47,6 +47,7 @@ __all__ = [
     "compiling",
     "deferred_asserts",
     "differentiable_rnns",
+    "dispatch_modes",
     "effect_of",
     "forget_pending_unbacked",
     "forward_pre_hooks",
@@ -78,6 +79,11 @@ check: Callable[..., None] = torch._check
 # ``Tensor.grad`` as the C tensor type defines it, which a property on ``torch.Tensor`` can
 # wrap while a trace watches what fn does with gradients.
 GRAD_ATTRIBUTE: Any = vars(torch._C.TensorBase)["grad"]
+
+
+def dispatch_modes() -> list[Any]:
+    """The dispatch modes active in this thread, innermost last."""
+    return list(torch.utils._python_dispatch._get_current_dispatch_mode_stack())
 
 
 def untraced() -> contextlib.AbstractContextManager[Any]:

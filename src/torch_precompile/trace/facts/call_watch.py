@@ -39,6 +39,7 @@ class CallWatch:
         self.verdicts, self.judge, self.on_start = verdicts, judge, on_start
         self.tool: int | None = None
         self.previous: Any = None
+        self.tracer: Any = None  # sys.settrace's function, where this watch alone traces
         self.thread = threading.get_ident()
 
     def __enter__(self) -> CallWatch:
@@ -46,15 +47,30 @@ class CallWatch:
         self.tool = _monitor(self._started) if _MONITORING is not None else None
         if self.tool is None:
             self.previous = sys.gettrace()
-            sys.settrace(self._tracer())
+            tracer = self._tracer()
+            self.tracer = tracer if self.previous is None else None
+            sys.settrace(tracer)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.tool is None:
             sys.settrace(self.previous)
+            self.tracer = None
             return
         _stop_monitoring(self.tool)
         self.tool = None
+
+    def pause(self) -> bool:
+        """Switch the watch off in this thread where a trace function slows every frame
+        (``sys.settrace`` on 3.11: each instruction then takes the interpreter's slow path),
+        unless another tool traces too; whether it did (``resume`` switches it back on)."""
+        if self.tracer is None or threading.get_ident() != self.thread:
+            return False
+        sys.settrace(None)
+        return True
+
+    def resume(self) -> None:
+        sys.settrace(self.tracer)
 
     def _verdict(self, code: types.CodeType) -> Any:
         verdict = self.verdicts.get(code, _UNSEEN)

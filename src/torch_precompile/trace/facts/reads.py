@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from torch_precompile.internals.tracing import TorchDispatchMode, dispatch_modes
 from torch_precompile.shipped.driver.encoded import shown_value
 from torch_precompile.shipped.driver.tensor_rules import qualified_name
 from torch_precompile.spec import EncodedValue, ReadValue
@@ -68,6 +69,40 @@ from torch_precompile.trace.facts.read_values import (
 from torch_precompile.trace.values import UNSEEN, Use, encode, held_values, is_plain_object
 
 
+class OperatorsUnwatched(TorchDispatchMode):
+    """Runs torch's own operators on torch's own tensors with the call watch paused: their
+    Python (fake tensors, decompositions, the tracer) is most of a trace's time and reads
+    nothing of the user's, and on Python 3.11 a watch makes every frame slower. Other
+    operators (a custom op's Python, a tensor subclass's dispatch, a control-flow operator's
+    functions) run watched."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, watch: CallWatch) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        self.watch = watch
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if (
+            getattr(func, "namespace", None) not in _TORCH_NAMESPACES
+            or not all(map(_torch_own, types))
+            or not self.watch.pause()
+        ):
+            return func(*args, **(kwargs or {}))
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.watch.resume()
+
+
+_TORCH_NAMESPACES = frozenset(("aten", "prims", "_c10d_functional", "c10d"))
+
+
+def _torch_own(kind: type) -> bool:
+    """Whether a tensor or mode class is torch's (or this package's)."""
+    return kind.__module__.partition(".")[0] in ("torch", "torch_precompile")
+
+
 class ReadRecorder:
     """While active (``with``), records the plain values the Python code it sees reads.
 
@@ -89,6 +124,7 @@ class ReadRecorder:
         # belongs to where a global holds it: where each is.
         self.global_modules: dict[int, tuple[dict[str, Any], str]] = {}
         self.watch: CallWatch | None = None
+        self.unwatched: OperatorsUnwatched | None = None
         # Plain values read from closures (fn's own, a helper's): no call can reach them, so
         # capture names them (``closure_report``). Keyed by code and name; shown with where.
         self.closed_over: dict[tuple[Any, ...], str] = {}
@@ -129,11 +165,19 @@ class ReadRecorder:
         for callback in gc.callbacks:
             self.code_reads[getattr(callback, "__code__", None)] = None  # type: ignore[index]
         self.watch = CallWatch(self.code_reads, code_reads, self._look).__enter__()
+        if self.watch.tracer is not None and all(  # (sys.monitoring costs nothing kept on)
+            _torch_own(type(mode)) for mode in dispatch_modes()
+        ):  # a mode of the user's below would run its Python unwatched
+            self.unwatched = OperatorsUnwatched(self.watch)
+            self.unwatched.__enter__()  # type: ignore[no-untyped-call]  # torch's, unannotated
         ENVIRONMENT_READS.enter(self._environment_read)
         OUTPUT_CALLS.enter(self._output_call)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.unwatched is not None:
+            self.unwatched.__exit__(*exc)  # type: ignore[no-untyped-call]
+            self.unwatched = None
         if self.watch is not None:
             self.watch.__exit__()
         ENVIRONMENT_READS.exit(self._environment_read)
