@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_precompile import PrecompileError, precompile
@@ -438,6 +439,47 @@ class PassThrough(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return func(*args, **(kwargs or {}))
+
+
+SHIFT = 1.0
+
+
+class ShiftsRelu(TorchDispatchMode):
+    """A dispatch mode of the user's that changes what relu gives, by a global."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        return out + SHIFT if func is torch.ops.aten.relu.default else out
+
+
+class Noting(TorchFunctionMode):
+    """A torch function mode of the user's that only notes what runs."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def shifted_forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with ShiftsRelu():
+        return m(x)
+
+
+def test_a_users_mode_around_precompile_is_refused_and_one_inside_fn_is_in_the_graph() -> None:
+    """Around precompile, a mode's operations would be in the graph and, at a call that must
+    have it active too, made again; inside fn they are in the graph once, and what the mode's
+    code read is checked."""
+    model = mlp(0)
+    for mode in (ShiftsRelu(), Noting()):
+        name = type(mode).__name__
+        with mode, pytest.raises(PrecompileError, match=rf"mode of yours active \(\S*{name}\)"):
+            precompile(forward, model, new_x(), backend="eager")
+    run = build(shifted_forward, model, new_x(), backend="eager")
+    for _ in range(2):
+        x = new_x()
+        agree(run, shifted_forward, (model, x), (model, x))
+    match = r"global 'SHIFT' of module .* is 2\.0, but was 1\.0"
+    with refused_while_set(sys.modules[__name__], "SHIFT", 2.0, match, model, x):
+        run(model, x)
 
 
 @contextmanager

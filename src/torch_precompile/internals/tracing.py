@@ -51,6 +51,7 @@ __all__ = [
     "effect_of",
     "forget_pending_unbacked",
     "forward_pre_hooks",
+    "function_modes",
     "fx_builtin_imports",
     "graph_function_source",
     "is_operator",
@@ -84,6 +85,11 @@ GRAD_ATTRIBUTE: Any = vars(torch._C.TensorBase)["grad"]
 def dispatch_modes() -> list[Any]:
     """The dispatch modes active in this thread, innermost last."""
     return list(torch.utils._python_dispatch._get_current_dispatch_mode_stack())
+
+
+def function_modes() -> list[Any]:
+    """The torch function modes active in this thread, innermost last."""
+    return list(torch.overrides._get_current_function_mode_stack())
 
 
 def untraced() -> contextlib.AbstractContextManager[Any]:

@@ -18,6 +18,7 @@ from torch_precompile.internals.dynamo import DynamoReading
 from torch_precompile.spec import ArtifactSpec
 from torch_precompile.trace import checks
 from torch_precompile.trace.arguments import Layout, read_layout
+from torch_precompile.trace.facts.ambient import refuse_users_modes
 from torch_precompile.trace.facts.hooks import (
     assigned_names,
     hook_functions,
@@ -87,6 +88,7 @@ def capture(
     operations are marked (``trace.blocks``). With
     ``tracer="dynamo"`` Dynamo reads fn's Python first (see ``trace.dynamo_guards``).
     """
+    refuse_users_modes()
     layout = read_layout(fn, args, backend, on_fakes, stand_ins)
     recorder, outputs = GuardRecorder(), Outputs()
     watch = Watch(layout, blocks)

@@ -13,8 +13,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from torch_precompile.errors import PrecompileError
+from torch_precompile.internals.tracing import dispatch_modes, function_modes
 from torch_precompile.shipped.driver.call_state import ambient_now
+from torch_precompile.shipped.driver.tensor_rules import qualified_name
 from torch_precompile.spec import Ambient
+from torch_precompile.trace.facts.code_homes import torch_own
 
 # Functions that build a tensor of the default dtype when given no dtype (for float data).
 _FACTORIES = frozenset(
@@ -49,6 +53,22 @@ class DefaultDtypeUse(TorchFunctionMode):
         if func in _FACTORIES and kwargs.get("dtype") is None:
             self.used = True
         return func(*args, **kwargs)
+
+
+def refuse_users_modes() -> None:
+    """Refuse a capture under a torch function or dispatch mode of the user's: the trace
+    records the operations as the mode left them, and at a call (which must have the same
+    modes active) the mode would act on the graph's operations again."""
+    theirs = [type(m) for m in (*function_modes(), *dispatch_modes()) if not torch_own(type(m))]
+    if theirs:
+        names = ", ".join(qualified_name(kind) for kind in theirs)
+        raise PrecompileError(
+            f"precompile was called with a torch function or dispatch mode of yours active "
+            f"({names}). The trace records the operations as the mode made them, and at each "
+            "call, which would need the mode active too, it would act on them a second time. "
+            "Enter the mode inside fn (the artifact then does what it did, and calls run "
+            "without it), or call precompile outside it."
+        )
 
 
 def ambient_at_capture(

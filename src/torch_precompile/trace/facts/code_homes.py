@@ -24,6 +24,11 @@ INSTALLED = ("site-packages", "dist-packages")
 PACKAGE_ROOT = str(Path(__file__).parents[2])  # this package's code
 
 
+def torch_own(kind: type) -> bool:
+    """Whether a class (a tensor subclass, a mode) is torch's or this package's."""
+    return kind.__module__.partition(".")[0] in ("torch", "torch_precompile")
+
+
 def users_file(filename: str) -> bool:
     """Whether ``filename`` is the user's own code: not torch, this package, the standard
     library or an installed package."""

@@ -55,6 +55,7 @@ from torch_precompile.trace.facts.code_homes import (
     runs_as,
     runs_as_function,
     script_name,
+    torch_own,
     users_file,
 )
 from torch_precompile.trace.facts.code_reads import NOT_READS, CodeReads, code_reads
@@ -85,7 +86,7 @@ class OperatorsUnwatched(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if (
             getattr(func, "namespace", None) not in _TORCH_NAMESPACES
-            or not all(map(_torch_own, types))
+            or not all(map(torch_own, types))
             or not self.watch.pause()
         ):
             return func(*args, **(kwargs or {}))
@@ -96,11 +97,6 @@ class OperatorsUnwatched(TorchDispatchMode):
 
 
 _TORCH_NAMESPACES = frozenset(("aten", "prims", "_c10d_functional", "c10d"))
-
-
-def _torch_own(kind: type) -> bool:
-    """Whether a tensor or mode class is torch's (or this package's)."""
-    return kind.__module__.partition(".")[0] in ("torch", "torch_precompile")
 
 
 class ReadRecorder:
@@ -166,7 +162,7 @@ class ReadRecorder:
             self.code_reads[getattr(callback, "__code__", None)] = None  # type: ignore[index]
         self.watch = CallWatch(self.code_reads, code_reads, self._look).__enter__()
         if self.watch.tracer is not None and all(  # (sys.monitoring costs nothing kept on)
-            _torch_own(type(mode)) for mode in dispatch_modes()
+            torch_own(type(mode)) for mode in dispatch_modes()
         ):  # a mode of the user's below would run its Python unwatched
             self.unwatched = OperatorsUnwatched(self.watch)
             self.unwatched.__enter__()  # type: ignore[no-untyped-call]  # torch's, unannotated
