@@ -469,7 +469,8 @@ def test_a_users_mode_around_precompile_is_refused_and_one_inside_fn_is_in_the_g
     have it active too, made again; inside fn they are in the graph once, and what the mode's
     code read is checked."""
     model = mlp(0)
-    for mode in (ShiftsRelu(), Noting()):
+    nowhere = type("Nowhere", (Noting,), {"__module__": None})  # a class made at run time
+    for mode in (ShiftsRelu(), Noting(), nowhere()):
         name = type(mode).__name__
         with mode, pytest.raises(PrecompileError, match=rf"mode of yours active \(\S*{name}\)"):
             precompile(forward, model, new_x(), backend="eager")

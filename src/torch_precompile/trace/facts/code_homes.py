@@ -26,7 +26,8 @@ PACKAGE_ROOT = str(Path(__file__).parents[2])  # this package's code
 
 def torch_own(kind: type) -> bool:
     """Whether a class (a tensor subclass, a mode) is torch's or this package's."""
-    return kind.__module__.partition(".")[0] in ("torch", "torch_precompile")
+    module = getattr(kind, "__module__", None)  # not always a string on made-up classes
+    return isinstance(module, str) and module.partition(".")[0] in ("torch", "torch_precompile")
 
 
 def users_file(filename: str) -> bool:
